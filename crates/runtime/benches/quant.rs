@@ -1,0 +1,171 @@
+//! Single-thread throughput of the quantized matmul kernels on SmolLM2-135M's shapes.
+//!
+//! n_tokens = 1 reports weight bytes per second (matvec, decode); n_tokens = 128 reports
+//! tokens per second through one matrix (prompt processing). Every supported SIMD level is
+//! measured in the same run. Times are this thread's CPU time (the build machine is shared). Filter with e.g. `cargo bench --bench quant -- Q4_1/q`.
+
+use ballast_runtime::ggml_type::GgmlType;
+use ballast_runtime::quant::{self, QuantizedActivations, SimdLevel};
+use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
+use std::time::{Duration, Instant};
+
+/// CPU time of this thread in ns (from `/proc/thread-self/schedstat`), so that other
+/// processes competing for the cores do not inflate the measurements; `None` off Linux.
+fn thread_cpu_ns() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    s.split_whitespace().next()?.parse().ok()
+}
+
+/// Runs `f` `iters` times and returns the thread CPU time it took (wall time as fallback).
+fn cpu_time(iters: u64, mut f: impl FnMut()) -> Duration {
+    let (c0, t0) = (thread_cpu_ns(), Instant::now());
+    for _ in 0..iters {
+        f();
+    }
+    match (c0, thread_cpu_ns()) {
+        (Some(a), Some(b)) => Duration::from_nanos(b - a),
+        _ => t0.elapsed(),
+    }
+}
+
+/// (name, rows, k) of SmolLM2-135M's matrices.
+const SHAPES: [(&str, usize, usize); 5] = [
+    ("q_o", 576, 576),
+    ("k_v", 192, 576),
+    ("gate_up", 1536, 576),
+    ("down", 576, 1536),
+    ("head", 49152, 576),
+];
+
+fn data(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) as f32 / u32::MAX as f32) - 0.5
+        })
+        .collect()
+}
+
+fn bench(c: &mut Criterion) {
+    let mut g = c.benchmark_group("matmul");
+    g.warm_up_time(Duration::from_millis(200))
+        .measurement_time(Duration::from_millis(600))
+        .sample_size(10);
+    for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        for &(name, rows, k) in SHAPES.iter() {
+            if name == "head" && ty != GgmlType::Q8_0 {
+                continue;
+            }
+            let w = quant::quantize(ty, &data(rows * k, 1)).unwrap();
+            for n in [1usize, 128] {
+                let mut acts = QuantizedActivations::new();
+                quant::quantize_activations(ty, &data(n * k, 7), n, k, &mut acts).unwrap();
+                let mut out = vec![0f32; rows * n];
+                if n == 1 {
+                    g.throughput(Throughput::Bytes(w.len() as u64));
+                } else {
+                    g.throughput(Throughput::Elements(n as u64));
+                }
+                for level in quant::available_simd_levels() {
+                    if level == SimdLevel::Scalar && n > 1 && name == "head" {
+                        continue;
+                    }
+                    let id = BenchmarkId::new(format!("{}/{name}/n{n}", ty.name()), level.name());
+                    g.bench_function(id, |b| {
+                        b.iter_custom(|iters| {
+                            cpu_time(iters, || {
+                                quant::matmul_at(level, ty, &w, k, &acts, &mut out).unwrap()
+                            })
+                        })
+                    });
+                }
+            }
+        }
+    }
+    g.finish();
+
+    let mut g = c.benchmark_group("quantize_activations");
+    g.warm_up_time(Duration::from_millis(200))
+        .measurement_time(Duration::from_millis(400))
+        .sample_size(10);
+    for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_K] {
+        for n in [1usize, 128] {
+            let k = 1536;
+            let x = data(n * k, 3);
+            let mut acts = QuantizedActivations::new();
+            g.throughput(Throughput::Elements((n * k) as u64));
+            g.bench_function(format!("{}/k{k}/n{n}", ty.name()), |b| {
+                b.iter_custom(|iters| {
+                    cpu_time(iters, || {
+                        quant::quantize_activations(ty, &x, n, k, &mut acts).unwrap()
+                    })
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+/// `BALLAST_BENCH_TABLE=1 cargo bench --bench quant`: instead of criterion, prints a
+/// (`BALLAST_BENCH_TABLE=Q8_0/head` restricts it to matching `type/shape` names)
+/// markdown table of the best (minimum CPU time) of several short runs per configuration,
+/// which is robust to other processes sharing the machine.
+fn table() {
+    let levels = quant::available_simd_levels();
+    print!("| type | shape (rows x k) | n_tokens | unit |");
+    for l in &levels {
+        print!(" {} |", l.name());
+    }
+    println!();
+    println!("|---|---|---|---|{}", "---|".repeat(levels.len()));
+    for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        for &(name, rows, k) in SHAPES.iter() {
+            if name == "head" && ty != GgmlType::Q8_0 {
+                continue;
+            }
+            let filter = std::env::var("BALLAST_BENCH_TABLE").unwrap_or_default();
+            if !format!("{}/{name}", ty.name()).contains(filter.trim_start_matches('1')) {
+                continue;
+            }
+            let w = quant::quantize(ty, &data(rows * k, 1)).unwrap();
+            for n in [1usize, 128] {
+                let mut acts = QuantizedActivations::new();
+                quant::quantize_activations(ty, &data(n * k, 7), n, k, &mut acts).unwrap();
+                let mut out = vec![0f32; rows * n];
+                let unit = if n == 1 { "GB/s" } else { "tok/s" };
+                print!("| {} | {name} {rows}x{k} | {n} | {unit} |", ty.name());
+                for &level in &levels {
+                    let mut run = || quant::matmul_at(level, ty, &w, k, &acts, &mut out).unwrap();
+                    if level == SimdLevel::Scalar && n > 1 && name == "head" {
+                        print!(" - |");
+                        continue;
+                    }
+                    let t = Instant::now();
+                    run();
+                    let once = t.elapsed().as_secs_f64().max(1e-6);
+                    let iters = ((0.02 / once) as u64).clamp(1, 10_000);
+                    let reps = if once > 0.2 { 2 } else { 7 };
+                    let best = (0..reps)
+                        .map(|_| cpu_time(iters, &mut run).as_secs_f64() / iters as f64)
+                        .fold(f64::MAX, f64::min);
+                    if n == 1 {
+                        print!(" {:.2} |", w.len() as f64 / best / 1e9);
+                    } else {
+                        print!(" {:.0} |", n as f64 / best);
+                    }
+                }
+                println!();
+            }
+        }
+    }
+}
+
+criterion_group!(benches, bench);
+
+fn main() {
+    if std::env::var_os("BALLAST_BENCH_TABLE").is_some() {
+        table();
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -1,0 +1,637 @@
+//! Quantized CPU kernels: ggml-compatible block formats, activation quantization and
+//! quantized matrix multiplication with run-time SIMD selection.
+//!
+//! Block layouts match llama.cpp's `ggml-common.h` bit for bit. Weights stay in their
+//! quantized form; activations are quantized per row to the type llama.cpp pairs with the
+//! weight type ([`activation_type`]) and the dot products are computed on integers block by
+//! block, then scaled in f32.
+//!
+//! The kernel level (AVX-512 VNNI, AVX2, NEON or scalar) is chosen once at first use; the
+//! environment variable `BALLAST_SIMD=scalar|avx2|avx512|neon` forces a level (an
+//! unsupported request falls back to the best available one). [`simd_level`] reports it.
+//!
+//! | level | types with their own kernels (others use the next lower level) |
+//! |---|---|
+//! | avx512 (F/BW/VL/DQ + VNNI) | Q4_1 (with VBMI: 4 blocks per step), Q4_0, Q8_0 |
+//! | avx2 (+ FMA, F16C) | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16 |
+//! | neon | Q4_1, Q8_0 |
+//! | scalar | all weight types |
+//!
+//! Every kernel computes each block's integer dot product exactly; levels differ only in
+//! the order of f32 accumulation (see the tests for the bound). Activation quantization to
+//! Q8_0/Q8_1 also has an AVX2 path, bit-identical to the scalar reference.
+//!
+//! [`matmul`] writes `out[r * n_tokens + t]`, so callers can split weight rows across
+//! threads (each thread passes whole rows and gets a contiguous output chunk). Decode
+//! (one token) processes 4 rows at a time; prefill reuses each decoded weight block for 4
+//! tokens (2 rows x 4 tokens on AVX-512).
+//!
+//! # Example
+//!
+//! ```
+//! use ballast_runtime::ggml_type::GgmlType;
+//! use ballast_runtime::quant::{self, QuantizedActivations};
+//!
+//! let k = 64;
+//! // Two weight rows, quantized to Q4_1.
+//! let w: Vec<f32> = (0..2 * k).map(|i| (i as f32 * 0.37).sin()).collect();
+//! let wq = quant::quantize(GgmlType::Q4_1, &w).unwrap();
+//! assert_eq!(wq.len(), 2 * quant::row_bytes(GgmlType::Q4_1, k).unwrap());
+//!
+//! // Three activation rows (tokens).
+//! let x: Vec<f32> = (0..3 * k).map(|i| (i as f32 * 0.11).cos()).collect();
+//! let mut acts = QuantizedActivations::new();
+//! quant::quantize_activations(GgmlType::Q4_1, &x, 3, k, &mut acts).unwrap();
+//!
+//! let mut out = vec![0f32; 2 * 3];
+//! quant::matmul(GgmlType::Q4_1, &wq, k, &acts, &mut out).unwrap();
+//! // out[r * n_tokens + t] is the dot product of weight row r with token t.
+//! let exact: f32 = (0..k).map(|i| w[k + i] * x[2 * k + i]).sum();
+//! assert!((out[3 + 2] - exact).abs() < 0.5);
+//! ```
+
+#[cfg(target_arch = "aarch64")]
+mod arm;
+mod blocks;
+mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use crate::error::{Error, Result};
+use crate::ggml_type::GgmlType;
+use std::sync::OnceLock;
+
+/// A kernel implementation level.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SimdLevel {
+    /// Portable Rust, no intrinsics.
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C (`maddubs`-based integer dots).
+    Avx2,
+    /// x86-64 AVX-512 F/BW/VL/DQ with VNNI (`vpdpbusd`), plus the AVX2 requirements.
+    Avx512,
+    /// aarch64 NEON.
+    Neon,
+}
+
+impl SimdLevel {
+    /// The level's name as accepted by `BALLAST_SIMD`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SimdLevel::Scalar => "scalar",
+            SimdLevel::Avx2 => "avx2",
+            SimdLevel::Avx512 => "avx512",
+            SimdLevel::Neon => "neon",
+        }
+    }
+
+    /// Whether this CPU can run the level.
+    pub fn is_supported(self) -> bool {
+        match self {
+            SimdLevel::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx2 => x86::has_avx2(),
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512 => x86::has_avx512(),
+            #[cfg(target_arch = "aarch64")]
+            SimdLevel::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+}
+
+/// Every level this CPU supports, best last.
+pub fn available_simd_levels() -> Vec<SimdLevel> {
+    [
+        SimdLevel::Scalar,
+        SimdLevel::Neon,
+        SimdLevel::Avx2,
+        SimdLevel::Avx512,
+    ]
+    .into_iter()
+    .filter(|l| l.is_supported())
+    .collect()
+}
+
+fn best_level() -> SimdLevel {
+    *available_simd_levels().last().unwrap_or(&SimdLevel::Scalar)
+}
+
+/// The level in use: the best supported one, or the one `BALLAST_SIMD` asks for if supported.
+pub fn current_simd_level() -> SimdLevel {
+    static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let wanted = match std::env::var("BALLAST_SIMD").ok().as_deref().map(str::trim) {
+            Some("scalar") => Some(SimdLevel::Scalar),
+            Some("avx2") => Some(SimdLevel::Avx2),
+            Some("avx512") => Some(SimdLevel::Avx512),
+            Some("neon") => Some(SimdLevel::Neon),
+            _ => None,
+        };
+        match wanted {
+            Some(l) if l.is_supported() => l,
+            Some(SimdLevel::Avx512) if SimdLevel::Avx2.is_supported() => SimdLevel::Avx2,
+            _ => best_level(),
+        }
+    })
+}
+
+/// The name of the kernel level in use (`"scalar"`, `"avx2"`, `"avx512"` or `"neon"`).
+pub fn simd_level() -> &'static str {
+    current_simd_level().name()
+}
+
+/// The activation type llama.cpp pairs with a weight type (its `vec_dot_type`).
+///
+/// Q4_0/Q5_0/Q8_0 take Q8_0, Q4_1/Q5_1 take Q8_1, the K-quants take Q8_K and the plain
+/// float types take F32. The activation types themselves (Q8_1, Q8_K) map to themselves;
+/// they are not weight types and [`matmul`] rejects them.
+pub fn activation_type(weight: GgmlType) -> GgmlType {
+    match weight {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => GgmlType::F32,
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => GgmlType::Q8_0,
+        GgmlType::Q4_1 | GgmlType::Q5_1 => GgmlType::Q8_1,
+        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => GgmlType::Q8_K,
+        GgmlType::Q8_1 => GgmlType::Q8_1,
+        GgmlType::Q8_K => GgmlType::Q8_K,
+    }
+}
+
+fn is_weight_type(ty: GgmlType) -> bool {
+    !matches!(ty, GgmlType::Q8_1 | GgmlType::Q8_K)
+}
+
+fn check_values(ty: GgmlType, n: usize) -> Result<usize> {
+    let bl = ty.block_len();
+    if !n.is_multiple_of(bl) {
+        return Err(Error::QuantBlockAlign {
+            ty,
+            len: n,
+            block_len: bl,
+        });
+    }
+    (n / bl)
+        .checked_mul(ty.block_bytes())
+        .ok_or_else(|| Error::QuantValueCount {
+            what: "values (byte size overflows usize)",
+            expected: (usize::MAX / ty.block_bytes()).saturating_mul(bl),
+            got: n,
+        })
+}
+
+/// Bytes in one row of `k` values of type `ty`.
+///
+/// Errors if `k` is zero or not a multiple of the block length.
+pub fn row_bytes(ty: GgmlType, k: usize) -> Result<usize> {
+    if k == 0 {
+        return Err(Error::QuantEmptyRow);
+    }
+    check_values(ty, k)
+}
+
+/// Dequantizes `dst.len()` values of type `ty` from `src` into `dst`.
+///
+/// `src` must hold exactly the bytes of `dst.len()` values, and `dst.len()` must be a
+/// multiple of the block length.
+pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
+    let expected = check_values(ty, dst.len())?;
+    if src.len() != expected {
+        return Err(Error::QuantLength {
+            ty,
+            expected,
+            got: src.len(),
+        });
+    }
+    blocks::dequantize_blocks(ty, src, dst);
+    Ok(())
+}
+
+/// Quantizes `src` to type `ty` (any type, including Q8_0/Q8_1/Q8_K with llama.cpp's
+/// reference rounding). For the K-quants a simple per-sub-block min/max quantizer is used,
+/// not llama.cpp's optimal search; the layout is the same.
+pub fn quantize(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>> {
+    let n = check_values(ty, src.len())?;
+    let mut out = vec![0u8; n];
+    blocks::quantize_blocks(ty, src, &mut out);
+    Ok(out)
+}
+
+/// Activation rows prepared for [`matmul`]: quantized to [`activation_type`] of the weight
+/// type (or kept as f32 for float weights). Reuse one across calls to avoid allocation.
+#[derive(Clone, Debug)]
+pub struct QuantizedActivations {
+    ty: GgmlType,
+    n_tokens: usize,
+    k: usize,
+    row_bytes: usize,
+    bytes: Vec<u8>,
+    /// f32 copies of each block's stored scales: `d` per block (and `s` after it for Q8_1).
+    scales: Vec<f32>,
+    f32s: Vec<f32>,
+    /// Q8_1 only: each row's quants regrouped for 4-bit weights, per 4 blocks
+    /// `[lo16(b0), lo16(b1), lo16(b2), lo16(b3), hi16(b0), .., hi16(b3)]` (128 bytes), where
+    /// lo16/hi16 are the block's first/second 16 quants; a last partial group is padded
+    /// with zeros.
+    packed: Vec<u8>,
+}
+
+impl Default for QuantizedActivations {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl QuantizedActivations {
+    /// An empty buffer (zero tokens).
+    pub fn new() -> Self {
+        QuantizedActivations {
+            ty: GgmlType::F32,
+            n_tokens: 0,
+            k: 0,
+            row_bytes: 0,
+            bytes: Vec::new(),
+            scales: Vec::new(),
+            f32s: Vec::new(),
+            packed: Vec::new(),
+        }
+    }
+
+    /// The activation type held (Q8_0, Q8_1, Q8_K or F32).
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
+    /// Number of activation rows (tokens).
+    pub fn n_tokens(&self) -> usize {
+        self.n_tokens
+    }
+
+    /// Values per row.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Bytes per quantized row (0 for F32 activations).
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
+    /// All quantized rows, back to back, in ggml's block layout (empty for F32).
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// The quantized bytes of row `t` (empty for F32 activations).
+    pub fn row(&self, t: usize) -> Result<&[u8]> {
+        if t >= self.n_tokens {
+            return Err(Error::QuantTokenIndex {
+                token: t,
+                n_tokens: self.n_tokens,
+            });
+        }
+        Ok(&self.bytes[t * self.row_bytes..(t + 1) * self.row_bytes])
+    }
+
+    /// The f32 activations (only for F32 activations; empty otherwise).
+    pub fn f32s(&self) -> &[f32] {
+        &self.f32s
+    }
+
+    fn scales_per_row(&self) -> usize {
+        match self.ty {
+            GgmlType::Q8_1 => 2 * (self.k / 32),
+            GgmlType::Q8_0 => self.k / 32,
+            GgmlType::Q8_K => self.k / 256,
+            _ => 0,
+        }
+    }
+
+    /// Bytes per row of the regrouped Q8_1 quants (see the `packed` field).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) fn packed_row_bytes(&self) -> usize {
+        if self.ty == GgmlType::Q8_1 {
+            self.k.div_ceil(128) * 128
+        } else {
+            0
+        }
+    }
+
+    /// The regrouped quants of token `t` (empty unless Q8_1).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) fn packed(&self, t: usize) -> &[u8] {
+        let pr = self.packed_row_bytes();
+        &self.packed[t * pr..(t + 1) * pr]
+    }
+
+    /// Parts of token `t`: (bytes, scales, f32s). `t` must be in range.
+    pub(crate) fn parts(&self, t: usize) -> (&[u8], &[f32], &[f32]) {
+        let spr = self.scales_per_row();
+        let b = &self.bytes[t * self.row_bytes..(t + 1) * self.row_bytes];
+        let s = &self.scales[t * spr..(t + 1) * spr];
+        let f = if self.ty == GgmlType::F32 {
+            &self.f32s[t * self.k..(t + 1) * self.k]
+        } else {
+            &[][..]
+        };
+        (b, s, f)
+    }
+}
+
+/// Quantizes `n_tokens` activation rows of `k` values (`x`, row-major) for weights of type
+/// `weight`, into `out` (its buffers are reused). Rounding follows llama.cpp's
+/// `quantize_row_q8_0_ref` / `_q8_1_ref` (`roundf`) and `quantize_row_q8_K_ref`
+/// (`nearest_int`, ties to even).
+pub fn quantize_activations(
+    weight: GgmlType,
+    x: &[f32],
+    n_tokens: usize,
+    k: usize,
+    out: &mut QuantizedActivations,
+) -> Result<()> {
+    if !is_weight_type(weight) {
+        return Err(Error::QuantUnsupported {
+            ty: weight,
+            op: "use as a weight type",
+        });
+    }
+    let ty = activation_type(weight);
+    row_bytes(weight, k)?;
+    let rb = if ty == GgmlType::F32 {
+        0
+    } else {
+        row_bytes(ty, k)?
+    };
+    let total = n_tokens.checked_mul(k).ok_or(Error::QuantValueCount {
+        what: "activations",
+        expected: usize::MAX,
+        got: x.len(),
+    })?;
+    if x.len() != total {
+        return Err(Error::QuantValueCount {
+            what: "activations",
+            expected: total,
+            got: x.len(),
+        });
+    }
+    out.ty = ty;
+    out.n_tokens = n_tokens;
+    out.k = k;
+    out.row_bytes = rb;
+    out.bytes.clear();
+    out.scales.clear();
+    out.f32s.clear();
+    out.packed.clear();
+    if ty == GgmlType::F32 {
+        out.f32s.extend_from_slice(x);
+        return Ok(());
+    }
+    out.bytes.resize(rb * n_tokens, 0);
+    #[cfg(target_arch = "x86_64")]
+    {
+        let simd = matches!(current_simd_level(), SimdLevel::Avx2 | SimdLevel::Avx512);
+        if simd && matches!(ty, GgmlType::Q8_0 | GgmlType::Q8_1) {
+            out.packed.resize(
+                if ty == GgmlType::Q8_1 {
+                    n_tokens * k.div_ceil(128) * 128
+                } else {
+                    0
+                },
+                0,
+            );
+            // SAFETY: the level guarantees AVX2/FMA/F16C; the sizes were validated above.
+            unsafe {
+                if ty == GgmlType::Q8_1 {
+                    x86::quantize_q8_avx2::<true>(
+                        x,
+                        k,
+                        &mut out.bytes,
+                        &mut out.scales,
+                        &mut out.packed,
+                    );
+                } else {
+                    x86::quantize_q8_avx2::<false>(
+                        x,
+                        k,
+                        &mut out.bytes,
+                        &mut out.scales,
+                        &mut out.packed,
+                    );
+                }
+            }
+            return Ok(());
+        }
+    }
+    blocks::quantize_blocks(ty, x, &mut out.bytes);
+    let bb = ty.block_bytes();
+    for b in out.bytes.chunks_exact(bb) {
+        match ty {
+            GgmlType::Q8_0 => out.scales.push(blocks::f16_at(b, 0)),
+            GgmlType::Q8_1 => {
+                out.scales.push(blocks::f16_at(b, 0));
+                out.scales.push(blocks::f16_at(b, 2));
+            }
+            _ => out.scales.push(blocks::f32_at(b, 0)),
+        }
+    }
+    if ty == GgmlType::Q8_1 {
+        for row in out.bytes.chunks_exact(rb) {
+            for g in row.chunks(4 * 36) {
+                for half in 0..2 {
+                    for b in 0..4 {
+                        match g.get(36 * b + 4 + 16 * half..36 * b + 20 + 16 * half) {
+                            Some(q) => out.packed.extend_from_slice(q),
+                            None => out.packed.extend_from_slice(&[0u8; 16]),
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_matmul(
+    ty: GgmlType,
+    weights: &[u8],
+    k: usize,
+    acts: &QuantizedActivations,
+    out: &[f32],
+) -> Result<usize> {
+    if !is_weight_type(ty) {
+        return Err(Error::QuantUnsupported { ty, op: "matmul" });
+    }
+    let rb = row_bytes(ty, k)?;
+    let expected = activation_type(ty);
+    if acts.ty != expected {
+        return Err(Error::QuantActivationType {
+            weight: ty,
+            expected,
+            got: acts.ty,
+        });
+    }
+    if acts.k != k {
+        return Err(Error::QuantActivationK {
+            expected: k,
+            got: acts.k,
+        });
+    }
+    if !weights.len().is_multiple_of(rb) {
+        return Err(Error::QuantRowBytes {
+            ty,
+            row_bytes: rb,
+            got: weights.len(),
+        });
+    }
+    let rows = weights.len() / rb;
+    let n = rows.saturating_mul(acts.n_tokens);
+    if out.len() != n {
+        return Err(Error::QuantValueCount {
+            what: "matmul output",
+            expected: n,
+            got: out.len(),
+        });
+    }
+    Ok(rb)
+}
+
+/// Signature of a tile kernel: weight rows `w` (1..=4 rows of `rb` bytes) against tokens
+/// `t0..t0 + nt` (`nt` in 1..=4), writing `out[i * stride + j]` for row `i`, token `t0 + j`.
+pub(crate) type TileFn = unsafe fn(
+    w: &[u8],
+    rb: usize,
+    acts: &QuantizedActivations,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+    stride: usize,
+);
+
+#[allow(clippy::too_many_arguments)]
+fn scalar_tile(
+    ty: GgmlType,
+    w: &[u8],
+    rb: usize,
+    acts: &QuantizedActivations,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    for (i, row) in w.chunks_exact(rb).enumerate() {
+        for j in 0..nt {
+            let (a, s, f) = acts.parts(t0 + j);
+            out[i * stride + j] = scalar::dot(ty, row, a, s, f);
+        }
+    }
+}
+
+fn tile_kernel(level: SimdLevel, ty: GgmlType) -> Option<TileFn> {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx512 => x86::kernel_avx512(ty).or_else(|| x86::kernel_avx2(ty)),
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => x86::kernel_avx2(ty),
+        #[cfg(target_arch = "aarch64")]
+        SimdLevel::Neon => arm::kernel_neon(ty),
+        _ => None,
+    }
+}
+
+/// Multiplies weight rows by activation rows: `out[r * n_tokens + t] = dot(row r, token t)`.
+///
+/// `weights` holds R whole rows of `k` values of type `ty` (R = `weights.len()` /
+/// [`row_bytes`]); `acts` must come from [`quantize_activations`] for `ty` with the same `k`;
+/// `out` must have R * n_tokens values. Uses the level of [`current_simd_level`].
+pub fn matmul(
+    ty: GgmlType,
+    weights: &[u8],
+    k: usize,
+    acts: &QuantizedActivations,
+    out: &mut [f32],
+) -> Result<()> {
+    matmul_at(current_simd_level(), ty, weights, k, acts, out)
+}
+
+/// [`matmul`] at a given kernel level (for tests and benchmarks). A level the CPU does not
+/// support, or that has no kernel for `ty`, falls back to a lower one.
+pub fn matmul_at(
+    level: SimdLevel,
+    ty: GgmlType,
+    weights: &[u8],
+    k: usize,
+    acts: &QuantizedActivations,
+    out: &mut [f32],
+) -> Result<()> {
+    let rb = check_matmul(ty, weights, k, acts, out)?;
+    let n = acts.n_tokens;
+    if n == 0 {
+        return Ok(());
+    }
+    let level = if level.is_supported() {
+        level
+    } else {
+        best_level()
+    };
+    let kernel = tile_kernel(level, ty);
+    let rows = weights.len() / rb;
+    // Decode (one token): 4 rows share each activation block load and the final
+    // reductions. Prefill: each decoded weight block is reused for 4 tokens (2 rows x 4
+    // tokens on AVX-512).
+    let rr_pref = match (n, level) {
+        (1, _) => 4,
+        (_, SimdLevel::Avx512) => 2,
+        _ => 1,
+    };
+    let mut r = 0;
+    while r < rows {
+        let rr = if rows - r >= rr_pref { rr_pref } else { 1 };
+        let w = &weights[r * rb..(r + rr) * rb];
+        let mut t0 = 0;
+        while t0 < n {
+            let nt = (n - t0).min(4);
+            let dst = &mut out[r * n + t0..];
+            match kernel {
+                // SAFETY: the kernel was selected for a level this CPU supports, and the
+                // lengths of `w` and the activation rows were validated above.
+                Some(f) => unsafe { f(w, rb, acts, t0, nt, dst, n) },
+                None => scalar_tile(ty, w, rb, acts, t0, nt, dst, n),
+            }
+            t0 += nt;
+        }
+        r += rr;
+    }
+    Ok(())
+}
+
+/// Scalar dot product of one weight row (`row_bytes(ty, acts.k())` bytes) with activation
+/// row `token` of `acts` (quantized for `ty`). Uses the portable kernel whatever the level.
+pub fn vec_dot(
+    ty: GgmlType,
+    weight_row: &[u8],
+    acts: &QuantizedActivations,
+    token: usize,
+) -> Result<f32> {
+    if token >= acts.n_tokens {
+        return Err(Error::QuantTokenIndex {
+            token,
+            n_tokens: acts.n_tokens,
+        });
+    }
+    let rb = row_bytes(ty, acts.k)?;
+    if weight_row.len() != rb {
+        return Err(Error::QuantLength {
+            ty,
+            expected: rb,
+            got: weight_row.len(),
+        });
+    }
+    let mut out = [0f32];
+    check_matmul(ty, weight_row, acts.k, acts, &[0f32; 0][..]).or_else(|e| match e {
+        // One row against all tokens would need n_tokens outputs; only one is computed.
+        Error::QuantValueCount { .. } => Ok(rb),
+        e => Err(e),
+    })?;
+    scalar_tile(ty, weight_row, rb, acts, token, 1, &mut out, 1);
+    Ok(out[0])
+}

@@ -1,0 +1,602 @@
+//! Reference tests of the quantized kernels against independent bit unpacking and f64 math.
+
+use ballast_runtime::ggml_type::GgmlType;
+use ballast_runtime::quant::{self, QuantizedActivations, SimdLevel};
+use half::{bf16, f16};
+use proptest::prelude::*;
+
+const WEIGHT_TYPES: [GgmlType; 11] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+/// splitmix64: deterministic random numbers from a proptest seed.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+fn h(b: &[u8], off: usize) -> f64 {
+    f16::from_bits(u16::from_le_bytes([b[off], b[off + 1]])).to_f32() as f64
+}
+
+/// A finite random f16 scale, sometimes negative, sometimes zero.
+fn rand_scale(r: &mut Rng) -> [u8; 2] {
+    let v = match r.below(10) {
+        0 => 0.0,
+        _ => r.unit() * 2.0,
+    };
+    f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+/// Random bytes for `nblocks` blocks of `ty`, with finite scale fields.
+fn rand_blocks(ty: GgmlType, nblocks: usize, r: &mut Rng) -> Vec<u8> {
+    let bb = ty.block_bytes();
+    let mut out = Vec::with_capacity(nblocks * bb);
+    for _ in 0..nblocks {
+        let mut b: Vec<u8> = (0..bb).map(|_| r.next() as u8).collect();
+        let f16_fields: &[usize] = match ty {
+            GgmlType::F16 | GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q8_1 | GgmlType::Q4_K | GgmlType::Q5_K => {
+                &[0, 2]
+            }
+            GgmlType::Q6_K => &[208],
+            _ => &[],
+        };
+        for &o in f16_fields {
+            b[o..o + 2].copy_from_slice(&rand_scale(r));
+        }
+        match ty {
+            GgmlType::F32 => b.copy_from_slice(&(r.unit() * 4.0).to_le_bytes()),
+            GgmlType::Q8_K => b[0..4].copy_from_slice(&(r.unit() * 0.05).to_le_bytes()),
+            GgmlType::BF16 => {
+                b.copy_from_slice(&bf16::from_f32(r.unit() * 4.0).to_bits().to_le_bytes())
+            }
+            _ => {}
+        }
+        out.extend_from_slice(&b);
+    }
+    out
+}
+
+/// Independent dequantization of one block, element by element, straight from the layout.
+/// Returns (value, magnitude of the offset/min term) per element.
+fn ref_block(ty: GgmlType, b: &[u8]) -> Vec<(f64, f64)> {
+    let nib = |qs: &[u8], i: usize| -> u32 {
+        if i < 16 {
+            (qs[i] & 0x0F) as u32
+        } else {
+            (qs[i - 16] >> 4) as u32
+        }
+    };
+    match ty {
+        GgmlType::F32 => vec![(f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64, 0.0)],
+        GgmlType::F16 => vec![(h(b, 0), 0.0)],
+        GgmlType::BF16 => vec![(
+            f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16) as f64,
+            0.0,
+        )],
+        GgmlType::Q4_0 => (0..32)
+            .map(|i| ((nib(&b[2..], i) as f64 - 8.0) * h(b, 0), 0.0))
+            .collect(),
+        GgmlType::Q4_1 => (0..32)
+            .map(|i| (nib(&b[4..], i) as f64 * h(b, 0) + h(b, 2), h(b, 2).abs()))
+            .collect(),
+        GgmlType::Q5_0 | GgmlType::Q5_1 => {
+            let one = ty == GgmlType::Q5_1;
+            let qh_off = if one { 4 } else { 2 };
+            let qh = u32::from_le_bytes(b[qh_off..qh_off + 4].try_into().unwrap());
+            (0..32)
+                .map(|i| {
+                    let q = nib(&b[qh_off + 4..], i) | (((qh >> i) & 1) << 4);
+                    if one {
+                        (q as f64 * h(b, 0) + h(b, 2), h(b, 2).abs())
+                    } else {
+                        ((q as f64 - 16.0) * h(b, 0), 0.0)
+                    }
+                })
+                .collect()
+        }
+        GgmlType::Q8_0 => (0..32)
+            .map(|i| (b[2 + i] as i8 as f64 * h(b, 0), 0.0))
+            .collect(),
+        GgmlType::Q8_1 => (0..32)
+            .map(|i| (b[4 + i] as i8 as f64 * h(b, 0), 0.0))
+            .collect(),
+        GgmlType::Q8_K => {
+            let d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64;
+            (0..256).map(|i| (b[4 + i] as i8 as f64 * d, 0.0)).collect()
+        }
+        GgmlType::Q4_K | GgmlType::Q5_K => {
+            let five = ty == GgmlType::Q5_K;
+            let s = &b[4..16];
+            let qs = if five { &b[48..176] } else { &b[16..144] };
+            (0..256)
+                .map(|i| {
+                    let j = i / 32; // sub-block
+                    let l = i % 32;
+                    let byte = qs[32 * (j / 2) + l];
+                    let mut q = if j % 2 == 0 { byte & 0x0F } else { byte >> 4 } as u32;
+                    if five {
+                        q |= (((b[16 + l] >> j) & 1) as u32) << 4;
+                    }
+                    // 6-bit scale and min of sub-block j.
+                    let (sc, m) = if j < 4 {
+                        (s[j] & 0x3F, s[j + 4] & 0x3F)
+                    } else {
+                        (
+                            (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4),
+                            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+                        )
+                    };
+                    let off = h(b, 2) * m as f64;
+                    (h(b, 0) * sc as f64 * q as f64 - off, off.abs())
+                })
+                .collect()
+        }
+        GgmlType::Q6_K => {
+            let d = h(b, 208);
+            (0..256)
+                .map(|i| {
+                    let n = i / 128;
+                    let g = (i % 128) / 32;
+                    let l = i % 32;
+                    let ql = b[64 * n + 32 * (g % 2) + l];
+                    let lo = if g < 2 { ql & 0x0F } else { ql >> 4 };
+                    let hi = (b[128 + 32 * n + l] >> (2 * g)) & 3;
+                    let q = (lo | (hi << 4)) as i32 - 32;
+                    let sc = b[192 + i / 16] as i8;
+                    (d * sc as f64 * q as f64, 0.0)
+                })
+                .collect()
+        }
+    }
+}
+
+fn ref_dequant(ty: GgmlType, bytes: &[u8]) -> Vec<(f64, f64)> {
+    bytes
+        .chunks_exact(ty.block_bytes())
+        .flat_map(|b| ref_block(ty, b))
+        .collect()
+}
+
+fn check_dequant(ty: GgmlType, seed: u64, nblocks: usize) {
+    let mut r = Rng(seed);
+    let bytes = rand_blocks(ty, nblocks, &mut r);
+    let n = nblocks * ty.block_len();
+    let mut got = vec![0f32; n];
+    quant::dequantize(ty, &bytes, &mut got).unwrap();
+    let want = ref_dequant(ty, &bytes);
+    for (i, (g, (w, off))) in got.iter().zip(&want).enumerate() {
+        // f32 evaluation of d*sc*q - m: at most 3 roundings relative to the terms' size.
+        let tol = 4.0 * f32::EPSILON as f64 * (w.abs() + 2.0 * off) + 1e-30;
+        assert!(
+            (*g as f64 - w).abs() <= tol,
+            "{ty:?} element {i}: got {g}, want {w}"
+        );
+    }
+}
+
+/// Random weights (raw random blocks) and activations for a matmul test.
+struct Case {
+    ty: GgmlType,
+    k: usize,
+    rows: usize,
+    n_tokens: usize,
+    w: Vec<u8>,
+    acts: QuantizedActivations,
+}
+
+fn make_case(ty: GgmlType, seed: u64) -> Case {
+    let mut r = Rng(seed);
+    let bl = ty.block_len().max(32);
+    let k = bl * (1 + r.below(if bl == 256 { 3 } else { 7 }));
+    let rows = 1 + r.below(5);
+    let n_tokens = 1 + r.below(9);
+    let w = rand_blocks(ty, rows * k / ty.block_len(), &mut r);
+    let scale = [0.0, 1e-3, 1.0, 100.0][r.below(4)];
+    let x: Vec<f32> = (0..n_tokens * k).map(|_| r.unit() * scale).collect();
+    let mut acts = QuantizedActivations::new();
+    quant::quantize_activations(ty, &x, n_tokens, k, &mut acts).unwrap();
+    Case {
+        ty,
+        k,
+        rows,
+        n_tokens,
+        w,
+        acts,
+    }
+}
+
+/// f64 reference dot products of the dequantized weights and dequantized activations, with
+/// an error bound for each.
+///
+/// Tolerance: both sides use the same quantized integers and scales, so the only differences
+/// are f32 rounding in the kernels (products of scales, conversion of block sums, and the
+/// accumulation over `nb` blocks, or `k` values for F32/F16/BF16): bounded by
+/// `(nb + 16) * eps_f32 * M`, where
+/// `M = sum |a_i| * (|w_i| + |min term_i|)` bounds every partial sum. For Q4_1/Q5_1 the
+/// Q8_1 block sum `s = sum(q) * d` is computed by llama.cpp from the f32 `d` before that is
+/// rounded to f16, then stored as f16 itself; each of those roundings is at most 2^-11
+/// relative or 2^-25 absolute (f16 subnormals), so the kernel's `m * s` differs from
+/// `m * d_f16 * sum(q)` by up to `|m| * (|s| 2^-11 + 2^-25 + |sum(q)| max(|d| 2^-11, 2^-25))`.
+fn reference(c: &Case) -> Vec<(f64, f64)> {
+    let rb = quant::row_bytes(c.ty, c.k).unwrap();
+    // Terms accumulated in f32: blocks, or single values for the plain float types.
+    let nb = (c.k / c.ty.block_len()) as f64;
+    let mut out = Vec::new();
+    for row in c.w.chunks_exact(rb) {
+        let wd = ref_dequant(c.ty, row);
+        for t in 0..c.n_tokens {
+            let (a, s_terms): (Vec<f64>, f64) = if quant::activation_type(c.ty) == GgmlType::F32 {
+                (
+                    c.acts.f32s()[t * c.k..(t + 1) * c.k]
+                        .iter()
+                        .map(|&v| v as f64)
+                        .collect(),
+                    0.0,
+                )
+            } else {
+                let at = quant::activation_type(c.ty);
+                let ab = c.acts.row(t).unwrap();
+                let a: Vec<f64> = ref_dequant(at, ab).into_iter().map(|v| v.0).collect();
+                let mut s_terms = 0.0;
+                if at == GgmlType::Q8_1 {
+                    for (bi, blk) in ab.chunks_exact(36).enumerate() {
+                        let sq: i32 = blk[4..36].iter().map(|&q| q as i8 as i32).sum();
+                        let d_err = (h(blk, 0).abs() * 2f64.powi(-11)).max(2f64.powi(-25));
+                        let s_err = h(blk, 2).abs() * 2f64.powi(-11)
+                            + 2f64.powi(-25)
+                            + sq.abs() as f64 * d_err;
+                        s_terms += wd[bi * 32].1 * s_err;
+                    }
+                }
+                (a, s_terms)
+            };
+            let dot: f64 = wd.iter().zip(&a).map(|(w, a)| w.0 * a).sum();
+            let m: f64 = wd
+                .iter()
+                .zip(&a)
+                .map(|(w, a)| a.abs() * (w.0.abs() + w.1))
+                .sum();
+            let tol = (nb + 16.0) * f32::EPSILON as f64 * m + s_terms + 1e-30;
+            out.push((dot, tol));
+        }
+    }
+    out
+}
+
+fn run(c: &Case, level: SimdLevel) -> Vec<f32> {
+    let mut out = vec![f32::NAN; c.rows * c.n_tokens];
+    quant::matmul_at(level, c.ty, &c.w, c.k, &c.acts, &mut out).unwrap();
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn dequantize_matches_reference(seed in any::<u64>(), nblocks in 1usize..4) {
+        for ty in GgmlType::ALL {
+            check_dequant(ty, seed, nblocks);
+        }
+    }
+
+    #[test]
+    fn matmul_matches_f64_reference(seed in any::<u64>()) {
+        for ty in WEIGHT_TYPES {
+            let c = make_case(ty, seed ^ ty.id() as u64);
+            let want = reference(&c);
+            let got = run(&c, quant::current_simd_level());
+            for (i, (g, (w, tol))) in got.iter().zip(&want).enumerate() {
+                prop_assert!((*g as f64 - w).abs() <= *tol,
+                    "{:?} k={} out[{}]: got {}, want {} (tol {})", ty, c.k, i, g, w, tol);
+            }
+            // The scalar vec_dot agrees with the reference too.
+            let rb = quant::row_bytes(ty, c.k).unwrap();
+            let v = quant::vec_dot(ty, &c.w[..rb], &c.acts, 0).unwrap();
+            prop_assert!((v as f64 - want[0].0).abs() <= want[0].1);
+        }
+    }
+
+    /// Every SIMD level agrees with the scalar kernels. Both compute each block's integer
+    /// sum exactly; only the f32 accumulation order differs, bounded by the same
+    /// `(nb + 16) * eps_f32 * M` as above (the f16 `s` term is identical on both sides).
+    #[test]
+    fn simd_levels_agree_with_scalar(seed in any::<u64>()) {
+        for ty in WEIGHT_TYPES {
+            let c = make_case(ty, seed.rotate_left(7) ^ ty.id() as u64);
+            let want = reference(&c);
+            let scalar = run(&c, SimdLevel::Scalar);
+            for level in quant::available_simd_levels() {
+                let got = run(&c, level);
+                for (i, ((g, s), (_, tol))) in got.iter().zip(&scalar).zip(&want).enumerate() {
+                    prop_assert!((*g as f64 - *s as f64).abs() <= *tol,
+                        "{:?} {:?} out[{}]: {} vs scalar {}", ty, level, i, g, s);
+                }
+            }
+        }
+    }
+
+    /// `quantize_activations` (SIMD when available) gives exactly the bytes of the scalar
+    /// reference quantizer `quantize`, including on ties (multiples of d / 2).
+    #[test]
+    fn activation_quantization_matches_reference(seed in any::<u64>()) {
+        let mut r = Rng(seed);
+        for weight in [GgmlType::Q8_0, GgmlType::Q4_1, GgmlType::Q6_K] {
+            let at = quant::activation_type(weight);
+            let k = 256 * (1 + r.below(3));
+            let n = 1 + r.below(4);
+            let scale = [1e-6f32, 1e-3, 1.0, 1e4][r.below(4)];
+            let x: Vec<f32> = (0..n * k)
+                .map(|_| match r.below(3) {
+                    // Halves of the integer grid of an amax = 127 block: exact ties.
+                    0 => (r.below(255) as f32 - 127.0) * 0.5,
+                    _ => r.unit() * scale,
+                })
+                .collect();
+            let mut acts = QuantizedActivations::new();
+            quant::quantize_activations(weight, &x, n, k, &mut acts).unwrap();
+            prop_assert_eq!(acts.bytes(), &quant::quantize(at, &x).unwrap()[..]);
+        }
+    }
+
+    #[test]
+    fn round_trip_error_is_bounded(seed in any::<u64>()) {
+        let mut r = Rng(seed);
+        for ty in GgmlType::ALL {
+            let bl = ty.block_len().max(32);
+            let n = bl * (1 + r.below(3));
+            let scale = [1e-3f32, 1.0, 50.0][r.below(3)];
+            let x: Vec<f32> = (0..n).map(|_| r.unit() * scale).collect();
+            let q = quant::quantize(ty, &x).unwrap();
+            let mut y = vec![0f32; n];
+            quant::dequantize(ty, &q, &mut y).unwrap();
+            for (xb, yb) in x.chunks(bl).zip(y.chunks(bl)) {
+                let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let (lo, hi) = xb.iter().fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+                let range = hi - lo;
+                // Half a quantization step (a whole one where llama.cpp's Q4_0/Q5_0 clamp the
+                // top level), plus the f16 rounding of the scale (2^-11 relative, times up to
+                // the number of levels); `abs` covers f16 scales/mins that fall in the
+                // subnormal range (2^-25 absolute error, times up to 127 levels, plus the min).
+                // The K-quants also quantize their sub-block scales/mins to 6 or 8 bits, and a
+                // subnormal super-block scale errs by 2^-25 times (scale * quant) levels.
+                let kabs = |levels: f32| levels * 2f32.powi(-25);
+                let abs = 130.0 * 2f32.powi(-25);
+                let bound = match ty {
+                    GgmlType::F32 => 0.0,
+                    GgmlType::F16 => amax * 1e-3,
+                    GgmlType::BF16 => amax * 8e-3,
+                    GgmlType::Q4_0 => amax / 8.0 * 1.01 + abs,
+                    GgmlType::Q4_1 => range / 30.0 * 1.02 + amax * 1e-3 + abs,
+                    GgmlType::Q5_0 => amax / 16.0 * 1.01 + abs,
+                    GgmlType::Q5_1 => range / 62.0 * 1.04 + amax * 1e-3 + abs,
+                    GgmlType::Q8_0 | GgmlType::Q8_1 => amax / 254.0 * 1.13 + abs,
+                    GgmlType::Q8_K => amax / 254.0 * 1.01,
+                    GgmlType::Q4_K => amax * 0.15 + kabs(63.0 * 16.0),
+                    GgmlType::Q5_K => amax * 0.08 + kabs(63.0 * 32.0),
+                    GgmlType::Q6_K => amax * 0.04 + kabs(128.0 * 32.0),
+                };
+                for (a, b) in xb.iter().zip(yb) {
+                    prop_assert!((a - b).abs() <= bound + 1e-30, "{:?}: {} -> {} (bound {})", ty, a, b, bound);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn q8_rounding_matches_llama_cpp() {
+    // Q8_0: d = amax / 127 = 1, q = roundf(x / d): ties away from zero.
+    let mut x = vec![0f32; 32];
+    x[..8].copy_from_slice(&[127.0, 63.5, -63.5, 0.5, -0.5, 2.5, -2.5, 1.49]);
+    let q = quant::quantize(GgmlType::Q8_0, &x).unwrap();
+    assert_eq!(
+        f16::from_bits(u16::from_le_bytes([q[0], q[1]])).to_f32(),
+        1.0
+    );
+    let qs: Vec<i8> = q[2..10].iter().map(|&b| b as i8).collect();
+    assert_eq!(qs, [127, 64, -64, 1, -1, 3, -3, 1]);
+
+    // Q8_1: same rounding, s = f16(sum(q) * d).
+    let q = quant::quantize(GgmlType::Q8_1, &x).unwrap();
+    let qs: Vec<i8> = q[4..12].iter().map(|&b| b as i8).collect();
+    assert_eq!(qs, [127, 64, -64, 1, -1, 3, -3, 1]);
+    assert_eq!(
+        f16::from_bits(u16::from_le_bytes([q[2], q[3]])).to_f32(),
+        128.0
+    );
+
+    // Zero blocks: d = 0 and zero quants.
+    let z = quant::quantize(GgmlType::Q8_0, &[0f32; 32]).unwrap();
+    assert!(z.iter().all(|&b| b == 0));
+    let z = quant::quantize(GgmlType::Q8_1, &[0f32; 32]).unwrap();
+    assert!(z.iter().all(|&b| b == 0));
+    let z = quant::quantize(GgmlType::Q8_K, &[0f32; 256]).unwrap();
+    assert!(z.iter().all(|&b| b == 0));
+
+    // Q8_K: iscale = -127 / max (signed max), q = nearest_int (ties to even), d = 1 / iscale.
+    let mut x = vec![0f32; 256];
+    x[..6].copy_from_slice(&[-127.0, 2.5, 3.5, -2.5, 0.5, 1.5]);
+    let q = quant::quantize(GgmlType::Q8_K, &x).unwrap();
+    assert_eq!(f32::from_le_bytes([q[0], q[1], q[2], q[3]]), 1.0);
+    let qs: Vec<i8> = q[4..10].iter().map(|&b| b as i8).collect();
+    assert_eq!(qs, [-127, 2, 4, -2, 0, 2]);
+    let bsum0 = i16::from_le_bytes([q[260], q[261]]);
+    assert_eq!(bsum0, -127 + 2 + 4 - 2 + 2);
+    // Positive max: iscale = -1, so the quants flip sign and d = -1.
+    let mut x = vec![0f32; 256];
+    x[..3].copy_from_slice(&[127.0, 2.5, -3.5]);
+    let q = quant::quantize(GgmlType::Q8_K, &x).unwrap();
+    assert_eq!(f32::from_le_bytes([q[0], q[1], q[2], q[3]]), -1.0);
+    let qs: Vec<i8> = q[4..7].iter().map(|&b| b as i8).collect();
+    assert_eq!(qs, [-127, -2, 4]);
+
+    // quantize_activations produces the same bytes as quantize.
+    let x: Vec<f32> = (0..64).map(|i| (i as f32 - 31.5) * 0.25).collect();
+    let mut acts = QuantizedActivations::new();
+    quant::quantize_activations(GgmlType::Q4_1, &x, 2, 32, &mut acts).unwrap();
+    assert_eq!(
+        acts.bytes(),
+        &quant::quantize(GgmlType::Q8_1, &x).unwrap()[..]
+    );
+    quant::quantize_activations(GgmlType::Q4_K, &vec![0.5; 256], 1, 256, &mut acts).unwrap();
+    assert_eq!(
+        acts.bytes(),
+        &quant::quantize(GgmlType::Q8_K, &[0.5; 256]).unwrap()[..]
+    );
+}
+
+#[test]
+fn malformed_input_gives_errors() {
+    use ballast_runtime::error::Error;
+    let mut dst = vec![0f32; 32];
+    assert!(matches!(
+        quant::dequantize(GgmlType::Q4_1, &[0u8; 19], &mut dst),
+        Err(Error::QuantLength { .. })
+    ));
+    assert!(matches!(
+        quant::dequantize(GgmlType::Q4_1, &[0u8; 21], &mut dst),
+        Err(Error::QuantLength { .. })
+    ));
+    let mut dst = vec![0f32; 33];
+    assert!(matches!(
+        quant::dequantize(GgmlType::Q4_1, &[0u8; 20], &mut dst),
+        Err(Error::QuantBlockAlign { .. })
+    ));
+    assert!(quant::dequantize(GgmlType::Q4_K, &[], &mut []).is_ok());
+    assert!(matches!(
+        quant::quantize(GgmlType::Q6_K, &[0.0; 100]),
+        Err(Error::QuantBlockAlign { .. })
+    ));
+    assert!(matches!(
+        quant::row_bytes(GgmlType::Q8_0, 0),
+        Err(Error::QuantEmptyRow)
+    ));
+    assert!(matches!(
+        quant::row_bytes(GgmlType::Q8_0, usize::MAX - 31),
+        Err(Error::QuantValueCount { .. })
+    ));
+    let mut acts0 = QuantizedActivations::new();
+    assert!(
+        quant::quantize_activations(GgmlType::Q8_0, &[0.0; 32], usize::MAX, 64, &mut acts0)
+            .is_err()
+    );
+    assert!(matches!(
+        quant::row_bytes(GgmlType::Q8_0, 40),
+        Err(Error::QuantBlockAlign { .. })
+    ));
+
+    let mut acts = QuantizedActivations::new();
+    assert!(quant::quantize_activations(GgmlType::Q4_1, &[0.0; 63], 2, 32, &mut acts).is_err());
+    assert!(quant::quantize_activations(GgmlType::Q4_K, &[0.0; 64], 2, 32, &mut acts).is_err());
+    assert!(quant::quantize_activations(GgmlType::Q8_1, &[0.0; 32], 1, 32, &mut acts).is_err());
+    quant::quantize_activations(GgmlType::Q4_1, &[0.5; 128], 2, 64, &mut acts).unwrap();
+
+    let w = vec![0u8; 2 * 40];
+    let mut out = vec![0f32; 4];
+    quant::matmul(GgmlType::Q4_1, &w, 64, &acts, &mut out).unwrap();
+    assert!(matches!(
+        quant::matmul(GgmlType::Q4_1, &w[..79], 64, &acts, &mut out),
+        Err(Error::QuantRowBytes { .. })
+    ));
+    assert!(matches!(
+        quant::matmul(GgmlType::Q4_1, &w, 64, &acts, &mut out[..3]),
+        Err(Error::QuantValueCount { .. })
+    ));
+    assert!(matches!(
+        quant::matmul(GgmlType::Q4_1, &w, 32, &acts, &mut [0.0; 8]),
+        Err(Error::QuantActivationK { .. })
+    ));
+    assert!(matches!(
+        quant::matmul(GgmlType::Q4_0, &w, 64, &acts, &mut out),
+        Err(Error::QuantActivationType { .. })
+    ));
+    assert!(matches!(
+        quant::matmul(GgmlType::Q8_K, &w, 64, &acts, &mut out),
+        Err(Error::QuantUnsupported { .. })
+    ));
+    assert!(quant::matmul(GgmlType::Q4_1, &w, 0, &acts, &mut out).is_err());
+    assert!(quant::vec_dot(GgmlType::Q4_1, &w[..39], &acts, 0).is_err());
+    assert!(matches!(
+        quant::vec_dot(GgmlType::Q4_1, &w[..40], &acts, 2),
+        Err(Error::QuantTokenIndex { .. })
+    ));
+    assert!(quant::vec_dot(GgmlType::Q4_1, &w[..40], &acts, 1).is_ok());
+    assert!(acts.row(2).is_err());
+    for level in quant::available_simd_levels() {
+        assert!(quant::matmul_at(level, GgmlType::Q4_1, &w[..41], 64, &acts, &mut out).is_err());
+    }
+}
+
+#[test]
+fn simd_level_is_reported() {
+    let name = quant::simd_level();
+    assert!(["scalar", "avx2", "avx512", "neon"].contains(&name));
+    assert!(quant::current_simd_level().is_supported());
+}
+
+/// The default model's shapes (k = 576 and 1536, several row and token tails) through every
+/// level, against the f64 reference with the same bound as the proptests.
+#[test]
+fn model_shapes_agree_across_levels() {
+    let mut r = Rng(42);
+    for ty in [
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+    ] {
+        for (rows, k, n) in [(9, 576, 1), (7, 576, 7), (5, 1536, 1), (3, 1536, 9)] {
+            if k % ty.block_len() != 0 {
+                continue;
+            }
+            let w = rand_blocks(ty, rows * k / ty.block_len(), &mut r);
+            let x: Vec<f32> = (0..n * k).map(|_| r.unit()).collect();
+            let mut acts = QuantizedActivations::new();
+            quant::quantize_activations(ty, &x, n, k, &mut acts).unwrap();
+            let c = Case {
+                ty,
+                k,
+                rows,
+                n_tokens: n,
+                w,
+                acts,
+            };
+            let want = reference(&c);
+            for level in quant::available_simd_levels() {
+                let got = run(&c, level);
+                for (i, (g, (w, tol))) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (*g as f64 - w).abs() <= *tol,
+                        "{ty:?} {level:?} {rows}x{k} n={n} out[{i}]: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+}
