@@ -1,0 +1,385 @@
+//! The native CPU backend: quantized matrix products on the [`crate::quant`] kernels,
+//! split across a [`ThreadPool`], and plain loops for the small ops.
+
+use std::cell::RefCell;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use super::{AttentionShape, Backend, MatmulJob, OpKind, OpTimes, Rope, RopeStyle};
+use crate::error::{Error, Result};
+use crate::ggml_type::GgmlType;
+use crate::kv::KvView;
+use crate::quant::{self, QuantizedActivations};
+use crate::threadpool::{split_range, ThreadPool};
+use crate::weights::Weight;
+
+/// Rows a thread takes at a time; keeps every split a whole number of cache lines of
+/// output and lets the kernels run several rows per loop iteration.
+const ROW_ALIGN: usize = 16;
+
+/// A raw pointer that may cross into the pool's threads. Every use writes a range
+/// that no other thread touches during the same region.
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: threads write disjoint ranges (see each use) and the region ends before the
+// borrow it came from does.
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+
+impl SyncPtr {
+    /// The pointer. A method, so closures capture the whole `SyncPtr` (which is `Sync`)
+    /// rather than its raw field.
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The CPU backend.
+pub struct CpuBackend {
+    pool: ThreadPool,
+    times: OpTimes,
+    /// Quantized copies of the current matmul input, one per activation type, reused
+    /// across calls so decode allocates nothing.
+    acts: Mutex<Vec<QuantizedActivations>>,
+}
+
+impl CpuBackend {
+    /// A backend computing with `n_threads` threads (the caller counts as one).
+    pub fn new(n_threads: usize) -> CpuBackend {
+        CpuBackend {
+            pool: ThreadPool::new(n_threads),
+            times: OpTimes::default(),
+            acts: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn timed<T>(&self, kind: OpKind, f: impl FnOnce() -> T) -> T {
+        let start = Instant::now();
+        let out = f();
+        self.times.add(kind, start.elapsed());
+        out
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> String {
+        format!(
+            "cpu ({}, {} threads)",
+            quant::simd_level(),
+            self.pool.n_threads()
+        )
+    }
+
+    fn n_threads(&self) -> usize {
+        self.pool.n_threads()
+    }
+
+    fn op_times(&self) -> &OpTimes {
+        &self.times
+    }
+
+    fn matmul(&self, x: &[f32], n_tokens: usize, jobs: &mut [MatmulJob<'_>]) -> Result<()> {
+        let start = Instant::now();
+        let Some(first) = jobs.first() else {
+            return Ok(());
+        };
+        let k = first.weight.cols();
+        if x.len() != n_tokens * k {
+            return Err(Error::ShapeMismatch {
+                what: format!("input of {}", first.weight.name),
+                expected: n_tokens * k,
+                got: x.len(),
+            });
+        }
+        for job in jobs.iter() {
+            if job.weight.cols() != k || job.out.len() != n_tokens * job.weight.rows() {
+                return Err(Error::ShapeMismatch {
+                    what: format!("matmul with {}", job.weight.name),
+                    expected: n_tokens * job.weight.rows(),
+                    got: job.out.len(),
+                });
+            }
+        }
+        // Quantize the input once per activation type the weights need.
+        let mut acts = self.acts.lock().unwrap_or_else(|e| e.into_inner());
+        let mut act_index = Vec::with_capacity(jobs.len());
+        let mut act_types: Vec<GgmlType> = Vec::new();
+        for job in jobs.iter() {
+            let at = quant::activation_type(job.weight.ty);
+            let i = match act_types.iter().position(|t| *t == at) {
+                Some(i) => i,
+                None => {
+                    if acts.len() <= act_types.len() {
+                        acts.push(QuantizedActivations::default());
+                    }
+                    let slot = act_types.len();
+                    quant::quantize_activations(job.weight.ty, x, n_tokens, k, &mut acts[slot])?;
+                    act_types.push(at);
+                    slot
+                }
+            };
+            act_index.push(i);
+        }
+        let acts: &[QuantizedActivations] = &acts;
+        struct Part<'a> {
+            weight: &'a Weight,
+            act: usize,
+            out: SyncPtr,
+            first_row: usize,
+        }
+        let mut parts = Vec::with_capacity(jobs.len());
+        let mut total_rows = 0;
+        for (job, &act) in jobs.iter_mut().zip(&act_index) {
+            parts.push(Part {
+                weight: job.weight,
+                act,
+                out: SyncPtr(job.out.as_mut_ptr()),
+                first_row: total_rows,
+            });
+            total_rows += job.weight.rows();
+        }
+        let failure: Mutex<Option<Error>> = Mutex::new(None);
+        self.pool.run(&|thread, n_threads| {
+            let mine = split_range(total_rows, ROW_ALIGN, thread, n_threads);
+            for part in &parts {
+                let rows = part.weight.rows();
+                let lo = mine.start.max(part.first_row);
+                let hi = mine.end.min(part.first_row + rows);
+                if lo >= hi {
+                    continue;
+                }
+                let (r0, r1) = (lo - part.first_row, hi - part.first_row);
+                let row_bytes = part.weight.row_bytes();
+                let w = &part.weight.bytes.as_slice()[r0 * row_bytes..r1 * row_bytes];
+                let act = &acts[part.act];
+                let result = if n_tokens == 1 {
+                    // SAFETY: rows r0..r1 of this job's output belong to this thread alone.
+                    let out =
+                        unsafe { std::slice::from_raw_parts_mut(part.out.get().add(r0), r1 - r0) };
+                    quant::matmul(part.weight.ty, w, part.weight.cols(), act, out)
+                } else {
+                    SCRATCH.with(|s| {
+                        let mut s = s.borrow_mut();
+                        s.resize((r1 - r0) * n_tokens, 0.0);
+                        let r = quant::matmul(part.weight.ty, w, part.weight.cols(), act, &mut s);
+                        for (ri, row) in s.chunks_exact(n_tokens).enumerate() {
+                            for (t, &v) in row.iter().enumerate() {
+                                // SAFETY: element (t, r0 + ri) is in this thread's rows.
+                                unsafe { *part.out.get().add(t * rows + r0 + ri) = v };
+                            }
+                        }
+                        r
+                    })
+                };
+                if let Err(e) = result {
+                    *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                }
+            }
+        });
+        self.times.add(OpKind::Matmul, start.elapsed());
+        match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn embed(&self, table: &Weight, ids: &[u32], out: &mut [f32]) -> Result<()> {
+        self.timed(OpKind::Other, || {
+            let cols = table.cols();
+            let rows = table.rows();
+            let row_bytes = table.row_bytes();
+            for (&id, dst) in ids.iter().zip(out.chunks_exact_mut(cols)) {
+                let id = id as usize;
+                if id >= rows {
+                    return Err(Error::TokenId {
+                        id: id as u32,
+                        vocab: rows,
+                    });
+                }
+                let src = &table.bytes.as_slice()[id * row_bytes..(id + 1) * row_bytes];
+                quant::dequantize(table.ty, src, dst)?;
+            }
+            Ok(())
+        })
+    }
+
+    fn rms_norm(&self, x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) {
+        self.timed(OpKind::Other, || {
+            let n = scale.len();
+            for (row, dst) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+                // Summed in f64 as ggml does, so long rows round the same way.
+                let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
+                let inv = 1.0 / ((sum / n as f64) as f32 + eps).sqrt();
+                for ((d, &v), &s) in dst.iter_mut().zip(row).zip(scale) {
+                    *d = (v * inv) * s;
+                }
+            }
+        })
+    }
+
+    fn rope(&self, x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, rope: &Rope) {
+        self.timed(OpKind::Other, || {
+            rope_rows(x, positions, n_heads, head_dim, rope)
+        })
+    }
+
+    fn attention(
+        &self,
+        q: &[f32],
+        q_positions: &[u32],
+        kv: &KvView<'_>,
+        shape: &AttentionShape,
+        out: &mut [f32],
+    ) {
+        let start = Instant::now();
+        let n_tokens = q_positions.len();
+        let work = n_tokens * shape.n_heads;
+        let out_ptr = SyncPtr(out.as_mut_ptr());
+        self.pool.run(&|thread, n_threads| {
+            let range = split_range(work, 1, thread, n_threads);
+            SCRATCH.with(|s| {
+                let mut scores = s.borrow_mut();
+                for item in range {
+                    let (t, h) = (item / shape.n_heads, item % shape.n_heads);
+                    let off = (t * shape.n_heads + h) * shape.head_dim;
+                    // SAFETY: head h of token t is written by this thread alone.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(out_ptr.get().add(off), shape.head_dim)
+                    };
+                    attend_one(
+                        &q[off..off + shape.head_dim],
+                        q_positions[t],
+                        h,
+                        kv,
+                        shape,
+                        &mut scores,
+                        dst,
+                    );
+                }
+            });
+        });
+        self.times.add(OpKind::Attention, start.elapsed());
+    }
+
+    fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
+        self.timed(OpKind::Other, || {
+            for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
+        })
+    }
+
+    fn add_assign(&self, x: &mut [f32], y: &[f32]) {
+        self.timed(OpKind::Other, || {
+            for (a, &b) in x.iter_mut().zip(y) {
+                *a += b;
+            }
+        })
+    }
+}
+
+/// RoPE as llama.cpp computes it: `theta` starts at the position and is multiplied by
+/// `freq_base^(-2/n_dims)` for each pair, in f32.
+pub(crate) fn rope_rows(
+    x: &mut [f32],
+    positions: &[u32],
+    n_heads: usize,
+    head_dim: usize,
+    rope: &Rope,
+) {
+    let n_dims = rope.n_dims.min(head_dim);
+    let theta_scale = rope.freq_base.powf(-2.0 / n_dims as f32);
+    let row_len = n_heads * head_dim;
+    let mut cos_sin = vec![(0.0f32, 0.0f32); n_dims / 2];
+    for (row, &pos) in x.chunks_exact_mut(row_len).zip(positions) {
+        let mut theta = pos as f32;
+        for cs in cos_sin.iter_mut() {
+            *cs = (theta.cos(), theta.sin());
+            theta *= theta_scale;
+        }
+        for head in row.chunks_exact_mut(head_dim) {
+            for (i, &(c, s)) in cos_sin.iter().enumerate() {
+                let (a, b) = match rope.style {
+                    RopeStyle::Normal => (2 * i, 2 * i + 1),
+                    RopeStyle::Neox => (i, i + n_dims / 2),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * c - x1 * s;
+                head[b] = x0 * s + x1 * c;
+            }
+        }
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight partial sums let the compiler keep a vector accumulator.
+    let mut acc = [0.0f32; 8];
+    let chunks = a.len() / 8 * 8;
+    for (ca, cb) in a[..chunks].chunks_exact(8).zip(b[..chunks].chunks_exact(8)) {
+        for i in 0..8 {
+            acc[i] += ca[i] * cb[i];
+        }
+    }
+    let mut sum: f32 = acc.iter().sum();
+    for i in chunks..a.len() {
+        sum += a[i] * b[i];
+    }
+    sum
+}
+
+/// One query head over the cache: scores, softmax, weighted sum of values.
+fn attend_one(
+    q: &[f32],
+    q_pos: u32,
+    head: usize,
+    kv: &KvView<'_>,
+    shape: &AttentionShape,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let hd = shape.head_dim;
+    let kv_head = head / (shape.n_heads / shape.n_kv_heads).max(1);
+    let kv_dim = shape.n_kv_heads * hd;
+    let scale = 1.0 / (hd as f32).sqrt();
+    scores.clear();
+    let mut max = f32::NEG_INFINITY;
+    for seg in &kv.segments {
+        for (i, &p) in seg.positions.iter().enumerate() {
+            let s = if p <= q_pos {
+                let k = &seg.keys[i * kv_dim + kv_head * hd..][..hd];
+                dot(q, k) * scale
+            } else {
+                f32::NEG_INFINITY
+            };
+            max = max.max(s);
+            scores.push(s);
+        }
+    }
+    out.fill(0.0);
+    if max == f32::NEG_INFINITY {
+        return;
+    }
+    let mut sum = 0.0f64;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    let mut idx = 0;
+    for seg in &kv.segments {
+        for i in 0..seg.positions.len() {
+            let w = scores[idx] * inv;
+            idx += 1;
+            if w != 0.0 {
+                let v = &seg.values[i * kv_dim + kv_head * hd..][..hd];
+                for (o, &vv) in out.iter_mut().zip(v) {
+                    *o += w * vv;
+                }
+            }
+        }
+    }
+}

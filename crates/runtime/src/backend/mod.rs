@@ -1,0 +1,159 @@
+//! [`Backend`]: the ops of the forward pass, and where their time goes.
+//!
+//! The model is written once against this trait. [`CpuBackend`] is the native
+//! implementation and the numerical reference that every other backend is tested
+//! against. Weights arrive quantized, exactly as packed in the GGUF file; a backend
+//! dequantizes inside its kernels and never keeps an f32 copy of a weight.
+
+mod cpu;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+pub use cpu::CpuBackend;
+
+use crate::error::Result;
+use crate::kv::KvView;
+use crate::weights::Weight;
+
+/// How RoPE pairs the dimensions it rotates; llama.cpp's rope-type table assigns one
+/// per architecture.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs `(x[2i], x[2i+1])` (`LLAMA_ROPE_TYPE_NORM`: llama).
+    Normal,
+    /// Pairs `(x[i], x[i + n/2])` (`LLAMA_ROPE_TYPE_NEOX`: qwen2, gemma).
+    Neox,
+}
+
+/// Rotary position embedding parameters, from the GGUF metadata.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rope {
+    /// Pairing of the rotated dimensions.
+    pub style: RopeStyle,
+    /// Number of leading dimensions of each head that are rotated.
+    pub n_dims: usize,
+    /// `rope.freq_base`.
+    pub freq_base: f32,
+}
+
+/// The head layout of attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionShape {
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (grouped-query attention when fewer than `n_heads`).
+    pub n_kv_heads: usize,
+    /// Size of one head.
+    pub head_dim: usize,
+}
+
+/// One matrix product in a batch: `out = x · weightᵀ`.
+pub struct MatmulJob<'a> {
+    /// The weight, `rows × cols`.
+    pub weight: &'a Weight,
+    /// Output, `n_tokens × rows`, token-major.
+    pub out: &'a mut [f32],
+}
+
+/// Where the time of the forward pass went, by op family.
+#[derive(Debug, Default)]
+pub struct OpTimes {
+    matmul_ns: AtomicU64,
+    attention_ns: AtomicU64,
+    other_ns: AtomicU64,
+}
+
+/// A snapshot of [`OpTimes`].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct OpTimesSnapshot {
+    /// Matrix products, activation quantization included.
+    pub matmul: Duration,
+    /// Attention over the cache (scores, softmax, weighted sum).
+    pub attention: Duration,
+    /// Everything else: norms, RoPE, SwiGLU, residuals, embedding.
+    pub other: Duration,
+}
+
+/// The op family a timing belongs to.
+#[derive(Clone, Copy, Debug)]
+pub enum OpKind {
+    /// Matrix products.
+    Matmul,
+    /// Attention.
+    Attention,
+    /// The rest.
+    Other,
+}
+
+impl OpTimes {
+    /// Adds `elapsed` to `kind`.
+    pub fn add(&self, kind: OpKind, elapsed: Duration) {
+        let slot = match kind {
+            OpKind::Matmul => &self.matmul_ns,
+            OpKind::Attention => &self.attention_ns,
+            OpKind::Other => &self.other_ns,
+        };
+        slot.fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// The totals so far.
+    pub fn snapshot(&self) -> OpTimesSnapshot {
+        let d = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
+        OpTimesSnapshot {
+            matmul: d(&self.matmul_ns),
+            attention: d(&self.attention_ns),
+            other: d(&self.other_ns),
+        }
+    }
+
+    /// Sets every total back to zero.
+    pub fn reset(&self) {
+        for a in [&self.matmul_ns, &self.attention_ns, &self.other_ns] {
+            a.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The ops of the transformer forward pass. Activations are token-major f32 rows
+/// (`n_tokens × width`) in host memory; weights are quantized [`Weight`]s.
+pub trait Backend: Send + Sync {
+    /// A human-readable name: the device, and the SIMD level or adapter.
+    fn name(&self) -> String;
+    /// Threads the backend computes with.
+    fn n_threads(&self) -> usize;
+    /// Time spent per op family.
+    fn op_times(&self) -> &OpTimes;
+    /// Matrix products that share one input: for each job, `job.out = x · job.weightᵀ`
+    /// (`x` is `n_tokens × cols`). Batching q/k/v or gate/up this way quantizes `x`
+    /// once and runs one parallel region.
+    fn matmul(&self, x: &[f32], n_tokens: usize, jobs: &mut [MatmulJob<'_>]) -> Result<()>;
+    /// Rows of `table` for `ids`, dequantized into `out` (`ids.len() × cols`).
+    fn embed(&self, table: &Weight, ids: &[u32], out: &mut [f32]) -> Result<()>;
+    /// RMSNorm of each row of `x` (rows of `scale.len()`), times `scale`, into `out`.
+    fn rms_norm(&self, x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]);
+    /// Rotates each head of each row of `x` (`positions.len()` rows of
+    /// `n_heads × head_dim`) by its token's position.
+    fn rope(&self, x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, rope: &Rope);
+    /// Causal attention of the queries `q` (`q_positions.len()` rows of
+    /// `n_heads × head_dim`) over the cached tokens whose position is at most the
+    /// query's, into `out` (same layout as `q`).
+    fn attention(
+        &self,
+        q: &[f32],
+        q_positions: &[u32],
+        kv: &KvView<'_>,
+        shape: &AttentionShape,
+        out: &mut [f32],
+    );
+    /// `out[i] = silu(gate[i]) * up[i]`.
+    fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]);
+    /// `x[i] += y[i]`.
+    fn add_assign(&self, x: &mut [f32], y: &[f32]);
+    /// Adds `bias` to each row of `x`.
+    fn add_bias(&self, x: &mut [f32], bias: &[f32]) {
+        for row in x.chunks_exact_mut(bias.len()) {
+            self.add_assign(row, bias);
+        }
+    }
+}

@@ -1,0 +1,76 @@
+//! The core of Ballast: GGUF loading, quantized CPU kernels, the tokenizer, the
+//! transformer forward pass, sampling, and the traits the Ballast levers plug into.
+//!
+//! The forward pass ([`Model::forward`]) is written once against five traits:
+//!
+//! - [`Backend`]: the ops (matrix products on quantized weights, norms, RoPE,
+//!   attention). [`CpuBackend`] is native and the numerical reference.
+//! - [`WeightStore`]: hands each layer's weights to one forward pass.
+//!   [`ResidentStore`] keeps them all resident (memory-mapped by default).
+//! - [`KvCache`]: keys and values of the tokens seen. [`DenseKv`] only grows.
+//! - [`KvPolicy`]: may evict from the cache before attention (none by default).
+//! - [`FeedForward`]: the MLP block. [`DenseFfn`] is exact.
+//!
+//! The lever crates (`ballast-kv-cache`, `ballast-tier-stream`,
+//! `ballast-weight-codec`, `ballast-sparse-mlp`) implement those traits; nothing in
+//! the model changes when one is swapped in.
+//!
+//! # Example
+//!
+//! Greedy generation of a few tokens with the default model (fetched into the model
+//! cache on first use):
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use ballast_runtime::{gguf::GgufFile, model_cache, CpuBackend, Model, Sampler,
+//!     SamplerConfig, Session, Tokenizer};
+//!
+//! # fn main() -> Result<(), ballast_runtime::Error> {
+//! let path = model_cache::ensure_default_model(|line| eprintln!("{line}"))?;
+//! let file = Arc::new(GgufFile::open(&path, true)?);
+//! let tokenizer = Tokenizer::from_gguf(&file)?;
+//! let model = Model::load(file, Arc::new(CpuBackend::new(2)), true)?;
+//! let mut session = Session::new(model, 512);
+//! let mut sampler = Sampler::new(SamplerConfig { temperature: 0.0, ..Default::default() });
+//! let mut next = {
+//!     let logits = session.feed(&tokenizer.encode("Once upon a time", true, false)?)?;
+//!     sampler.sample(logits, &[])
+//! };
+//! for _ in 0..8 {
+//!     print!("{}", tokenizer.decode(&[next]));
+//!     let logits = session.feed(&[next])?;
+//!     next = sampler.sample(logits, &[]);
+//! }
+//! # Ok(())
+//! # }
+//! ```
+#![deny(missing_docs)]
+
+pub mod backend;
+pub mod chat;
+pub mod error;
+pub mod ffn;
+pub mod ggml_type;
+pub mod gguf;
+pub mod kv;
+pub mod memory;
+pub mod model;
+pub mod model_cache;
+pub mod quant;
+pub mod sampler;
+pub mod session;
+pub mod store;
+pub mod testing;
+pub mod threadpool;
+pub mod tokenizer;
+pub mod weights;
+
+pub use backend::{Backend, CpuBackend};
+pub use error::{Error, Result};
+pub use ffn::{DenseFfn, FeedForward};
+pub use kv::{DenseKv, KvCache, KvPolicy};
+pub use model::{Model, ModelConfig};
+pub use sampler::{Sampler, SamplerConfig};
+pub use session::Session;
+pub use store::{ResidentStore, TierBytes, WeightStore};
+pub use tokenizer::Tokenizer;

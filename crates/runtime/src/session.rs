@@ -1,0 +1,189 @@
+//! [`Session`]: a model, its KV cache and the tokens seen so far; prefill in chunks,
+//! then one token per step. Also [`perplexity`], computed the way `llama-perplexity`
+//! does.
+
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::kv::{DenseKv, KvCache, KvPolicy};
+use crate::model::{Logits, Model};
+use crate::sampler::log_softmax_at;
+
+/// Tokens per forward pass during prefill, unless the caller says otherwise.
+pub const DEFAULT_BATCH: usize = 64;
+
+/// A conversation with a model: the cache, the policy that may evict from it, and the
+/// token history (whose length is the position of the next token).
+pub struct Session {
+    model: Model,
+    kv: Box<dyn KvCache>,
+    policy: Option<Box<dyn KvPolicy>>,
+    tokens: Vec<u32>,
+    batch: usize,
+    positions: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+impl Session {
+    /// A session over `model` with a [`DenseKv`] of `context` tokens.
+    pub fn new(model: Model, context: usize) -> Session {
+        let kv = Box::new(DenseKv::new(model.kv_shape(), context));
+        Session::with_cache(model, kv, None)
+    }
+
+    /// A session over `model` with any cache and policy.
+    pub fn with_cache(
+        model: Model,
+        kv: Box<dyn KvCache>,
+        policy: Option<Box<dyn KvPolicy>>,
+    ) -> Session {
+        Session {
+            model,
+            kv,
+            policy,
+            tokens: Vec::new(),
+            batch: DEFAULT_BATCH,
+            positions: Vec::new(),
+            logits: Vec::new(),
+        }
+    }
+
+    /// Sets the prefill chunk size (at least one token).
+    pub fn set_batch(&mut self, batch: usize) {
+        self.batch = batch.max(1);
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The cache.
+    pub fn kv(&self) -> &dyn KvCache {
+        self.kv.as_ref()
+    }
+
+    /// The logits after the last token fed (empty before the first feed).
+    pub fn logits(&self) -> &[f32] {
+        &self.logits
+    }
+
+    /// Every token fed so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Feeds `ids` (a prompt in chunks of the batch size, or one generated token) and
+    /// returns the logits after the last of them.
+    pub fn feed(&mut self, ids: &[u32]) -> Result<&[f32]> {
+        if ids.is_empty() {
+            return Err(Error::EmptyInput);
+        }
+        let needed = self.kv.len() + ids.len();
+        if needed > self.kv.capacity() && self.policy.is_none() {
+            return Err(Error::ContextFull {
+                needed,
+                capacity: self.kv.capacity(),
+            });
+        }
+        let chunks: Vec<&[u32]> = ids.chunks(self.batch).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
+            let start = self.tokens.len() as u32;
+            self.positions.clear();
+            self.positions
+                .extend((0..chunk.len() as u32).map(|j| start + j));
+            let last = i + 1 == chunks.len();
+            let mode = if last { Logits::Last } else { Logits::None };
+            let policy = self.policy.as_deref_mut().map(|p| p as &mut dyn KvPolicy);
+            let out = self
+                .model
+                .forward(chunk, &self.positions, self.kv.as_mut(), policy, mode)?;
+            if last {
+                self.logits.clear();
+                self.logits.extend_from_slice(out);
+            }
+            self.tokens.extend_from_slice(chunk);
+        }
+        Ok(&self.logits)
+    }
+
+    /// Forgets everything after the first `n_tokens` tokens.
+    pub fn rewind(&mut self, n_tokens: usize) {
+        self.kv.rewind(n_tokens);
+        self.tokens.truncate(n_tokens);
+    }
+}
+
+/// The result of [`perplexity`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct PerplexityReport {
+    /// `exp(mean negative log-likelihood)`.
+    pub perplexity: f64,
+    /// Windows evaluated.
+    pub chunks: usize,
+    /// Tokens scored.
+    pub scored_tokens: usize,
+    /// Tokens in the whole text.
+    pub text_tokens: usize,
+    /// Wall time of the evaluation.
+    pub elapsed: Duration,
+}
+
+/// Perplexity the way `llama-perplexity` computes it: the tokens are cut into
+/// `floor(n / ctx)` non-overlapping windows, each evaluated from an empty cache, and in
+/// each window the positions `i` in `[ctx/2, ctx-2]` are scored against token `i + 1`.
+/// `progress(done, total)` is called after each window.
+pub fn perplexity(
+    model: &mut Model,
+    tokens: &[u32],
+    ctx: usize,
+    batch: usize,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<PerplexityReport> {
+    if ctx < 4 {
+        return Err(Error::InvalidArgument {
+            what: format!("perplexity context {ctx} is too small (at least 4)"),
+        });
+    }
+    let n_chunks = tokens.len() / ctx;
+    if n_chunks == 0 {
+        return Err(Error::InvalidArgument {
+            what: format!(
+                "the text has {} tokens, fewer than one window of {ctx}",
+                tokens.len()
+            ),
+        });
+    }
+    let start = Instant::now();
+    let vocab = model.config().vocab_size;
+    let mut nll = 0.0f64;
+    let mut count = 0usize;
+    let batch = batch.max(1);
+    for c in 0..n_chunks {
+        let window = &tokens[c * ctx..(c + 1) * ctx];
+        let mut kv = DenseKv::new(model.kv_shape(), ctx);
+        let mut done = 0;
+        while done < ctx {
+            let end = (done + batch).min(ctx);
+            let positions: Vec<u32> = (done as u32..end as u32).collect();
+            let logits =
+                model.forward(&window[done..end], &positions, &mut kv, None, Logits::All)?;
+            for i in done..end {
+                if i >= ctx / 2 && i + 1 < ctx {
+                    let row = &logits[(i - done) * vocab..(i - done + 1) * vocab];
+                    nll -= log_softmax_at(row, window[i + 1]) as f64;
+                    count += 1;
+                }
+            }
+            done = end;
+        }
+        progress(c + 1, n_chunks);
+    }
+    Ok(PerplexityReport {
+        perplexity: (nll / count as f64).exp(),
+        chunks: n_chunks,
+        scored_tokens: count,
+        text_tokens: tokens.len(),
+        elapsed: start.elapsed(),
+    })
+}

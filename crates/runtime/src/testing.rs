@@ -1,0 +1,211 @@
+//! Tiny random-weight models, written as real GGUF files, for tests of this crate and
+//! of the lever crates.
+//!
+//! ```
+//! use ballast_runtime::testing::TinyModelSpec;
+//! use ballast_runtime::gguf::GgufFile;
+//!
+//! let bytes = TinyModelSpec::default().to_gguf_bytes().unwrap();
+//! let file = GgufFile::from_bytes(bytes).unwrap();
+//! assert_eq!(file.get_str("general.architecture").unwrap(), "llama");
+//! ```
+
+use crate::error::Result;
+use crate::ggml_type::GgmlType;
+use crate::gguf::{Array, GgufWriter, Value};
+use crate::quant;
+
+/// The shape and types of a tiny model. The vocabulary is GPT-2 style byte-level: the
+/// 256 byte tokens (no merges) and one control token, `<|endoftext|>` (id 256), which
+/// is also the end-of-sequence token.
+#[derive(Clone, Debug)]
+pub struct TinyModelSpec {
+    /// `"llama"` or `"qwen2"` (which adds Q/K/V biases); anything else makes a file the
+    /// model loader will refuse.
+    pub arch: String,
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Residual width.
+    pub d_model: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads.
+    pub n_kv_heads: usize,
+    /// MLP width.
+    pub n_ff: usize,
+    /// Type of the projection matrices.
+    pub weight_type: GgmlType,
+    /// Type of the embedding table.
+    pub embd_type: GgmlType,
+    /// Tie the output head to the embedding table (no `output.weight`).
+    pub tied: bool,
+    /// `rope.freq_base`.
+    pub rope_base: f32,
+    /// `context_length`.
+    pub context_length: usize,
+    /// Seed of the weights.
+    pub seed: u64,
+}
+
+impl Default for TinyModelSpec {
+    fn default() -> Self {
+        TinyModelSpec {
+            arch: "llama".into(),
+            n_layers: 2,
+            d_model: 64,
+            n_heads: 4,
+            n_kv_heads: 2,
+            n_ff: 128,
+            weight_type: GgmlType::Q8_0,
+            embd_type: GgmlType::Q8_0,
+            tied: true,
+            rope_base: 10000.0,
+            context_length: 256,
+            seed: 1,
+        }
+    }
+}
+
+/// Vocabulary size of every tiny model: 256 byte tokens and `<|endoftext|>`.
+pub const TINY_VOCAB: usize = 257;
+
+/// GPT-2's byte-to-character map: printable bytes stand for themselves, the others
+/// for the characters from U+0100 on, in order.
+pub fn gpt2_byte_char(byte: u8) -> char {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
+    if printable(byte) {
+        return byte as char;
+    }
+    let n = (0..byte).filter(|&b| !printable(b)).count() as u32;
+    char::from_u32(256 + n).expect("in the Latin Extended range")
+}
+
+/// A deterministic generator of uniform values (splitmix64).
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    fn values(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.uniform() * scale).collect()
+    }
+}
+
+impl TinyModelSpec {
+    /// Size of one head.
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_heads
+    }
+
+    /// The model as the bytes of a GGUF v3 file.
+    pub fn to_gguf_bytes(&self) -> Result<Vec<u8>> {
+        Ok(self.writer()?.to_bytes())
+    }
+
+    /// The model in a [`GgufWriter`], to add or change entries before writing.
+    pub fn writer(&self) -> Result<GgufWriter> {
+        let mut w = GgufWriter::new();
+        let a = self.arch.as_str();
+        let hd = self.head_dim();
+        let (d, q, kv, ff) = (
+            self.d_model as u64,
+            (self.n_heads * hd) as u64,
+            (self.n_kv_heads * hd) as u64,
+            self.n_ff as u64,
+        );
+        w.add_metadata("general.architecture", Value::String(a.into()))?;
+        w.add_metadata("general.name", Value::String("tiny random model".into()))?;
+        w.add_metadata(format!("{a}.block_count"), Value::U32(self.n_layers as u32))?;
+        w.add_metadata(
+            format!("{a}.context_length"),
+            Value::U32(self.context_length as u32),
+        )?;
+        w.add_metadata(
+            format!("{a}.embedding_length"),
+            Value::U32(self.d_model as u32),
+        )?;
+        w.add_metadata(
+            format!("{a}.feed_forward_length"),
+            Value::U32(self.n_ff as u32),
+        )?;
+        w.add_metadata(
+            format!("{a}.attention.head_count"),
+            Value::U32(self.n_heads as u32),
+        )?;
+        w.add_metadata(
+            format!("{a}.attention.head_count_kv"),
+            Value::U32(self.n_kv_heads as u32),
+        )?;
+        w.add_metadata(format!("{a}.rope.freq_base"), Value::F32(self.rope_base))?;
+        w.add_metadata(format!("{a}.rope.dimension_count"), Value::U32(hd as u32))?;
+        w.add_metadata(
+            format!("{a}.attention.layer_norm_rms_epsilon"),
+            Value::F32(1e-5),
+        )?;
+        let mut tokens: Vec<String> = (0..=255u8).map(|b| gpt2_byte_char(b).to_string()).collect();
+        tokens.push("<|endoftext|>".into());
+        let mut types = vec![1i32; 256];
+        types.push(3);
+        w.add_metadata("tokenizer.ggml.model", Value::String("gpt2".into()))?;
+        w.add_metadata("tokenizer.ggml.pre", Value::String("gpt-2".into()))?;
+        w.add_metadata("tokenizer.ggml.tokens", Value::Array(Array::String(tokens)))?;
+        w.add_metadata("tokenizer.ggml.token_type", Value::Array(Array::I32(types)))?;
+        w.add_metadata(
+            "tokenizer.ggml.merges",
+            Value::Array(Array::String(Vec::new())),
+        )?;
+        w.add_metadata("tokenizer.ggml.eos_token_id", Value::U32(256))?;
+        w.add_metadata("tokenizer.ggml.bos_token_id", Value::U32(256))?;
+        w.add_metadata("tokenizer.ggml.add_bos_token", Value::Bool(false))?;
+
+        let mut rng = Rng(self.seed);
+        let vocab = TINY_VOCAB as u64;
+        let mut matrix =
+            |w: &mut GgufWriter, name: &str, ty: GgmlType, cols: u64, rows: u64| -> Result<()> {
+                let values = rng.values((cols * rows) as usize, 1.0 / (cols as f32).sqrt());
+                w.add_tensor(name, ty, &[cols, rows], quant::quantize(ty, &values)?)
+            };
+        matrix(&mut w, "token_embd.weight", self.embd_type, d, vocab)?;
+        if !self.tied {
+            matrix(&mut w, "output.weight", self.weight_type, d, vocab)?;
+        }
+        let mut vectors = Rng(self.seed ^ 0x5555);
+        let mut norm = |w: &mut GgufWriter, name: &str, n: u64| -> Result<()> {
+            let v: Vec<f32> = (0..n).map(|_| 1.0 + 0.1 * vectors.uniform()).collect();
+            w.add_tensor_f32(name, &[n], &v)
+        };
+        norm(&mut w, "output_norm.weight", d)?;
+        let mut biases = Rng(self.seed ^ 0xaaaa);
+        for l in 0..self.n_layers {
+            let n = |s: &str| format!("blk.{l}.{s}");
+            norm(&mut w, &n("attn_norm.weight"), d)?;
+            norm(&mut w, &n("ffn_norm.weight"), d)?;
+            let t = self.weight_type;
+            matrix(&mut w, &n("attn_q.weight"), t, d, q)?;
+            matrix(&mut w, &n("attn_k.weight"), t, d, kv)?;
+            matrix(&mut w, &n("attn_v.weight"), t, d, kv)?;
+            matrix(&mut w, &n("attn_output.weight"), t, q, d)?;
+            matrix(&mut w, &n("ffn_gate.weight"), t, d, ff)?;
+            matrix(&mut w, &n("ffn_up.weight"), t, d, ff)?;
+            matrix(&mut w, &n("ffn_down.weight"), t, ff, d)?;
+            if self.arch == "qwen2" {
+                for (name, len) in [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)] {
+                    let v = biases.values(len as usize, 0.1);
+                    w.add_tensor_f32(n(name), &[len], &v)?;
+                }
+            }
+        }
+        Ok(w)
+    }
+}

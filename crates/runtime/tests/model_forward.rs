@@ -1,0 +1,353 @@
+//! The forward pass against an independent f64 reference on tiny random models, and
+//! the properties the engine promises (chunked prefill, thread counts, errors).
+
+use std::sync::Arc;
+
+use ballast_runtime::ggml_type::GgmlType;
+use ballast_runtime::gguf::{GgufFile, GgufWriter, Value};
+use ballast_runtime::kv::DenseKv;
+use ballast_runtime::model::Logits;
+use ballast_runtime::quant;
+use ballast_runtime::testing::{TinyModelSpec, TINY_VOCAB};
+use ballast_runtime::{CpuBackend, Error, Model, Session};
+use proptest::prelude::*;
+
+fn load(spec: &TinyModelSpec, threads: usize) -> Model {
+    let file = Arc::new(GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap());
+    Model::load(file, Arc::new(CpuBackend::new(threads)), false).unwrap()
+}
+
+/// A tensor of the file as f64 values.
+fn tensor(file: &GgufFile, name: &str) -> Vec<f64> {
+    let info = file.tensor(name).unwrap().clone();
+    let mut out = vec![0f32; info.n_elements() as usize];
+    quant::dequantize(info.ty, file.tensor_data(&info), &mut out).unwrap();
+    out.into_iter().map(f64::from).collect()
+}
+
+/// `W x` for a ggml-order weight of `rows` rows of `x.len()`.
+fn matvec(w: &[f64], x: &[f64]) -> Vec<f64> {
+    w.chunks_exact(x.len())
+        .map(|row| row.iter().zip(x).map(|(a, b)| a * b).sum())
+        .collect()
+}
+
+fn rms_norm(x: &[f64], scale: &[f64], eps: f64) -> Vec<f64> {
+    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+    let inv = 1.0 / (ms + eps).sqrt();
+    x.iter().zip(scale).map(|(v, s)| v * inv * s).collect()
+}
+
+fn rope(x: &mut [f64], pos: usize, head_dim: usize, base: f64, neox: bool) {
+    for head in x.chunks_exact_mut(head_dim) {
+        for i in 0..head_dim / 2 {
+            let theta = pos as f64 * base.powf(-2.0 * i as f64 / head_dim as f64);
+            let (a, b) = if neox {
+                (i, i + head_dim / 2)
+            } else {
+                (2 * i, 2 * i + 1)
+            };
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0 * theta.cos() - x1 * theta.sin();
+            head[b] = x0 * theta.sin() + x1 * theta.cos();
+        }
+    }
+}
+
+/// The logits of every position of `ids`, computed directly from the definition.
+fn reference_logits(spec: &TinyModelSpec, ids: &[u32]) -> Vec<Vec<f64>> {
+    let file = GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap();
+    let (d, hd) = (spec.d_model, spec.head_dim());
+    let group = spec.n_heads / spec.n_kv_heads;
+    let neox = spec.arch == "qwen2";
+    let embd = tensor(&file, "token_embd.weight");
+    let out_w = if spec.tied {
+        embd.clone()
+    } else {
+        tensor(&file, "output.weight")
+    };
+    let mut xs: Vec<Vec<f64>> = ids
+        .iter()
+        .map(|&id| embd[id as usize * d..(id as usize + 1) * d].to_vec())
+        .collect();
+    for l in 0..spec.n_layers {
+        let t = |s: &str| tensor(&file, &format!("blk.{l}.{s}"));
+        let bias = |s: &str, n: usize| {
+            if neox {
+                t(s)
+            } else {
+                vec![0.0; n]
+            }
+        };
+        let (wq, wk, wv, wo) = (
+            t("attn_q.weight"),
+            t("attn_k.weight"),
+            t("attn_v.weight"),
+            t("attn_output.weight"),
+        );
+        let (bq, bk, bv) = (
+            bias("attn_q.bias", spec.n_heads * hd),
+            bias("attn_k.bias", spec.n_kv_heads * hd),
+            bias("attn_v.bias", spec.n_kv_heads * hd),
+        );
+        let add = |a: Vec<f64>, b: &[f64]| a.iter().zip(b).map(|(x, y)| x + y).collect::<Vec<_>>();
+        let mut qs = Vec::new();
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        for (p, x) in xs.iter().enumerate() {
+            let h = rms_norm(x, &t("attn_norm.weight"), 1e-5);
+            let mut q = add(matvec(&wq, &h), &bq);
+            let mut k = add(matvec(&wk, &h), &bk);
+            rope(&mut q, p, hd, spec.rope_base as f64, neox);
+            rope(&mut k, p, hd, spec.rope_base as f64, neox);
+            qs.push(q);
+            ks.push(k);
+            vs.push(add(matvec(&wv, &h), &bv));
+        }
+        for (p, x) in xs.iter_mut().enumerate() {
+            let mut attn = vec![0.0; spec.n_heads * hd];
+            for h in 0..spec.n_heads {
+                let kvh = h / group;
+                let q = &qs[p][h * hd..(h + 1) * hd];
+                let scores: Vec<f64> = (0..=p)
+                    .map(|j| {
+                        q.iter()
+                            .zip(&ks[j][kvh * hd..(kvh + 1) * hd])
+                            .map(|(a, b)| a * b)
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for (j, w) in e.iter().enumerate() {
+                    for i in 0..hd {
+                        attn[h * hd + i] += w / sum * vs[j][kvh * hd + i];
+                    }
+                }
+            }
+            let o = matvec(&wo, &attn);
+            for (a, b) in x.iter_mut().zip(&o) {
+                *a += b;
+            }
+            let h = rms_norm(x, &t("ffn_norm.weight"), 1e-5);
+            let g = matvec(&t("ffn_gate.weight"), &h);
+            let u = matvec(&t("ffn_up.weight"), &h);
+            let act: Vec<f64> = g
+                .iter()
+                .zip(&u)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            let down = matvec(&t("ffn_down.weight"), &act);
+            for (a, b) in x.iter_mut().zip(&down) {
+                *a += b;
+            }
+        }
+    }
+    let norm = tensor(&file, "output_norm.weight");
+    xs.iter()
+        .map(|x| matvec(&out_w, &rms_norm(x, &norm, 1e-5)))
+        .collect()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - y).abs())
+        .fold(0.0, f64::max)
+}
+
+fn all_logits(model: &mut Model, ids: &[u32]) -> Vec<f32> {
+    let mut kv = DenseKv::new(model.kv_shape(), 64);
+    let positions: Vec<u32> = (0..ids.len() as u32).collect();
+    model
+        .forward(ids, &positions, &mut kv, None, Logits::All)
+        .unwrap()
+        .to_vec()
+}
+
+fn check_against_reference(spec: TinyModelSpec, tolerance: f64) {
+    let ids = [72u32, 101, 108, 108, 111, 44, 32, 119, 256, 3];
+    let reference = reference_logits(&spec, &ids);
+    let mut model = load(&spec, 2);
+    let got = all_logits(&mut model, &ids);
+    for (p, want) in reference.iter().enumerate() {
+        let row = &got[p * TINY_VOCAB..(p + 1) * TINY_VOCAB];
+        let diff = max_abs_diff(row, want);
+        assert!(
+            diff < tolerance,
+            "{} {:?}: position {p} differs by {diff}",
+            spec.arch,
+            spec.weight_type
+        );
+    }
+}
+
+// F32 weights keep f32 activations: only f32 rounding separates the engine from the
+// f64 reference.
+#[test]
+fn llama_f32_matches_reference() {
+    let spec = TinyModelSpec {
+        weight_type: GgmlType::F32,
+        embd_type: GgmlType::F32,
+        tied: false,
+        ..Default::default()
+    };
+    check_against_reference(spec, 1e-3);
+}
+
+#[test]
+fn qwen2_with_biases_and_neox_rope_matches_reference() {
+    let spec = TinyModelSpec {
+        arch: "qwen2".into(),
+        weight_type: GgmlType::F32,
+        embd_type: GgmlType::F32,
+        ..Default::default()
+    };
+    check_against_reference(spec, 1e-3);
+}
+
+// Q8_0 weights: the activations are quantized to 8 bits before each product (as
+// llama.cpp does), which costs about 1% relative error per product.
+#[test]
+fn llama_q8_0_matches_reference_within_activation_rounding() {
+    check_against_reference(TinyModelSpec::default(), 0.05);
+}
+
+#[test]
+fn llama_q4_k_runs_and_matches_reference_loosely() {
+    let spec = TinyModelSpec {
+        d_model: 256,
+        n_heads: 4,
+        n_kv_heads: 1,
+        n_ff: 512,
+        weight_type: GgmlType::Q4_K,
+        embd_type: GgmlType::Q6_K,
+        n_layers: 1,
+        ..Default::default()
+    };
+    check_against_reference(spec, 0.1);
+}
+
+#[test]
+fn thread_count_does_not_change_results() {
+    let spec = TinyModelSpec::default();
+    let ids = [1u32, 2, 3, 4, 5, 6, 7, 8, 9];
+    let one = all_logits(&mut load(&spec, 1), &ids);
+    let two = all_logits(&mut load(&spec, 2), &ids);
+    let three = all_logits(&mut load(&spec, 3), &ids);
+    assert_eq!(one, two);
+    assert_eq!(one, three);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Prefill in chunks of any size, then decode, ends with the same logits as feeding
+    /// one token at a time.
+    #[test]
+    fn chunked_prefill_equals_token_by_token(
+        ids in proptest::collection::vec(0u32..TINY_VOCAB as u32, 1..40),
+        batch in 1usize..17,
+    ) {
+        let spec = TinyModelSpec::default();
+        let mut chunked = Session::new(load(&spec, 2), 64);
+        chunked.set_batch(batch);
+        let a = chunked.feed(&ids).unwrap().to_vec();
+        let mut single = Session::new(load(&spec, 1), 64);
+        let mut b = Vec::new();
+        for &id in &ids {
+            b = single.feed(&[id]).unwrap().to_vec();
+        }
+        let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        prop_assert!(diff < 1e-3, "differs by {}", diff);
+    }
+}
+
+#[test]
+fn a_full_context_is_an_error_naming_the_limit() {
+    let mut session = Session::new(load(&TinyModelSpec::default(), 1), 8);
+    let err = session.feed(&[1; 9]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::ContextFull {
+                needed: 9,
+                capacity: 8
+            }
+        ),
+        "{err}"
+    );
+    session.feed(&[1; 8]).unwrap();
+    assert!(matches!(
+        session.feed(&[1]).unwrap_err(),
+        Error::ContextFull { .. }
+    ));
+}
+
+#[test]
+fn a_token_outside_the_vocabulary_is_an_error() {
+    let mut session = Session::new(load(&TinyModelSpec::default(), 1), 8);
+    let err = session.feed(&[TINY_VOCAB as u32]).unwrap_err();
+    assert!(matches!(err, Error::TokenId { .. }), "{err}");
+}
+
+#[test]
+fn an_unknown_architecture_is_named() {
+    let spec = TinyModelSpec {
+        arch: "mamba".into(),
+        ..Default::default()
+    };
+    let file = Arc::new(GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap());
+    let err = Model::load(file, Arc::new(CpuBackend::new(1)), false)
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("mamba"), "{err}");
+}
+
+/// `spec`'s file with metadata `key` set to `value` (tensors unchanged).
+fn with_metadata(spec: &TinyModelSpec, key: &str, value: Value) -> Arc<GgufFile> {
+    let file = GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in file.metadata() {
+        w.add_metadata(k.clone(), if k == key { value.clone() } else { v.clone() })
+            .unwrap();
+    }
+    for t in file.tensors() {
+        w.add_tensor(t.name.clone(), t.ty, &t.dims, file.tensor_data(t).to_vec())
+            .unwrap();
+    }
+    Arc::new(GgufFile::from_bytes(w.to_bytes()).unwrap())
+}
+
+#[test]
+fn a_missing_tensor_is_named() {
+    // Two layers announced, one present.
+    let spec = TinyModelSpec {
+        n_layers: 1,
+        ..Default::default()
+    };
+    let file = with_metadata(&spec, "llama.block_count", Value::U32(2));
+    let err = Model::load(file, Arc::new(CpuBackend::new(1)), false)
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("blk.1.attn_norm.weight"), "{err}");
+}
+
+#[test]
+fn a_wrongly_shaped_tensor_is_named() {
+    // An MLP width that the tensors were not made for.
+    let file = with_metadata(
+        &TinyModelSpec::default(),
+        "llama.feed_forward_length",
+        Value::U32(96),
+    );
+    let err = Model::load(file, Arc::new(CpuBackend::new(1)), false)
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, Error::TensorShape { ref tensor, .. } if tensor == "blk.0.ffn_gate.weight"),
+        "{err}"
+    );
+}
