@@ -1,0 +1,223 @@
+//! `ballast bench`: prompt-processing and generation speed, with llama-bench's flags.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use ballast_runtime::backend::OpTimesSnapshot;
+use ballast_runtime::gguf::GgufFile;
+use ballast_runtime::memory::peak_rss_kib;
+use ballast_runtime::{Backend, CpuBackend, Model, Session};
+use clap::Args;
+use serde_json::json;
+
+use crate::common::{self, human_bytes};
+
+/// Flags of `ballast bench` (as llama-bench's).
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// GGUF model file. Default: the default model, fetched on first use.
+    #[arg(short = 'm', long)]
+    pub model: Option<std::path::PathBuf>,
+    /// Prompt tokens to process per repetition (0 to skip).
+    #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
+    pub n_prompt: usize,
+    /// Tokens to generate per repetition (0 to skip).
+    #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
+    pub n_gen: usize,
+    /// Repetitions of each test.
+    #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
+    pub repetitions: usize,
+    /// Thread counts to test, comma-separated (e.g. 1,2).
+    #[arg(short = 't', long = "threads", value_delimiter = ',')]
+    pub threads: Vec<usize>,
+    /// Read the weights into RAM instead of memory-mapping the file.
+    #[arg(long)]
+    pub no_mmap: bool,
+    /// Print one JSON object per test instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+struct TestResult {
+    test: String,
+    threads: usize,
+    tokens_per_s: Vec<f64>,
+    per_token: Option<OpTimesSnapshot>,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    if n == 0 {
+        0.0
+    } else if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}
+
+/// Deterministic pseudo-random prompt tokens (llama-bench also uses random tokens).
+fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+fn per_token(t: OpTimesSnapshot, n: usize) -> OpTimesSnapshot {
+    let n = n.max(1) as u32;
+    OpTimesSnapshot {
+        matmul: t.matmul / n,
+        attention: t.attention / n,
+        other: t.other / n,
+    }
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    let path = common::resolve_model(args.model.as_deref())?;
+    let file = Arc::new(GgufFile::open(&path, !args.no_mmap)?);
+    let threads = if args.threads.is_empty() {
+        vec![common::threads(None)]
+    } else {
+        args.threads.clone()
+    };
+    anyhow::ensure!(args.repetitions > 0, "-r must be at least 1");
+    let size: u64 = file.tensors().iter().map(|t| t.n_bytes).sum();
+    let mut results = Vec::new();
+    let mut backend_name = String::new();
+    for &t in &threads {
+        let backend = Arc::new(CpuBackend::new(t));
+        let model = Model::load(file.clone(), backend.clone(), !args.no_mmap)?;
+        backend_name = model.backend().name();
+        let vocab = model.config().vocab_size;
+        let ctx = args.n_prompt.max(args.n_gen) + 1;
+        let mut session = Session::new(model, ctx);
+        if args.n_prompt > 0 {
+            session.set_batch(args.n_prompt);
+            let prompt = prompt_tokens(args.n_prompt, vocab);
+            session.feed(&prompt)?; // warm-up
+            let mut speeds = Vec::new();
+            for _ in 0..args.repetitions {
+                session.rewind(0);
+                let start = Instant::now();
+                session.feed(&prompt)?;
+                speeds.push(args.n_prompt as f64 / start.elapsed().as_secs_f64());
+            }
+            results.push(TestResult {
+                test: format!("pp{}", args.n_prompt),
+                threads: t,
+                tokens_per_s: speeds,
+                per_token: None,
+            });
+        }
+        if args.n_gen > 0 {
+            let tokens = prompt_tokens(args.n_gen, vocab);
+            session.rewind(0);
+            session.feed(&tokens[..1])?; // warm-up
+            let mut speeds = Vec::new();
+            let mut busy = OpTimesSnapshot::default();
+            let mut wall = Duration::ZERO;
+            for _ in 0..args.repetitions {
+                session.rewind(0);
+                backend.op_times().reset();
+                let start = Instant::now();
+                for &id in &tokens {
+                    session.feed(&[id])?;
+                }
+                let elapsed = start.elapsed();
+                wall += elapsed;
+                let s = backend.op_times().snapshot();
+                busy.matmul += s.matmul;
+                busy.attention += s.attention;
+                busy.other += s.other;
+                speeds.push(args.n_gen as f64 / elapsed.as_secs_f64());
+            }
+            let n = args.n_gen * args.repetitions;
+            let mut pt = per_token(busy, n);
+            // Whatever no op accounted for (sampling excluded: there is none here)
+            // is engine overhead; show it with "other".
+            let accounted = busy.matmul + busy.attention + busy.other;
+            pt.other += wall.saturating_sub(accounted) / n.max(1) as u32;
+            results.push(TestResult {
+                test: format!("tg{}", args.n_gen),
+                threads: t,
+                tokens_per_s: speeds,
+                per_token: Some(pt),
+            });
+        }
+    }
+    let model_name = path
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    if args.json {
+        for r in &results {
+            let spread = (
+                r.tokens_per_s.iter().copied().fold(f64::INFINITY, f64::min),
+                r.tokens_per_s.iter().copied().fold(0.0, f64::max),
+            );
+            let mut obj = json!({
+                "model": model_name, "size_bytes": size, "backend": backend_name,
+                "threads": r.threads, "test": r.test,
+                "tokens_per_s_median": median(&r.tokens_per_s),
+                "tokens_per_s_min": spread.0, "tokens_per_s_max": spread.1,
+                "samples": r.tokens_per_s,
+            });
+            if let Some(pt) = r.per_token {
+                obj["per_token_ms"] = json!({
+                    "matmul": pt.matmul.as_secs_f64() * 1e3,
+                    "attention": pt.attention.as_secs_f64() * 1e3,
+                    "rest": pt.other.as_secs_f64() * 1e3,
+                });
+            }
+            println!("{obj}");
+        }
+        return Ok(());
+    }
+    println!("| model | size | backend | threads | test | t/s (median) | spread (min - max) |");
+    println!("| --- | ---: | --- | ---: | --- | ---: | ---: |");
+    for r in &results {
+        let lo = r.tokens_per_s.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = r.tokens_per_s.iter().copied().fold(0.0, f64::max);
+        println!(
+            "| {} | {} | {} | {} | {} | {:.2} | {:.2} - {:.2} |",
+            model_name,
+            human_bytes(size),
+            backend_name.split(" (").next().unwrap_or("cpu"),
+            r.threads,
+            r.test,
+            median(&r.tokens_per_s),
+            lo,
+            hi
+        );
+    }
+    println!("\nwhere a generated token's time goes (mean per token):");
+    for r in &results {
+        if let Some(pt) = r.per_token {
+            let total = pt.matmul + pt.attention + pt.other;
+            let pct = |d: Duration| 100.0 * d.as_secs_f64() / total.as_secs_f64().max(1e-12);
+            println!(
+                "  {} threads: matrix products {:.3} ms ({:.0}%), attention {:.3} ms ({:.0}%), the rest {:.3} ms ({:.0}%)",
+                r.threads,
+                pt.matmul.as_secs_f64() * 1e3,
+                pct(pt.matmul),
+                pt.attention.as_secs_f64() * 1e3,
+                pct(pt.attention),
+                pt.other.as_secs_f64() * 1e3,
+                pct(pt.other),
+            );
+        }
+    }
+    if let Some(kib) = peak_rss_kib() {
+        println!("peak resident memory: {}", human_bytes(kib * 1024));
+    }
+    println!("backend: {backend_name}");
+    Ok(())
+}

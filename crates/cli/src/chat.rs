@@ -1,0 +1,115 @@
+//! `ballast chat`: a conversation using the model's own chat template.
+
+use std::io::{BufRead, Write};
+
+use anyhow::{Context, Result};
+use ballast_runtime::chat::{ChatMessage, ChatTemplate};
+use ballast_runtime::tokenizer::StreamDecoder;
+use ballast_runtime::{Sampler, Session};
+use clap::Args;
+
+use crate::common::{self, ModelArgs, SamplingArgs};
+
+/// Flags of `ballast chat`.
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// A system prompt (the template's own default when not given).
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Most tokens per answer.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 512)]
+    pub n_predict: usize,
+    /// Context size in tokens (the whole conversation).
+    #[arg(short = 'c', long = "ctx", default_value_t = 4096)]
+    pub ctx: usize,
+}
+
+pub fn run(args: ChatArgs) -> Result<()> {
+    let threads = common::threads(args.model.threads);
+    let loaded = common::load(&args.model, threads)?;
+    let source = loaded
+        .file
+        .get_str("tokenizer.chat_template")
+        .context("this model has no chat template; use `ballast run`")?;
+    let template = ChatTemplate::new(source)?;
+    let tokenizer = loaded.tokenizer;
+    let bos = tokenizer
+        .bos_id()
+        .map(|id| tokenizer.decode(&[id]))
+        .unwrap_or_default();
+    let eos = tokenizer
+        .eos_id()
+        .map(|id| tokenizer.decode(&[id]))
+        .unwrap_or_default();
+    let mut session = Session::new(loaded.model, args.ctx);
+    let mut sampler = Sampler::new(args.sampling.config());
+    let mut messages: Vec<ChatMessage> = Vec::new();
+    if let Some(system) = &args.system {
+        messages.push(ChatMessage {
+            role: "system".into(),
+            content: system.clone(),
+        });
+    }
+    // The text the cache holds so far. Each turn renders the whole conversation; when
+    // it extends what was fed, only the new part is fed, else the cache starts over.
+    let mut fed = String::new();
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout();
+    eprintln!("chat with the model; an empty line or end of input quits.");
+    loop {
+        eprint!("> ");
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
+            break;
+        }
+        messages.push(ChatMessage {
+            role: "user".into(),
+            content: line.trim_end().to_string(),
+        });
+        let text = template.render(&messages, true, &bos, &eos)?;
+        let new_text = match text.strip_prefix(fed.as_str()) {
+            Some(rest) if !fed.is_empty() => rest.to_string(),
+            _ => {
+                session.rewind(0);
+                text.clone()
+            }
+        };
+        let ids = tokenizer.encode(&new_text, session.tokens().is_empty(), true)?;
+        anyhow::ensure!(
+            session.tokens().len() + ids.len() < args.ctx,
+            "the conversation no longer fits the context of {} tokens (raise -c)",
+            args.ctx
+        );
+        session.feed(&ids)?;
+        let mut next = sampler.sample(session.logits(), session.tokens());
+        let mut decoder = StreamDecoder::new();
+        let mut answer = String::new();
+        for _ in 0..args.n_predict {
+            if tokenizer.is_end_of_generation(next) || session.tokens().len() + 1 >= args.ctx {
+                break;
+            }
+            let piece = decoder.push(&tokenizer, next);
+            answer.push_str(&piece);
+            write!(out, "{piece}")?;
+            out.flush()?;
+            session.feed(&[next])?;
+            next = sampler.sample(session.logits(), session.tokens());
+        }
+        let tail = decoder.finish();
+        answer.push_str(&tail);
+        writeln!(out, "{tail}")?;
+        if tokenizer.is_end_of_generation(next) && session.tokens().len() + 1 < args.ctx {
+            session.feed(&[next])?;
+        }
+        fed = tokenizer.decode_with(session.tokens(), true);
+        messages.push(ChatMessage {
+            role: "assistant".into(),
+            content: answer,
+        });
+    }
+    Ok(())
+}

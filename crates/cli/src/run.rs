@@ -1,0 +1,175 @@
+//! `ballast run`: generate text from a prompt.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use ballast_runtime::memory::peak_rss_kib;
+use ballast_runtime::sampler::log_softmax_at;
+use ballast_runtime::tokenizer::StreamDecoder;
+use ballast_runtime::{Sampler, Session};
+use clap::Args;
+use serde_json::json;
+
+use crate::common::{self, ModelArgs, SamplingArgs};
+
+/// Flags of `ballast run`.
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// The prompt. Special tokens written in it (such as `<|im_start|>`) are parsed
+    /// as those tokens, as llama.cpp does.
+    pub prompt: String,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Tokens to generate (stops earlier at an end-of-generation token).
+    #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
+    pub n_predict: usize,
+    /// Context size in tokens (prompt plus generation).
+    #[arg(short = 'c', long = "ctx", default_value_t = 2048)]
+    pub ctx: usize,
+    /// Prompt tokens per forward pass.
+    #[arg(short = 'b', long = "batch", default_value_t = 64)]
+    pub batch: usize,
+    /// Keep generating past end-of-generation tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Do not echo the prompt before the generation.
+    #[arg(long)]
+    pub no_echo: bool,
+    /// One JSON object per line instead of text: one per generated token (id, text,
+    /// logprob), then one with the timings.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Speeds and memory of one generation.
+pub struct Timings {
+    pub prompt_tokens: usize,
+    pub prompt_time: Duration,
+    pub generated_tokens: usize,
+    pub generation_time: Duration,
+}
+
+impl Timings {
+    fn per_s(n: usize, t: Duration) -> f64 {
+        if t.is_zero() {
+            0.0
+        } else {
+            n as f64 / t.as_secs_f64()
+        }
+    }
+
+    pub fn prompt_tps(&self) -> f64 {
+        Timings::per_s(self.prompt_tokens, self.prompt_time)
+    }
+
+    pub fn generation_tps(&self) -> f64 {
+        // The first generated token comes from the prompt's logits; the rest each cost
+        // one forward pass, which is what the generation time measured.
+        Timings::per_s(
+            self.generated_tokens.saturating_sub(1),
+            self.generation_time,
+        )
+    }
+}
+
+pub fn run(args: RunArgs) -> Result<()> {
+    let threads = common::threads(args.model.threads);
+    let loaded = common::load(&args.model, threads)?;
+    let tokenizer = loaded.tokenizer;
+    let prompt_ids = tokenizer
+        .encode(&args.prompt, true, true)
+        .context("tokenizing the prompt")?;
+    anyhow::ensure!(!prompt_ids.is_empty(), "the prompt is empty");
+    anyhow::ensure!(
+        prompt_ids.len() < args.ctx,
+        "the prompt is {} tokens, which does not fit the context of {} (raise -c)",
+        prompt_ids.len(),
+        args.ctx
+    );
+    let backend_name = loaded.model.backend().name();
+    let mut session = Session::new(loaded.model, args.ctx);
+    session.set_batch(args.batch);
+    let mut sampler = Sampler::new(args.sampling.config());
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    if !args.json && !args.no_echo {
+        write!(out, "{}", args.prompt)?;
+        out.flush()?;
+    }
+    let start = Instant::now();
+    session.feed(&prompt_ids)?;
+    let logits = session.logits();
+    let prompt_time = start.elapsed();
+    let mut next = sampler.sample(logits, session.tokens());
+    let mut logprob = log_softmax_at(logits, next);
+    let mut decoder = StreamDecoder::new();
+    let mut generated = 0;
+    let gen_start = Instant::now();
+    let budget = args.n_predict.min(args.ctx - prompt_ids.len());
+    while generated < budget {
+        if !args.ignore_eos && tokenizer.is_end_of_generation(next) {
+            break;
+        }
+        generated += 1;
+        let text = decoder.push(&tokenizer, next);
+        if args.json {
+            let piece = String::from_utf8_lossy(tokenizer.token_bytes(next)).into_owned();
+            writeln!(
+                out,
+                "{}",
+                json!({"id": next, "text": piece, "logprob": logprob})
+            )?;
+        } else {
+            write!(out, "{text}")?;
+            out.flush()?;
+        }
+        if generated == budget {
+            break;
+        }
+        session.feed(&[next])?;
+        let logits = session.logits();
+        next = sampler.sample(logits, session.tokens());
+        logprob = log_softmax_at(logits, next);
+    }
+    let timings = Timings {
+        prompt_tokens: prompt_ids.len(),
+        prompt_time,
+        generated_tokens: generated,
+        generation_time: gen_start.elapsed(),
+    };
+    let peak = peak_rss_kib();
+    if args.json {
+        writeln!(
+            out,
+            "{}",
+            json!({"timings": {
+                "prompt_tokens": timings.prompt_tokens,
+                "prompt_ms": timings.prompt_time.as_secs_f64() * 1e3,
+                "prompt_tokens_per_s": timings.prompt_tps(),
+                "generated_tokens": timings.generated_tokens,
+                "generation_ms": timings.generation_time.as_secs_f64() * 1e3,
+                "generation_tokens_per_s": timings.generation_tps(),
+                "peak_rss_kib": peak,
+                "threads": threads,
+                "backend": backend_name,
+            }})
+        )?;
+    } else {
+        write!(out, "{}", decoder.finish())?;
+        writeln!(out)?;
+        out.flush()?;
+        eprintln!(
+            "\nprompt: {} tokens, {:.1} tokens/s | generation: {} tokens, {:.1} tokens/s | peak memory {} | {}",
+            timings.prompt_tokens,
+            timings.prompt_tps(),
+            timings.generated_tokens,
+            timings.generation_tps(),
+            peak.map_or("unknown".into(), |k| common::human_bytes(k * 1024)),
+            backend_name,
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,218 @@
+//! The `ballast` binary end to end, on tiny random models written by the runtime's
+//! GGUF writer (fast), and its errors on bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use ballast_runtime::testing::TinyModelSpec;
+
+fn ballast(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ballast"))
+        .args(args)
+        // Keep the default-model cache out of reach: these tests name their models.
+        .env(
+            "BALLAST_HOME",
+            std::env::temp_dir().join("ballast-cli-tests-no-cache"),
+        )
+        .output()
+        .expect("running ballast")
+}
+
+fn tiny_model(dir: &Path) -> PathBuf {
+    let path = dir.join("tiny.gguf");
+    std::fs::write(&path, TinyModelSpec::default().to_gguf_bytes().unwrap()).unwrap();
+    path
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn run_streams_text_and_reports_speed() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let o = ballast(&[
+        "run",
+        "-m",
+        model.to_str().unwrap(),
+        "Hello",
+        "-n",
+        "12",
+        "--temp",
+        "0",
+        "--ignore-eos",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).starts_with("Hello"), "{}", stdout(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("prompt: 5 tokens") && err.contains("generation: 12 tokens"),
+        "{err}"
+    );
+    assert!(err.contains("peak memory"), "{err}");
+}
+
+#[test]
+fn greedy_runs_are_repeatable_and_seeded_sampling_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let m = model.to_str().unwrap();
+    let greedy = |extra: &[&str]| {
+        let mut args = vec!["run", "-m", m, "abc", "-n", "16", "--ignore-eos", "--json"];
+        args.extend_from_slice(extra);
+        let o = ballast(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    let g1 = strip_timings(&greedy(&["--temp", "0"]));
+    assert_eq!(g1.lines().count(), 16);
+    assert_eq!(g1, strip_timings(&greedy(&["--temp", "0"])));
+    let a = strip_timings(&greedy(&["--temp", "1", "--seed", "7"]));
+    let b = strip_timings(&greedy(&["--temp", "1", "--seed", "7"]));
+    assert_eq!(a, b);
+}
+
+fn strip_timings(s: &str) -> String {
+    s.lines()
+        .filter(|l| !l.contains("\"timings\""))
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+#[test]
+fn json_output_is_one_object_per_token_then_timings() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let o = ballast(&[
+        "run",
+        "-m",
+        model.to_str().unwrap(),
+        "Hi",
+        "-n",
+        "6",
+        "--temp",
+        "0",
+        "--ignore-eos",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lines: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 7);
+    for token in &lines[..6] {
+        assert!(token["id"].as_u64().unwrap() < 257);
+        assert!(token["text"].is_string());
+        assert!(token["logprob"].as_f64().unwrap() <= 0.0);
+    }
+    let t = &lines[6]["timings"];
+    assert_eq!(t["prompt_tokens"], 2);
+    assert_eq!(t["generated_tokens"], 6);
+    assert!(t["generation_tokens_per_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn inspect_prints_metadata_and_tensors() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let o = ballast(&["inspect", model.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("llama.block_count")
+            && out.contains("blk.1.ffn_down.weight")
+            && out.contains("Q8_0"),
+        "{out}"
+    );
+}
+
+#[test]
+fn bench_and_perplexity_report_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let m = model.to_str().unwrap();
+    let o = ballast(&[
+        "bench", "-m", m, "-p", "16", "-n", "8", "-r", "2", "-t", "1,2", "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 4, "pp and tg at two thread counts");
+    assert!(rows
+        .iter()
+        .all(|r| r["tokens_per_s_median"].as_f64().unwrap() > 0.0));
+    assert!(rows[1]["per_token_ms"]["matmul"].as_f64().unwrap() > 0.0);
+
+    let text = dir.path().join("text.txt");
+    std::fs::write(
+        &text,
+        "The quick brown fox jumps over the lazy dog. ".repeat(20),
+    )
+    .unwrap();
+    let o = ballast(&[
+        "perplexity",
+        "-m",
+        m,
+        "-f",
+        text.to_str().unwrap(),
+        "-c",
+        "64",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let ppl = r["perplexity"].as_f64().unwrap();
+    // A random model over 257 tokens: finite and in the ballpark of the vocabulary.
+    assert!(ppl.is_finite() && ppl > 1.0 && ppl < 10_000.0, "{ppl}");
+    assert_eq!(r["scored_tokens"], r["chunks"].as_u64().unwrap() * 31);
+}
+
+#[test]
+fn a_missing_model_file_is_named() {
+    let o = ballast(&["run", "-m", "/nonexistent/model.gguf", "hi"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("/nonexistent/model.gguf"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn a_corrupt_model_file_is_named_not_a_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+    let o = ballast(&["run", "-m", model.to_str().unwrap(), "hi"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("tiny.gguf") && !err.contains("panicked"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_prompt_longer_than_the_context_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let o = ballast(&[
+        "run",
+        "-m",
+        model.to_str().unwrap(),
+        &"x".repeat(100),
+        "-c",
+        "32",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("context of 32"), "{}", stderr(&o));
+}
