@@ -340,8 +340,9 @@ proptest! {
         }
     }
 
-    /// `quantize_activations` (SIMD when available) gives exactly the bytes of the scalar
-    /// reference quantizer `quantize`, including on ties (multiples of d / 2).
+    /// `quantize_activations` (SIMD when available) gives exactly the bytes of the rule
+    /// llama.cpp's x86 activation quantizers follow (see `x86_activation_reference`),
+    /// including on ties (multiples of d / 2).
     #[test]
     fn activation_quantization_matches_reference(seed in any::<u64>()) {
         let mut r = Rng(seed);
@@ -359,7 +360,12 @@ proptest! {
                 .collect();
             let mut acts = QuantizedActivations::new();
             quant::quantize_activations(weight, &x, n, k, &mut acts).unwrap();
-            prop_assert_eq!(acts.bytes(), &quant::quantize(at, &x).unwrap()[..]);
+            let want = if at == GgmlType::Q8_K {
+                quant::quantize(at, &x).unwrap()
+            } else {
+                x86_activation_reference(at, &x)
+            };
+            prop_assert_eq!(acts.bytes(), &want[..]);
         }
     }
 
@@ -405,6 +411,45 @@ proptest! {
                 }
             }
         }
+    }
+}
+
+/// llama.cpp's x86 `quantize_row_q8_0` / `quantize_row_q8_1`, written from its
+/// description: `d = amax / 127` stored as f16, `q = round_half_even(x * (127 / amax))`,
+/// and for Q8_1 `s = f16(d * sum(q))`.
+fn x86_activation_reference(ty: GgmlType, x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for block in x.chunks(32) {
+        let amax = block.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let q: Vec<i8> = block
+            .iter()
+            .map(|v| (v * id).round_ties_even() as i8)
+            .collect();
+        out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+        if ty == GgmlType::Q8_1 {
+            let sum: i32 = q.iter().map(|&v| v as i32).sum();
+            out.extend_from_slice(&f16::from_f32(d * sum as f32).to_le_bytes());
+        }
+        out.extend(q.iter().map(|&v| v as u8));
+    }
+    out
+}
+
+#[test]
+fn activation_rounding_is_llama_cpp_x86_half_to_even() {
+    let mut x = vec![0f32; 32];
+    x[..8].copy_from_slice(&[127.0, 63.5, -63.5, 0.5, -0.5, 2.5, -2.5, 1.49]);
+    for weight in [GgmlType::Q8_0, GgmlType::Q4_1] {
+        let mut acts = QuantizedActivations::new();
+        quant::quantize_activations(weight, &x, 1, 32, &mut acts).unwrap();
+        let off = if weight == GgmlType::Q4_1 { 4 } else { 2 };
+        let qs: Vec<i8> = acts.bytes()[off..off + 8]
+            .iter()
+            .map(|&b| b as i8)
+            .collect();
+        assert_eq!(qs, [127, 64, -64, 0, 0, 2, -2, 1], "{weight:?}");
     }
 }
 

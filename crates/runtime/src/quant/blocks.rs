@@ -221,6 +221,35 @@ fn roundf_i32(v: f32) -> i32 {
     }
 }
 
+/// Quantizes activation rows to Q8_0 / Q8_1 (or Q8_K) the way llama.cpp does on the
+/// CPUs its reference outputs come from: its x86 (AVX/AVX2/AVX-512) `quantize_row_q8_0`
+/// and `quantize_row_q8_1` scale by `127 / amax` and round half to even
+/// (`_mm256_round_ps`), unlike the portable `_ref` quantizers used for weights (`1 / d`,
+/// `roundf`). The logits of a quantized model are sensitive to single rounding flips, so
+/// matching llama.cpp token for token needs the same rule here, on every SIMD level.
+pub(crate) fn quantize_activation_blocks(ty: GgmlType, src: &[f32], dst: &mut [u8]) {
+    if !matches!(ty, GgmlType::Q8_0 | GgmlType::Q8_1) {
+        return quantize_blocks(ty, src, dst);
+    }
+    let bb = ty.block_bytes();
+    let qs = if ty == GgmlType::Q8_1 { 4 } else { 2 };
+    for (x, b) in src.chunks_exact(32).zip(dst.chunks_exact_mut(bb)) {
+        let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        put_f16(b, 0, d);
+        let mut sum = 0i32;
+        for j in 0..32 {
+            let q = (x[j] * id).round_ties_even() as i32 as i8;
+            sum += q as i32;
+            b[qs + j] = q as u8;
+        }
+        if ty == GgmlType::Q8_1 {
+            put_f16(b, 2, sum as f32 * d);
+        }
+    }
+}
+
 fn min_max(x: &[f32]) -> (f32, f32) {
     let mut mn = f32::MAX;
     let mut mx = -f32::MAX;

@@ -339,9 +339,10 @@ impl QuantizedActivations {
 }
 
 /// Quantizes `n_tokens` activation rows of `k` values (`x`, row-major) for weights of type
-/// `weight`, into `out` (its buffers are reused). Rounding follows llama.cpp's
-/// `quantize_row_q8_0_ref` / `_q8_1_ref` (`roundf`) and `quantize_row_q8_K_ref`
-/// (`nearest_int`, ties to even).
+/// `weight`, into `out` (its buffers are reused). Rounding follows llama.cpp's x86
+/// `quantize_row_q8_0` / `quantize_row_q8_1` (scale by `127 / amax`, round half to even)
+/// and `quantize_row_q8_K_ref` (`nearest_int`, ties to even), on every SIMD level, so that
+/// results do not depend on the level and match llama.cpp's reference outputs.
 pub fn quantize_activations(
     weight: GgmlType,
     x: &[f32],
@@ -422,7 +423,7 @@ pub fn quantize_activations(
             return Ok(());
         }
     }
-    blocks::quantize_blocks(ty, x, &mut out.bytes);
+    blocks::quantize_activation_blocks(ty, x, &mut out.bytes);
     let bb = ty.block_bytes();
     for b in out.bytes.chunks_exact(bb) {
         match ty {

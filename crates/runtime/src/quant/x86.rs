@@ -1119,8 +1119,9 @@ unsafe fn q4_1_avx512_vbmi<const RR: usize, const NT: usize>(
 
 // ---------------------------------------------------------------- activation quantization
 
-/// Quantizes rows to Q8_0 (`Q8_1 == false`) or Q8_1 exactly like the scalar reference
-/// (`quantize_row_q8_0_ref` / `_q8_1_ref`: `roundf`, f16 scales rounded to nearest even),
+/// Quantizes rows to Q8_0 (`Q8_1 == false`) or Q8_1 exactly like
+/// `blocks::quantize_activation_blocks` (llama.cpp's x86 rule: scale by `127 / amax`,
+/// round half to even; f16 scales rounded to nearest even),
 /// appending each block's f32 scales to `scales` and, for Q8_1, writing the regrouped
 /// quants to `packed` (`packed.len()` = rows * `k.div_ceil(128) * 128`, zeroed).
 ///
@@ -1140,8 +1141,6 @@ pub(crate) unsafe fn quantize_q8_avx2<const Q8_1: bool>(
     let nb_row = k / 32;
     let prow = k.div_ceil(128) * 128;
     let sign = _mm256_set1_ps(-0.0);
-    let half = _mm256_set1_ps(0.5);
-    let one = _mm256_set1_ps(1.0);
     let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (bi, (xb, ob)) in x.chunks_exact(32).zip(out.chunks_exact_mut(bb)).enumerate() {
         // SAFETY: `xb` has 32 values and `ob` one block.
@@ -1162,22 +1161,17 @@ pub(crate) unsafe fn quantize_q8_avx2<const Q8_1: bool>(
             let m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
             let amax = _mm_cvtss_f32(m4);
             let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
             let dh = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(d));
             let dh16 = _mm_extract_epi16::<0>(dh) as u16;
             ob[0..2].copy_from_slice(&dh16.to_le_bytes());
             let vid = _mm256_set1_ps(id);
             let mut q = [_mm256_setzero_si256(); 4];
             for j in 0..4 {
-                // roundf: truncate, then step away from zero when |fraction| >= 0.5.
+                // Round half to even, as llama.cpp's `_mm256_round_ps(.., _MM_ROUND_NEAREST)`.
                 let y = _mm256_mul_ps(v[j], vid);
-                let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
-                let frac = _mm256_andnot_ps(sign, _mm256_sub_ps(y, t));
-                let step = _mm256_and_ps(
-                    _mm256_cmp_ps::<_CMP_GE_OQ>(frac, half),
-                    _mm256_or_ps(_mm256_and_ps(y, sign), one),
-                );
-                q[j] = _mm256_cvttps_epi32(_mm256_add_ps(t, step));
+                let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(y);
+                q[j] = _mm256_cvtps_epi32(r);
             }
             let q01 = _mm256_packs_epi32(q[0], q[1]);
             let q23 = _mm256_packs_epi32(q[2], q[3]);
