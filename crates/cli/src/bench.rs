@@ -93,6 +93,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let size: u64 = file.tensors().iter().map(|t| t.n_bytes).sum();
     let mut results = Vec::new();
     let mut backend_name = String::new();
+    // One spinner line on stderr while the tests run; stdout holds only the results.
+    let progress = indicatif::ProgressBar::new_spinner();
+    progress.enable_steady_tick(std::time::Duration::from_millis(120));
     for &t in &threads {
         let backend = Arc::new(CpuBackend::new(t));
         let model = Model::load(file.clone(), backend.clone(), !args.no_mmap)?;
@@ -101,6 +104,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let ctx = args.n_prompt.max(args.n_gen) + 1;
         let mut session = Session::new(model, ctx);
         if args.n_prompt > 0 {
+            progress.set_message(format!("pp{} at {t} threads", args.n_prompt));
             session.set_batch(args.n_prompt);
             let prompt = prompt_tokens(args.n_prompt, vocab);
             session.feed(&prompt)?; // warm-up
@@ -119,6 +123,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             });
         }
         if args.n_gen > 0 {
+            progress.set_message(format!("tg{} at {t} threads", args.n_gen));
             let tokens = prompt_tokens(args.n_gen, vocab);
             session.rewind(0);
             session.feed(&tokens[..1])?; // warm-up
