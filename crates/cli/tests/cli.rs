@@ -77,6 +77,34 @@ fn greedy_runs_are_repeatable_and_seeded_sampling_too() {
     assert_eq!(a, b);
 }
 
+#[test]
+fn reading_into_ram_gives_the_same_tokens_as_mapping() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let m = model.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "-m",
+            m,
+            "xyz",
+            "-n",
+            "10",
+            "--temp",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let o = ballast(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        strip_timings(&stdout(&o))
+    };
+    let mapped = run(&[]);
+    assert_eq!(mapped.lines().count(), 10);
+    assert_eq!(mapped, run(&["--no-mmap"]));
+}
+
 fn strip_timings(s: &str) -> String {
     s.lines()
         .filter(|l| !l.contains("\"timings\""))
