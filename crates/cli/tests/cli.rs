@@ -62,18 +62,11 @@ fn greedy_runs_are_repeatable_and_seeded_sampling_too() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
     let m = model.to_str().unwrap();
-    let greedy = |extra: &[&str]| {
-        let mut args = vec!["run", "-m", m, "abc", "-n", "16", "--ignore-eos", "--json"];
-        args.extend_from_slice(extra);
-        let o = ballast(&args);
-        assert!(o.status.success(), "{}", stderr(&o));
-        stdout(&o)
-    };
-    let g1 = strip_timings(&greedy(&["--temp", "0"]));
+    let g1 = generated_tokens(m, "abc", 16, &["--temp", "0"]);
     assert_eq!(g1.lines().count(), 16);
-    assert_eq!(g1, strip_timings(&greedy(&["--temp", "0"])));
-    let a = strip_timings(&greedy(&["--temp", "1", "--seed", "7"]));
-    let b = strip_timings(&greedy(&["--temp", "1", "--seed", "7"]));
+    assert_eq!(g1, generated_tokens(m, "abc", 16, &["--temp", "0"]));
+    let a = generated_tokens(m, "abc", 16, &["--temp", "1", "--seed", "7"]);
+    let b = generated_tokens(m, "abc", 16, &["--temp", "1", "--seed", "7"]);
     assert_eq!(a, b);
 }
 
@@ -82,27 +75,33 @@ fn reading_into_ram_gives_the_same_tokens_as_mapping() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
     let m = model.to_str().unwrap();
-    let run = |extra: &[&str]| {
-        let mut args = vec![
-            "run",
-            "-m",
-            m,
-            "xyz",
-            "-n",
-            "10",
-            "--temp",
-            "0",
-            "--ignore-eos",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        let o = ballast(&args);
-        assert!(o.status.success(), "{}", stderr(&o));
-        strip_timings(&stdout(&o))
-    };
-    let mapped = run(&[]);
+    let greedy = ["--temp", "0"];
+    let mapped = generated_tokens(m, "xyz", 10, &greedy);
     assert_eq!(mapped.lines().count(), 10);
-    assert_eq!(mapped, run(&["--no-mmap"]));
+    assert_eq!(
+        mapped,
+        generated_tokens(m, "xyz", 10, &["--temp", "0", "--no-mmap"])
+    );
+}
+
+/// The `--json` token lines of `ballast run -m model prompt -n n --ignore-eos` plus
+/// `extra`, without the timings line (which differs from run to run).
+fn generated_tokens(model: &str, prompt: &str, n: usize, extra: &[&str]) -> String {
+    let n = n.to_string();
+    let mut args = vec![
+        "run",
+        "-m",
+        model,
+        prompt,
+        "-n",
+        &n,
+        "--ignore-eos",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let o = ballast(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    strip_timings(&stdout(&o))
 }
 
 fn strip_timings(s: &str) -> String {

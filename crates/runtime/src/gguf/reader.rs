@@ -522,8 +522,9 @@ impl<'a> Cursor<'a> {
         })
     }
 
-    /// Reads an array (element type, length, elements); `depth` is 1 for a top-level array.
-    fn array_value(&mut self, key: &str, depth: usize) -> Result<Array> {
+    /// Reads the element type and length of an array, refusing nesting deeper than
+    /// [`MAX_ARRAY_DEPTH`] and lengths the rest of the input cannot hold.
+    fn array_header(&mut self, key: &str, depth: usize) -> Result<(ValueType, u64)> {
         if depth > MAX_ARRAY_DEPTH {
             return Err(Error::GgufNestingTooDeep {
                 path: self.path.to_path_buf(),
@@ -536,6 +537,14 @@ impl<'a> Cursor<'a> {
         let what: &dyn Fn() -> String = &what;
         let elem = self.value_type(what)?;
         let n = self.count(elem.min_encoded_len(), what)?;
+        Ok((elem, n))
+    }
+
+    /// Reads an array (element type, length, elements); `depth` is 1 for a top-level array.
+    fn array_value(&mut self, key: &str, depth: usize) -> Result<Array> {
+        let (elem, n) = self.array_header(key, depth)?;
+        let what = || format!("array in value of metadata key '{key}'");
+        let what: &dyn Fn() -> String = &what;
         // Capacity bounded so that the allocation never exceeds the remaining input.
         let cap = |size: usize| (n as usize).min(self.remaining() as usize / size.max(1));
         Ok(match elem {
@@ -629,18 +638,9 @@ impl<'a> Cursor<'a> {
 
     /// Validates an array exactly as [`Cursor::array_value`] would read it, without allocating.
     fn skip_array(&mut self, key: &str, depth: usize) -> Result<()> {
-        if depth > MAX_ARRAY_DEPTH {
-            return Err(Error::GgufNestingTooDeep {
-                path: self.path.to_path_buf(),
-                offset: self.pos as u64,
-                key: key.to_string(),
-                limit: MAX_ARRAY_DEPTH,
-            });
-        }
+        let (elem, n) = self.array_header(key, depth)?;
         let what = || format!("array in value of metadata key '{key}'");
         let what: &dyn Fn() -> String = &what;
-        let elem = self.value_type(what)?;
-        let n = self.count(elem.min_encoded_len(), what)?;
         match elem {
             ValueType::Bool => {
                 for _ in 0..n {

@@ -226,8 +226,8 @@ impl Model {
                 capacity: kv.capacity(),
             });
         }
-        let c = self.config.clone();
-        let be = self.backend.clone();
+        let c = &self.config;
+        let be = &self.backend;
         let pass = self.passes.next();
         let s = &mut self.scratch;
         s.x.resize(n * c.d_model, 0.0);
@@ -237,7 +237,7 @@ impl Model {
         s.v.resize(n * c.kv_dim(), 0.0);
         s.attn.resize(n * c.q_dim(), 0.0);
         s.o.resize(n * c.d_model, 0.0);
-        let globals = self.store.globals().clone();
+        let globals = self.store.globals();
         be.embed(&globals.token_embd, ids, &mut s.x)?;
         let shape = AttentionShape {
             n_heads: c.n_heads,
