@@ -229,11 +229,6 @@ pub struct QuantizedActivations {
     /// f32 copies of each block's stored scales: `d` per block (and `s` after it for Q8_1).
     scales: Vec<f32>,
     f32s: Vec<f32>,
-    /// Q8_1 only: each row's quants regrouped for 4-bit weights, per 4 blocks
-    /// `[lo16(b0), lo16(b1), lo16(b2), lo16(b3), hi16(b0), .., hi16(b3)]` (128 bytes), where
-    /// lo16/hi16 are the block's first/second 16 quants; a last partial group is padded
-    /// with zeros.
-    packed: Vec<u8>,
 }
 
 impl Default for QuantizedActivations {
@@ -253,7 +248,6 @@ impl QuantizedActivations {
             bytes: Vec::new(),
             scales: Vec::new(),
             f32s: Vec::new(),
-            packed: Vec::new(),
         }
     }
 
@@ -305,23 +299,6 @@ impl QuantizedActivations {
             GgmlType::Q8_K => self.k / 256,
             _ => 0,
         }
-    }
-
-    /// Bytes per row of the regrouped Q8_1 quants (see the `packed` field).
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-    pub(crate) fn packed_row_bytes(&self) -> usize {
-        if self.ty == GgmlType::Q8_1 {
-            self.k.div_ceil(128) * 128
-        } else {
-            0
-        }
-    }
-
-    /// The regrouped quants of token `t` (empty unless Q8_1).
-    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-    pub(crate) fn packed(&self, t: usize) -> &[u8] {
-        let pr = self.packed_row_bytes();
-        &self.packed[t * pr..(t + 1) * pr]
     }
 
     /// Parts of token `t`: (bytes, scales, f32s). `t` must be in range.
@@ -382,7 +359,6 @@ pub fn quantize_activations(
     out.bytes.clear();
     out.scales.clear();
     out.f32s.clear();
-    out.packed.clear();
     if ty == GgmlType::F32 {
         out.f32s.extend_from_slice(x);
         return Ok(());
@@ -392,32 +368,12 @@ pub fn quantize_activations(
     {
         let simd = matches!(current_simd_level(), SimdLevel::Avx2 | SimdLevel::Avx512);
         if simd && matches!(ty, GgmlType::Q8_0 | GgmlType::Q8_1) {
-            out.packed.resize(
-                if ty == GgmlType::Q8_1 {
-                    n_tokens * k.div_ceil(128) * 128
-                } else {
-                    0
-                },
-                0,
-            );
             // SAFETY: the level guarantees AVX2/FMA/F16C; the sizes were validated above.
             unsafe {
                 if ty == GgmlType::Q8_1 {
-                    x86::quantize_q8_avx2::<true>(
-                        x,
-                        k,
-                        &mut out.bytes,
-                        &mut out.scales,
-                        &mut out.packed,
-                    );
+                    x86::quantize_q8_avx2::<true>(x, &mut out.bytes, &mut out.scales);
                 } else {
-                    x86::quantize_q8_avx2::<false>(
-                        x,
-                        k,
-                        &mut out.bytes,
-                        &mut out.scales,
-                        &mut out.packed,
-                    );
+                    x86::quantize_q8_avx2::<false>(x, &mut out.bytes, &mut out.scales);
                 }
             }
             return Ok(());
@@ -433,20 +389,6 @@ pub fn quantize_activations(
                 out.scales.push(blocks::f16_at(b, 2));
             }
             _ => out.scales.push(blocks::f32_at(b, 0)),
-        }
-    }
-    if ty == GgmlType::Q8_1 {
-        for row in out.bytes.chunks_exact(rb) {
-            for g in row.chunks(4 * 36) {
-                for half in 0..2 {
-                    for b in 0..4 {
-                        match g.get(36 * b + 4 + 16 * half..36 * b + 20 + 16 * half) {
-                            Some(q) => out.packed.extend_from_slice(q),
-                            None => out.packed.extend_from_slice(&[0u8; 16]),
-                        }
-                    }
-                }
-            }
         }
     }
     Ok(())

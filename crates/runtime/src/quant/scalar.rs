@@ -1,5 +1,7 @@
-//! Portable scalar dot products. Each block's integer sum is exact; floats are
-//! accumulated block by block in order.
+//! Portable scalar dot products. Each block's integer sum is exact. The 32-element
+//! formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) accumulate floats in llama.cpp's order (see
+//! [`lanes_dot`]), so every SIMD level gives the same bits for them; the K-quants
+//! accumulate block by block.
 
 use super::blocks::{f16_at, f32_at, scale_min_k4};
 use crate::ggml_type::GgmlType;
@@ -26,69 +28,85 @@ pub(crate) fn dot(ty: GgmlType, w: &[u8], a: &[u8], s: &[f32], af: &[f32]) -> f3
             .zip(af)
             .map(|(w, a)| bf16::from_bits(u16::from_le_bytes([w[0], w[1]])).to_f32() * a)
             .sum(),
-        GgmlType::Q4_0 => {
-            let mut sum = 0f32;
-            for (b, (x, y)) in w.chunks_exact(18).zip(a.chunks_exact(34)).enumerate() {
-                let mut si = 0i32;
-                for j in 0..16 {
-                    si += ((x[2 + j] & 0xF) as i32 - 8) * y[2 + j] as i8 as i32;
-                    si += ((x[2 + j] >> 4) as i32 - 8) * y[18 + j] as i8 as i32;
-                }
-                sum += si as f32 * (f16_at(x, 0) * s[b]);
-            }
-            sum
-        }
-        GgmlType::Q4_1 => {
-            let mut sum = 0f32;
-            for (b, (x, y)) in w.chunks_exact(20).zip(a.chunks_exact(36)).enumerate() {
-                let mut si = 0i32;
-                for j in 0..16 {
-                    si += (x[4 + j] & 0xF) as i32 * y[4 + j] as i8 as i32;
-                    si += (x[4 + j] >> 4) as i32 * y[20 + j] as i8 as i32;
-                }
-                sum += si as f32 * (f16_at(x, 0) * s[2 * b]) + f16_at(x, 2) * s[2 * b + 1];
-            }
-            sum
-        }
-        GgmlType::Q5_0 => {
-            let mut sum = 0f32;
-            for (b, (x, y)) in w.chunks_exact(22).zip(a.chunks_exact(34)).enumerate() {
+        GgmlType::Q4_0 => lanes_dot(
+            w,
+            18,
+            a,
+            34,
+            |x, e| {
+                let q = if e < 16 {
+                    x[2 + e] & 0xF
+                } else {
+                    x[2 + e - 16] >> 4
+                };
+                (q as i32 - 8, f16_at(x, 0), 0.0)
+            },
+            s,
+            1,
+        ),
+        GgmlType::Q4_1 => lanes_dot(
+            w,
+            20,
+            a,
+            36,
+            |x, e| {
+                let q = if e < 16 {
+                    x[4 + e] & 0xF
+                } else {
+                    x[4 + e - 16] >> 4
+                };
+                (q as i32, f16_at(x, 0), f16_at(x, 2))
+            },
+            s,
+            2,
+        ),
+        GgmlType::Q5_0 => lanes_dot(
+            w,
+            22,
+            a,
+            34,
+            |x, e| {
                 let qh = u32::from_le_bytes([x[2], x[3], x[4], x[5]]);
-                let mut si = 0i32;
-                for j in 0..16 {
-                    let lo = ((x[6 + j] & 0xF) as u32 | (((qh >> j) & 1) << 4)) as i32 - 16;
-                    let hi = ((x[6 + j] >> 4) as u32 | (((qh >> (j + 16)) & 1) << 4)) as i32 - 16;
-                    si += lo * y[2 + j] as i8 as i32 + hi * y[18 + j] as i8 as i32;
-                }
-                sum += si as f32 * (f16_at(x, 0) * s[b]);
-            }
-            sum
-        }
-        GgmlType::Q5_1 => {
-            let mut sum = 0f32;
-            for (b, (x, y)) in w.chunks_exact(24).zip(a.chunks_exact(36)).enumerate() {
+                let q = if e < 16 {
+                    x[6 + e] & 0xF
+                } else {
+                    x[6 + e - 16] >> 4
+                } as u32;
+                ((q | ((qh >> e) & 1) << 4) as i32 - 16, f16_at(x, 0), 0.0)
+            },
+            s,
+            1,
+        ),
+        GgmlType::Q5_1 => lanes_dot(
+            w,
+            24,
+            a,
+            36,
+            |x, e| {
                 let qh = u32::from_le_bytes([x[4], x[5], x[6], x[7]]);
-                let mut si = 0i32;
-                for j in 0..16 {
-                    let lo = ((x[8 + j] & 0xF) as u32 | (((qh >> j) & 1) << 4)) as i32;
-                    let hi = ((x[8 + j] >> 4) as u32 | (((qh >> (j + 16)) & 1) << 4)) as i32;
-                    si += lo * y[4 + j] as i8 as i32 + hi * y[20 + j] as i8 as i32;
-                }
-                sum += si as f32 * (f16_at(x, 0) * s[2 * b]) + f16_at(x, 2) * s[2 * b + 1];
-            }
-            sum
-        }
-        GgmlType::Q8_0 => {
-            let mut sum = 0f32;
-            for (b, (x, y)) in w.chunks_exact(34).zip(a.chunks_exact(34)).enumerate() {
-                let mut si = 0i32;
-                for j in 0..32 {
-                    si += x[2 + j] as i8 as i32 * y[2 + j] as i8 as i32;
-                }
-                sum += si as f32 * (f16_at(x, 0) * s[b]);
-            }
-            sum
-        }
+                let q = if e < 16 {
+                    x[8 + e] & 0xF
+                } else {
+                    x[8 + e - 16] >> 4
+                } as u32;
+                (
+                    (q | ((qh >> e) & 1) << 4) as i32,
+                    f16_at(x, 0),
+                    f16_at(x, 2),
+                )
+            },
+            s,
+            2,
+        ),
+        GgmlType::Q8_0 => lanes_dot(
+            w,
+            34,
+            a,
+            34,
+            |x, e| (x[2 + e] as i8 as i32, f16_at(x, 0), 0.0),
+            s,
+            1,
+        ),
         GgmlType::Q4_K | GgmlType::Q5_K => {
             let five = ty == GgmlType::Q5_K;
             let bb = ty.block_bytes();
@@ -156,4 +174,46 @@ pub(crate) fn dot(ty: GgmlType, w: &[u8], a: &[u8], s: &[f32], af: &[f32]) -> f3
         }
         GgmlType::Q8_1 | GgmlType::Q8_K => unreachable!("not a weight type"),
     }
+}
+
+/// A dot product of one row of a 32-element block format in llama.cpp's x86 order
+/// (`ggml_vec_dot_q4_1_q8_1` and its siblings): eight f32 lanes, where lane j takes
+/// `d_w * d_a * (integer sum of elements 4j..4j+3)` of each block by one FMA, block after
+/// block; then ggml's horizontal sum `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`; plus, for
+/// the formats with a minimum (`per_block_scales == 2`), the sum of `m_w * s_a` over the
+/// blocks, each added by one FMA.
+///
+/// `quant(block, e)` gives element `e`'s integer weight and the block's `d` and `m`;
+/// `wb`/`ab` are the weight and activation block sizes (activation quants at byte
+/// `ab - 32`), `s` the activation blocks' f32 scales, `per_block_scales` of them each.
+fn lanes_dot(
+    w: &[u8],
+    wb: usize,
+    a: &[u8],
+    ab: usize,
+    quant: impl Fn(&[u8], usize) -> (i32, f32, f32),
+    s: &[f32],
+    per_block_scales: usize,
+) -> f32 {
+    let mut lanes = [0f32; 8];
+    let mut mins = 0f32;
+    for (b, (x, y)) in w.chunks_exact(wb).zip(a.chunks_exact(ab)).enumerate() {
+        let yq = &y[ab - 32..];
+        let (mut d, mut m) = (0.0, 0.0);
+        let mut sums = [0i32; 8];
+        for e in 0..32 {
+            let (q, dw, mw) = quant(x, e);
+            (d, m) = (dw, mw);
+            sums[e / 4] += q * yq[e] as i8 as i32;
+        }
+        let dd = d * s[per_block_scales * b];
+        for (lane, &sum) in lanes.iter_mut().zip(&sums) {
+            *lane = dd.mul_add(sum as f32, *lane);
+        }
+        if per_block_scales == 2 {
+            mins = m.mul_add(s[2 * b + 1], mins);
+        }
+    }
+    let l = lanes;
+    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])) + mins
 }

@@ -24,12 +24,6 @@ pub(crate) fn has_avx512() -> bool {
         && is_x86_feature_detected!("avx512vnni")
 }
 
-fn has_vbmi() -> bool {
-    use std::sync::OnceLock;
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| is_x86_feature_detected!("avx512vbmi"))
-}
-
 pub(crate) fn kernel_avx2(ty: GgmlType) -> Option<TileFn> {
     Some(match ty {
         GgmlType::Q4_0 => tile_q4_0_avx2,
@@ -50,7 +44,6 @@ pub(crate) fn kernel_avx2(ty: GgmlType) -> Option<TileFn> {
 pub(crate) fn kernel_avx512(ty: GgmlType) -> Option<TileFn> {
     Some(match ty {
         GgmlType::Q4_0 => tile_q4_0_avx512,
-        GgmlType::Q4_1 if has_vbmi() => tile_q4_1_avx512_vbmi,
         GgmlType::Q4_1 => tile_q4_1_avx512,
         GgmlType::Q8_0 => tile_q8_0_avx512,
         _ => return None,
@@ -137,9 +130,7 @@ macro_rules! tile_fn {
 }
 
 tile_fn!(tile_q4_0_avx2, q4_0_avx2, 18);
-// The one-block-per-step Q4_1 kernel as a tile, for tests (it runs the odd last block).
-#[cfg(test)]
-tile_fn!(tile_q4_1_avx2_plain, q4_1_avx2, 20);
+tile_fn!(tile_q4_1_avx2, q4_1_avx2, 20);
 tile_fn!(tile_q8_0_avx2, q8_0_avx2, 34);
 tile_fn!(tile_q5_0_avx2, q5_0_avx2, 22);
 tile_fn!(tile_q5_1_avx2, q5_1_avx2, 24);
@@ -150,69 +141,6 @@ tile_fn!(tile_q4_0_avx512, q4_0_avx512, 18);
 tile_fn!(tile_q4_1_avx512, q4_1_avx512, 20);
 tile_fn!(tile_q8_0_avx512, q8_0_avx512, 34);
 
-/// Like `tile_fn!`, for Q4_1 kernels that also read the regrouped Q8_1 quants.
-macro_rules! tile_fn_packed {
-    ($name:ident, $kern:ident) => {
-        /// # Safety
-        /// The CPU must support the kernel's features; `w` and `acts` must be validated.
-        unsafe fn $name(
-            w: &[u8],
-            rb: usize,
-            acts: &QuantizedActivations,
-            t0: usize,
-            nt: usize,
-            out: &mut [f32],
-            stride: usize,
-        ) {
-            #[inline(always)]
-            unsafe fn run<const RR: usize, const NT: usize>(
-                w: &[u8],
-                rb: usize,
-                acts: &QuantizedActivations,
-                t0: usize,
-                out: &mut [f32],
-                stride: usize,
-            ) {
-                let mut wp = [std::ptr::null(); RR];
-                for (i, p) in wp.iter_mut().enumerate() {
-                    *p = w[i * rb..].as_ptr();
-                }
-                let (a, s) = act_ptrs::<NT>(acts, t0);
-                let mut pk = [std::ptr::null(); NT];
-                for (i, p) in pk.iter_mut().enumerate() {
-                    *p = acts.packed(t0 + i).as_ptr();
-                }
-                // SAFETY: forwarded from the caller.
-                let res = unsafe { $kern::<RR, NT>(wp, rb / 20, a, s, pk) };
-                for (i, row) in res.iter().enumerate() {
-                    out[i * stride..i * stride + NT].copy_from_slice(row);
-                }
-            }
-            let rr = w.len() / rb;
-            // SAFETY: forwarded from the caller.
-            unsafe {
-                match (rr, nt) {
-                    (4, 1) => run::<4, 1>(w, rb, acts, t0, out, stride),
-                    (2, 4) => run::<2, 4>(w, rb, acts, t0, out, stride),
-                    (1, 4) => run::<1, 4>(w, rb, acts, t0, out, stride),
-                    (1, 3) => run::<1, 3>(w, rb, acts, t0, out, stride),
-                    (1, 2) => run::<1, 2>(w, rb, acts, t0, out, stride),
-                    (1, 1) => run::<1, 1>(w, rb, acts, t0, out, stride),
-                    _ => {
-                        for i in 0..rr {
-                            let wi = &w[i * rb..(i + 1) * rb];
-                            $name(wi, rb, acts, t0, nt, &mut out[i * stride..], stride);
-                        }
-                    }
-                }
-            }
-        }
-    };
-}
-
-tile_fn_packed!(tile_q4_1_avx512_vbmi, q4_1_avx512_vbmi);
-tile_fn_packed!(tile_q4_1_avx2, q4_1_avx2_packed);
-
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn hsum256(v: __m256) -> f32 {
@@ -220,14 +148,6 @@ fn hsum256(v: __m256) -> f32 {
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_movehdup_ps(s));
     _mm_cvtss_f32(s)
-}
-
-#[inline]
-#[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
-fn hsum512(v: __m512) -> f32 {
-    let lo = _mm512_castps512_ps256(v);
-    let hi = _mm512_extractf32x8_ps::<1>(v);
-    hsum256(_mm256_add_ps(lo, hi))
 }
 
 #[inline]
@@ -306,85 +226,6 @@ unsafe fn q4_1_avx2<const RR: usize, const NT: usize>(
     unsafe { q41_like_avx2::<RR, NT, false>(w, nb, a, s) }
 }
 
-/// Q4_1 x Q8_1 on AVX2, two blocks per step against the regrouped activations: the
-/// loaded pair of blocks needs only a mask and a shift, and one `madd` per pair.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_1_avx2_packed<const RR: usize, const NT: usize>(
-    w: Rows<RR>,
-    nb: usize,
-    a: [*const u8; NT],
-    s: [*const f32; NT],
-    pk: [*const u8; NT],
-) -> [[f32; NT]; RR] {
-    let ones = _mm256_set1_epi16(1);
-    let m4 = _mm256_set1_epi8(0x0F);
-    let sidx = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0);
-    let mut acc = [[_mm256_setzero_ps(); NT]; RR];
-    let mut accm = [[_mm_setzero_ps(); NT]; RR];
-    for j in 0..nb / 2 {
-        let b = 2 * j;
-        let off = 128 * (j / 2) + 32 * (j % 2);
-        // SAFETY: blocks b, b + 1 are in bounds; the regrouped activations hold pair j at
-        // `off` (low halves) and `off + 64` (high halves).
-        unsafe {
-            for r in 0..RR {
-                let wa = w[r].add(b * 20);
-                _mm_prefetch::<_MM_HINT_T0>(wa.wrapping_add(PREFETCH) as *const i8);
-                let dm = _mm_cvtph_ps(_mm_set_epi32(
-                    0,
-                    0,
-                    (wa.add(20) as *const i32).read_unaligned(),
-                    (wa as *const i32).read_unaligned(),
-                ));
-                let q =
-                    _mm256_loadu2_m128i(wa.add(24) as *const __m128i, wa.add(4) as *const __m128i);
-                let lo = _mm256_and_si256(q, m4);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
-                for t in 0..NT {
-                    let ylo = _mm256_loadu_si256(pk[t].add(off) as *const __m256i);
-                    let yhi = _mm256_loadu_si256(pk[t].add(off + 64) as *const __m256i);
-                    let p16 = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo, ylo),
-                        _mm256_maddubs_epi16(hi, yhi),
-                    );
-                    let p = _mm256_madd_epi16(p16, ones);
-                    let ds = _mm_mul_ps(dm, _mm_loadu_ps(s[t].add(2 * b)));
-                    let sc = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(ds), sidx);
-                    acc[r][t] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p), acc[r][t]);
-                    accm[r][t] = _mm_add_ps(accm[r][t], ds);
-                }
-            }
-        }
-    }
-    let mut res = [[0f32; NT]; RR];
-    if nb % 2 == 1 {
-        let b = nb - 1;
-        let mut wr = [std::ptr::null(); RR];
-        let mut ar = [std::ptr::null(); NT];
-        let mut sr = [std::ptr::null(); NT];
-        // SAFETY: block b is the last one of each row.
-        unsafe {
-            for r in 0..RR {
-                wr[r] = w[r].add(20 * b);
-            }
-            for t in 0..NT {
-                ar[t] = a[t].add(36 * b);
-                sr[t] = s[t].add(2 * b);
-            }
-            res = q4_1_avx2::<RR, NT>(wr, 1, ar, sr);
-        }
-    }
-    for r in 0..RR {
-        for t in 0..NT {
-            let m = accm[r][t];
-            let m = _mm_cvtss_f32(_mm_movehdup_ps(m))
-                + _mm_cvtss_f32(_mm_movehdup_ps(_mm_movehl_ps(m, m)));
-            res[r][t] += hsum256(acc[r][t]) + m;
-        }
-    }
-    res
-}
-
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q5_1_avx2<const RR: usize, const NT: usize>(
     w: Rows<RR>,
@@ -422,16 +263,15 @@ unsafe fn q41_like_avx2<const RR: usize, const NT: usize, const FIVE: bool>(
                 for t in 0..NT {
                     let y = _mm256_loadu_si256(a[t].add(b * 36 + 4) as *const __m256i);
                     let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
-                    let ds = _mm_mul_ps(
-                        dm,
-                        _mm_castpd_ps(_mm_load_sd(s[t].add(2 * b) as *const f64)),
-                    );
+                    let sy = _mm_castpd_ps(_mm_load_sd(s[t].add(2 * b) as *const f64));
+                    let ds = _mm_mul_ps(dm, sy);
                     acc[r][t] = _mm256_fmadd_ps(
                         _mm256_broadcastss_ps(ds),
                         _mm256_cvtepi32_ps(p),
                         acc[r][t],
                     );
-                    accm[r][t] = _mm_add_ps(accm[r][t], ds);
+                    // Lane 1: m_w * s_a, fused as gcc contracts llama.cpp's `summs += m * s`.
+                    accm[r][t] = _mm_fmadd_ps(dm, sy, accm[r][t]);
                 }
             }
         }
@@ -823,14 +663,6 @@ unsafe fn float_dot_avx2<const KIND: u8>(w: &[u8], x: &[f32]) -> f32 {
 
 // ---------------------------------------------------------------- AVX-512 VNNI
 
-/// Spreads two lanes of a 4-lane vector (chosen by `idx`) across the low and high 8 lanes
-/// of a 512-bit vector.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-fn spread2(v: __m128, idx: __m512i) -> __m512 {
-    _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v))
-}
-
 /// Sixteen 4-bit quants of two blocks at `pa` and `pb`, as 64 bytes in ggml's element
 /// order: [a low nibbles, a high nibbles, b low nibbles, b high nibbles].
 #[inline]
@@ -842,18 +674,32 @@ unsafe fn nibbles_pair(pa: *const u8, pb: *const u8) -> __m512i {
     _mm512_shuffle_i64x2::<0xD8>(z, z)
 }
 
-/// 32 quant bytes of two consecutive blocks (`stride` bytes apart) in one vector.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn load_pair(p: *const u8, stride: usize) -> __m512i {
-    unsafe {
-        _mm512_inserti64x4::<1>(
-            _mm512_castsi256_si512(_mm256_loadu_si256(p as *const __m256i)),
-            _mm256_loadu_si256(p.add(stride) as *const __m256i),
-        )
-    }
+/// The two rows of pair `p` of a tile: `2p` and `2p + 1`, or `2p` twice when `RR` is odd
+/// and `p` is the last pair (its high half is then computed and dropped).
+#[inline(always)]
+fn pair_rows<const RR: usize>(p: usize) -> (usize, usize) {
+    (2 * p, (2 * p + 1).min(RR - 1))
 }
 
+/// `[a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b]` from lanes `a` and `b` of `v`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn halves(v: __m128, idx: __m512i) -> __m512 {
+    _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v))
+}
+
+/// The 32 activation quants of one block in both 256-bit halves.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn broadcast32(p: *const u8) -> __m512i {
+    _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(p as *const __m256i) })
+}
+
+/// Q4_1 x Q8_1 in llama.cpp's summation order (`ggml_vec_dot_q4_1_q8_1`, AVX2 path): per
+/// row and token, eight f32 lanes where lane j takes `d_w * d_a * (sum of elements 4j..4j+3)`
+/// of each block by one FMA, block after block; then ggml's horizontal sum, plus the
+/// `m_w * s_a` terms accumulated by FMA. One 512-bit vector carries two rows, so the
+/// order per row is exactly the 256-bit one.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn q4_1_avx512<const RR: usize, const NT: usize>(
     w: Rows<RR>,
@@ -861,74 +707,58 @@ unsafe fn q4_1_avx512<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
+    let np = RR.div_ceil(2);
+    // Lanes 0 (d of the first row) and 2 (d of the second) of [d0, m0, d1, m1].
     let idx = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
     let zero = _mm512_setzero_si512();
     let mut acc = [[_mm512_setzero_ps(); NT]; RR];
+    // Lanes 1 and 3 accumulate m * s of the two rows.
     let mut accm = [[_mm_setzero_ps(); NT]; RR];
-    for pi in 0..nb / 2 {
-        let b = 2 * pi;
-        // SAFETY: blocks b and b + 1 are in bounds for each row and activation row.
+    for b in 0..nb {
+        // SAFETY: block b of each row and of each activation row is in bounds.
         unsafe {
-            let mut y = [zero; NT];
-            let mut sy = [_mm_setzero_ps(); NT];
-            for t in 0..NT {
-                y[t] = load_pair(a[t].add(b * 36 + 4), 36);
-                sy[t] = _mm_loadu_ps(s[t].add(2 * b));
-            }
-            for r in 0..RR {
-                let wa = w[r].add(b * 20);
+            for p in 0..np {
+                let (r0, r1) = pair_rows::<RR>(p);
+                let (wa, wb) = (w[r0].add(b * 20), w[r1].add(b * 20));
+                _mm_prefetch::<_MM_HINT_T0>(wa.wrapping_add(PREFETCH) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH) as *const i8);
                 let dm = _mm_cvtph_ps(_mm_set_epi32(
                     0,
                     0,
-                    (wa.add(20) as *const i32).read_unaligned(),
+                    (wb as *const i32).read_unaligned(),
                     (wa as *const i32).read_unaligned(),
                 ));
-                let q = nibbles_pair(wa.add(4), wa.add(24));
+                let d = halves(dm, idx);
+                let q = nibbles_pair(wa.add(4), wb.add(4));
                 for t in 0..NT {
-                    let p = _mm512_dpbusd_epi32(zero, q, y[t]);
-                    let ds = _mm_mul_ps(dm, sy[t]);
-                    acc[r][t] = _mm512_fmadd_ps(spread2(ds, idx), _mm512_cvtepi32_ps(p), acc[r][t]);
-                    accm[r][t] = _mm_add_ps(accm[r][t], ds);
-                }
-            }
-        }
-    }
-    let mut tail = [[0f32; NT]; RR];
-    if nb % 2 == 1 {
-        let b = nb - 1;
-        // SAFETY: block b is in bounds.
-        unsafe {
-            for r in 0..RR {
-                let wb = w[r].add(b * 20);
-                let dm = f16x2(wb);
-                let q = nibbles16(wb.add(4));
-                for t in 0..NT {
-                    let y = _mm256_loadu_si256(a[t].add(b * 36 + 4) as *const __m256i);
-                    let p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, y);
-                    let ds = _mm_mul_ps(
-                        dm,
-                        _mm_castpd_ps(_mm_load_sd(s[t].add(2 * b) as *const f64)),
-                    );
-                    tail[r][t] = hsum256(_mm256_mul_ps(
-                        _mm256_broadcastss_ps(ds),
-                        _mm256_cvtepi32_ps(p),
-                    )) + _mm_cvtss_f32(_mm_movehdup_ps(ds));
+                    let y = broadcast32(a[t].add(b * 36 + 4));
+                    // [d_a, s_a, d_a, s_a]
+                    let ds = _mm_castpd_ps(_mm_load1_pd(s[t].add(2 * b) as *const f64));
+                    let dd = _mm512_mul_ps(d, _mm512_set1_ps(_mm_cvtss_f32(ds)));
+                    let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, q, y));
+                    acc[p][t] = _mm512_fmadd_ps(dd, xy, acc[p][t]);
+                    accm[p][t] = _mm_fmadd_ps(dm, ds, accm[p][t]);
                 }
             }
         }
     }
     let mut res = [[0f32; NT]; RR];
-    for r in 0..RR {
+    for p in 0..np {
+        let (r0, r1) = pair_rows::<RR>(p);
         for t in 0..NT {
-            let m = accm[r][t];
-            let m = _mm_cvtss_f32(_mm_movehdup_ps(m))
+            let m = accm[p][t];
+            res[r1][t] = hsum256(_mm512_extractf32x8_ps::<1>(acc[p][t]))
                 + _mm_cvtss_f32(_mm_movehdup_ps(_mm_movehl_ps(m, m)));
-            res[r][t] = hsum512(acc[r][t]) + m + tail[r][t];
+            res[r0][t] =
+                hsum256(_mm512_castps512_ps256(acc[p][t])) + _mm_cvtss_f32(_mm_movehdup_ps(m));
         }
     }
     res
 }
 
+/// Q8_0 / Q4_0 x Q8_0 in llama.cpp's summation order (`ggml_vec_dot_q8_0_q8_0`, AVX2
+/// path): eight f32 lanes per row and token, one FMA per block, ggml's horizontal sum.
+/// One 512-bit vector carries two rows.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn q8_0_like_avx512<const RR: usize, const NT: usize, const Q4: bool>(
     w: Rows<RR>,
@@ -937,76 +767,48 @@ unsafe fn q8_0_like_avx512<const RR: usize, const NT: usize, const Q4: bool>(
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
     let bb = if Q4 { 18 } else { 34 };
+    let np = RR.div_ceil(2);
     let idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     let bias = _mm512_set1_epi8(-128);
     let eight = _mm512_set1_epi8(8);
     let zero = _mm512_setzero_si512();
     let mut acc = [[_mm512_setzero_ps(); NT]; RR];
-    for pi in 0..nb / 2 {
-        let b = 2 * pi;
-        // SAFETY: blocks b and b + 1 are in bounds for each row and activation row.
+    for b in 0..nb {
+        // SAFETY: block b of each row and of each activation row is in bounds.
         unsafe {
-            // Activations as unsigned: y + 128.
-            let mut y = [zero; NT];
-            let mut dy = [_mm_setzero_ps(); NT];
-            for t in 0..NT {
-                y[t] = _mm512_xor_si512(load_pair(a[t].add(b * 34 + 2), 34), bias);
-                dy[t] = _mm_castpd_ps(_mm_load_sd(s[t].add(b) as *const f64));
-            }
-            for r in 0..RR {
-                let wa = w[r].add(b * bb);
-                let wb = wa.add(bb);
+            for (p, acc) in acc.iter_mut().enumerate().take(np) {
+                let (r0, r1) = pair_rows::<RR>(p);
+                let (wa, wb) = (w[r0].add(b * bb), w[r1].add(b * bb));
                 _mm_prefetch::<_MM_HINT_T0>(wa.wrapping_add(PREFETCH) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH) as *const i8);
                 let h = (wa as *const u16).read_unaligned() as i32
                     | (((wb as *const u16).read_unaligned() as i32) << 16);
-                let d2 = _mm_cvtph_ps(_mm_cvtsi32_si128(h));
+                let d = halves(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), idx);
                 let x = if Q4 {
                     _mm512_sub_epi8(nibbles_pair(wa.add(2), wb.add(2)), eight)
                 } else {
-                    load_pair(wa.add(2), bb)
+                    _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(_mm256_loadu_si256(wa.add(2) as *const __m256i)),
+                        _mm256_loadu_si256(wb.add(2) as *const __m256i),
+                    )
                 };
-                // (y + 128) . x - 128 * sum(x) = y . x
+                // (y + 128) . x - 128 * sum(x) = y . x, exactly, per group of four.
                 let neg_corr = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, x));
                 for t in 0..NT {
-                    let p = _mm512_dpbusd_epi32(neg_corr, y[t], x);
-                    let ds = _mm_mul_ps(d2, dy[t]);
-                    acc[r][t] = _mm512_fmadd_ps(spread2(ds, idx), _mm512_cvtepi32_ps(p), acc[r][t]);
-                }
-            }
-        }
-    }
-    let mut tail = [[0f32; NT]; RR];
-    if nb % 2 == 1 {
-        let b = nb - 1;
-        // SAFETY: block b is in bounds.
-        unsafe {
-            let bias = _mm256_set1_epi8(-128);
-            let z = _mm256_setzero_si256();
-            for r in 0..RR {
-                let wb = w[r].add(b * bb);
-                let dx = f16x1(wb);
-                let x = if Q4 {
-                    _mm256_sub_epi8(nibbles16(wb.add(2)), _mm256_set1_epi8(8))
-                } else {
-                    _mm256_loadu_si256(wb.add(2) as *const __m256i)
-                };
-                let neg_corr = _mm256_sub_epi32(z, _mm256_dpbusd_epi32(z, bias, x));
-                for t in 0..NT {
-                    let y = _mm256_loadu_si256(a[t].add(b * 34 + 2) as *const __m256i);
-                    let p = _mm256_dpbusd_epi32(neg_corr, _mm256_xor_si256(y, bias), x);
-                    let d = _mm_mul_ss(dx, _mm_load_ss(s[t].add(b)));
-                    tail[r][t] = hsum256(_mm256_mul_ps(
-                        _mm256_broadcastss_ps(d),
-                        _mm256_cvtepi32_ps(p),
-                    ));
+                    let y = _mm512_xor_si512(broadcast32(a[t].add(b * 34 + 2)), bias);
+                    let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg_corr, y, x));
+                    let dd = _mm512_mul_ps(d, _mm512_set1_ps(*s[t].add(b)));
+                    acc[t] = _mm512_fmadd_ps(dd, xy, acc[t]);
                 }
             }
         }
     }
     let mut res = [[0f32; NT]; RR];
-    for r in 0..RR {
+    for (p, acc) in acc.iter().enumerate().take(np) {
+        let (r0, r1) = pair_rows::<RR>(p);
         for t in 0..NT {
-            res[r][t] = hsum512(acc[r][t]) + tail[r][t];
+            res[r1][t] = hsum256(_mm512_extractf32x8_ps::<1>(acc[t]));
+            res[r0][t] = hsum256(_mm512_castps512_ps256(acc[t]));
         }
     }
     res
@@ -1032,117 +834,27 @@ unsafe fn q4_0_avx512<const RR: usize, const NT: usize>(
     unsafe { q8_0_like_avx512::<RR, NT, true>(w, nb, a, s) }
 }
 
-/// Q4_1 x Q8_1 with AVX-512 VBMI: four weight blocks per step, gathered with one byte
-/// permute; the activations come regrouped (low halves, then high halves), so each
-/// loaded weight vector needs only a mask and a shift.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
-unsafe fn q4_1_avx512_vbmi<const RR: usize, const NT: usize>(
-    w: Rows<RR>,
-    nb: usize,
-    _a: [*const u8; NT],
-    s: [*const f32; NT],
-    pk: [*const u8; NT],
-) -> [[f32; NT]; RR] {
-    // Byte indices of the quants of blocks 0..4 within the 80 bytes at the group start
-    // (blocks are 20 bytes: d, m, then 16 quant bytes).
-    let mut qidx = [0u8; 64];
-    for (i, v) in qidx.iter_mut().enumerate() {
-        *v = (20 * (i / 16) + 4 + i % 16) as u8;
-    }
-    let qidx = unsafe { _mm512_loadu_si512(qidx.as_ptr() as *const _) };
-    // u32 index of each block's (d, m) pair: 0, 5, 10, 15.
-    let didx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 10, 5, 0);
-    // Spread the products d_w * d_a of blocks 0..4 (even lanes of 8) over 4 lanes each.
-    let sidx = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
-    let m4 = _mm512_set1_epi8(0x0F);
-    let zero = _mm512_setzero_si512();
-    let mut acc = [[_mm512_setzero_ps(); NT]; RR];
-    let mut accm = [[_mm256_setzero_ps(); NT]; RR];
-    let full = nb / 4;
-    for g in 0..nb.div_ceil(4) {
-        // Blocks in this group: 4, or 1..=3 for the last, partial group.
-        let nblk = (nb - 4 * g).min(4);
-        // SAFETY: blocks 4g..4g+nblk are in bounds; loads of a partial group (and the second
-        // weight load of a full one) are masked to bytes that belong to it; the regrouped
-        // activations are padded to whole groups.
-        unsafe {
-            // Activations are (re)loaded per row from L1: hoisting them for all tokens would
-            // not fit the register file next to the RR x NT accumulators.
-            let smask = if g < full {
-                0xFF
-            } else {
-                ((1u32 << (2 * nblk)) - 1) as u8
-            };
-            for r in 0..RR {
-                let wg = w[r].add(80 * g);
-                _mm_prefetch::<_MM_HINT_T0>(wg.wrapping_add(PREFETCH) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(wg.wrapping_add(PREFETCH + 64) as *const i8);
-                let (z0, z1) = if g < full {
-                    (
-                        _mm512_loadu_si512(wg as *const _),
-                        _mm512_maskz_loadu_epi8(0xFFFF, wg.add(64) as *const i8),
-                    )
-                } else {
-                    (
-                        _mm512_maskz_loadu_epi8((1u64 << (20 * nblk)) - 1, wg as *const i8),
-                        zero,
-                    )
-                };
-                let q = _mm512_permutex2var_epi8(z0, qidx, z1);
-                let dm =
-                    _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(didx, z0)));
-                let lo = _mm512_and_si512(q, m4);
-                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
-                for t in 0..NT {
-                    let ylo = _mm512_loadu_si512(pk[t].add(128 * g) as *const _);
-                    let yhi = _mm512_loadu_si512(pk[t].add(128 * g + 64) as *const _);
-                    let sy = _mm256_maskz_loadu_ps(smask, s[t].add(8 * g));
-                    let p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, ylo), hi, yhi);
-                    let ds = _mm256_mul_ps(dm, sy);
-                    let sc = _mm512_permutexvar_ps(sidx, _mm512_castps256_ps512(ds));
-                    acc[r][t] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(p), acc[r][t]);
-                    accm[r][t] = _mm256_add_ps(accm[r][t], ds);
-                }
-            }
-        }
-    }
-    let mut res = [[0f32; NT]; RR];
-    // Keep only the odd lanes (the m * s terms) of the min accumulators.
-    let odd = _mm256_castsi256_ps(_mm256_set_epi32(-1, 0, -1, 0, -1, 0, -1, 0));
-    for r in 0..RR {
-        for t in 0..NT {
-            res[r][t] += hsum512(acc[r][t]) + hsum256(_mm256_and_ps(accm[r][t], odd));
-        }
-    }
-    res
-}
-
 // ---------------------------------------------------------------- activation quantization
 
 /// Quantizes rows to Q8_0 (`Q8_1 == false`) or Q8_1 exactly like
 /// `blocks::quantize_activation_blocks` (llama.cpp's x86 rule: scale by `127 / amax`,
 /// round half to even; f16 scales rounded to nearest even),
-/// appending each block's f32 scales to `scales` and, for Q8_1, writing the regrouped
-/// quants to `packed` (`packed.len()` = rows * `k.div_ceil(128) * 128`, zeroed).
+/// appending each block's f32 scales to `scales`.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C; `x.len()` must be a multiple of `k`, `k` a
-/// multiple of 32, and `out` exactly the quantized size.
+/// The CPU must support AVX2, FMA and F16C; `x.len()` must be a multiple of 32 and `out`
+/// exactly the quantized size.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn quantize_q8_avx2<const Q8_1: bool>(
     x: &[f32],
-    k: usize,
     out: &mut [u8],
     scales: &mut Vec<f32>,
-    packed: &mut [u8],
 ) {
     let bb = if Q8_1 { 36 } else { 34 };
     let qoff = if Q8_1 { 4 } else { 2 };
-    let nb_row = k / 32;
-    let prow = k.div_ceil(128) * 128;
     let sign = _mm256_set1_ps(-0.0);
     let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (bi, (xb, ob)) in x.chunks_exact(32).zip(out.chunks_exact_mut(bb)).enumerate() {
+    for (xb, ob) in x.chunks_exact(32).zip(out.chunks_exact_mut(bb)) {
         // SAFETY: `xb` has 32 values and `ob` one block.
         unsafe {
             let p = xb.as_ptr();
@@ -1186,14 +898,6 @@ pub(crate) unsafe fn quantize_q8_avx2<const Q8_1: bool>(
                 let sh16 = _mm_extract_epi16::<0>(sh) as u16;
                 ob[2..4].copy_from_slice(&sh16.to_le_bytes());
                 scales.push(f16::from_bits(sh16).to_f32());
-                let (row, b) = (bi / nb_row, bi % nb_row);
-                let base = row * prow + 128 * (b / 4) + 16 * (b % 4);
-                let pp = packed.as_mut_ptr();
-                _mm_storeu_si128(pp.add(base) as *mut __m128i, _mm256_castsi256_si128(q8));
-                _mm_storeu_si128(
-                    pp.add(base + 64) as *mut __m128i,
-                    _mm256_extracti128_si256::<1>(q8),
-                );
             }
         }
     }
@@ -1204,11 +908,10 @@ mod tests {
     use super::*;
     use crate::quant::{quantize, quantize_activations, scalar};
 
-    /// The AVX-512 Q4_1 kernel without VBMI is not selected on CPUs that have VBMI, and the
-    /// one-block AVX2 kernel only runs odd last blocks, so test both directly against the
-    /// scalar kernel.
+    /// Both Q4_1 kernels directly against the scalar one, on every tile shape, bit for
+    /// bit.
     #[test]
-    fn q4_1_fallback_kernels_match_scalar() {
+    fn q4_1_kernels_match_scalar() {
         for which in 0..2 {
             if (which == 0 && !has_avx512()) || !has_avx2() {
                 continue;
@@ -1242,7 +945,7 @@ mod tests {
                         if which == 0 {
                             tile_q4_1_avx512(&wq[..rr * rb], rb, &acts, 0, nt, &mut out, n)
                         } else {
-                            tile_q4_1_avx2_plain(&wq[..rr * rb], rb, &acts, 0, nt, &mut out, n)
+                            tile_q4_1_avx2(&wq[..rr * rb], rb, &acts, 0, nt, &mut out, n)
                         }
                     };
                     for r in 0..rr {
@@ -1251,10 +954,8 @@ mod tests {
                             let want =
                                 scalar::dot(GgmlType::Q4_1, &wq[r * rb..(r + 1) * rb], a, s, f);
                             let got = out[r * n + t];
-                            assert!(
-                                (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
-                                "{got} vs {want}"
-                            );
+                            // Same order as the scalar kernel: same bits.
+                            assert_eq!(got.to_bits(), want.to_bits(), "{got} vs {want}");
                         }
                     }
                 }
