@@ -3,6 +3,9 @@
 
 use std::io::{Read, Write};
 
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
 use crate::error::{Error, Result};
 use crate::store::TierBytes;
 
@@ -24,14 +27,66 @@ impl KvShape {
     }
 }
 
+/// The element type cached keys and values are stored in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvDtype {
+    /// 4 bytes per element: exact.
+    F32,
+    /// 2 bytes per element, rounded to nearest even: llama.cpp's default, and ours.
+    #[default]
+    F16,
+}
+
+impl KvDtype {
+    /// Bytes per stored element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+        }
+    }
+}
+
+/// Cached rows of keys or values, token-major, in their stored element type.
+#[derive(Clone, Copy, Debug)]
+pub enum KvRows<'a> {
+    /// f32 elements.
+    F32(&'a [f32]),
+    /// f16 elements.
+    F16(&'a [f16]),
+}
+
+impl KvRows<'_> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            KvRows::F32(v) => v.len(),
+            KvRows::F16(v) => v.len(),
+        }
+    }
+
+    /// True if there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Elements `range` as f32 into `out` (`out.len() == range.len()`).
+    pub fn read_f32(&self, start: usize, out: &mut [f32]) {
+        match self {
+            KvRows::F32(v) => out.copy_from_slice(&v[start..start + out.len()]),
+            KvRows::F16(v) => v[start..start + out.len()].convert_to_f32_slice(out),
+        }
+    }
+}
+
 /// A contiguous run of cached tokens of one layer: `n_tokens` rows of keys and values,
 /// each `kv_dim` long, and the position of each token.
 #[derive(Clone, Copy, Debug)]
 pub struct KvSegment<'a> {
-    /// Keys, `positions.len() * kv_dim` values, token-major.
-    pub keys: &'a [f32],
+    /// Keys, `positions.len() * kv_dim` elements, token-major.
+    pub keys: KvRows<'a>,
     /// Values, same layout as the keys.
-    pub values: &'a [f32],
+    pub values: KvRows<'a>,
     /// Position of each token (what RoPE rotated it with).
     pub positions: &'a [u32],
 }
@@ -111,31 +166,113 @@ pub trait KvPolicy: Send {
     fn before_attention(&mut self, layer: usize, cache: &mut dyn KvCache) -> Result<()>;
 }
 
-/// The reference cache: one growing f32 buffer per layer, nothing evicted unless asked.
+/// One layer's keys or values in their stored type.
+#[derive(Clone, Debug)]
+enum Rows {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+}
+
+impl Rows {
+    fn new(dtype: KvDtype) -> Rows {
+        match dtype {
+            KvDtype::F32 => Rows::F32(Vec::new()),
+            KvDtype::F16 => Rows::F16(Vec::new()),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Rows::F32(v) => v.len(),
+            Rows::F16(v) => v.len(),
+        }
+    }
+
+    fn view(&self) -> KvRows<'_> {
+        match self {
+            Rows::F32(v) => KvRows::F32(v),
+            Rows::F16(v) => KvRows::F16(v),
+        }
+    }
+
+    fn push(&mut self, x: &[f32]) {
+        match self {
+            Rows::F32(v) => v.extend_from_slice(x),
+            Rows::F16(v) => {
+                let start = v.len();
+                v.resize(start + x.len(), f16::ZERO);
+                v[start..].convert_from_f32_slice(x);
+            }
+        }
+    }
+
+    fn truncate(&mut self, n: usize) {
+        match self {
+            Rows::F32(v) => v.truncate(n),
+            Rows::F16(v) => v.truncate(n),
+        }
+    }
+
+    fn drain(&mut self, range: std::ops::Range<usize>) {
+        match self {
+            Rows::F32(v) => drop(v.drain(range)),
+            Rows::F16(v) => drop(v.drain(range)),
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Rows::F32(v) => bytemuck::cast_slice(v),
+            Rows::F16(v) => bytemuck::cast_slice(v),
+        }
+    }
+
+    fn from_bytes(dtype: KvDtype, b: &[u8]) -> Rows {
+        match dtype {
+            KvDtype::F32 => Rows::F32(bytemuck::pod_collect_to_vec(b)),
+            KvDtype::F16 => Rows::F16(bytemuck::pod_collect_to_vec(b)),
+        }
+    }
+}
+
+/// The reference cache: one growing buffer per layer (f16 by default, as llama.cpp),
+/// nothing evicted unless asked.
 #[derive(Clone, Debug)]
 pub struct DenseKv {
     shape: KvShape,
     capacity: usize,
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
+    dtype: KvDtype,
+    keys: Vec<Rows>,
+    values: Vec<Rows>,
     positions: Vec<Vec<u32>>,
     moved: u64,
 }
 
-const DENSE_KV_MAGIC: &[u8; 8] = b"BLSTDKV1";
+const DENSE_KV_MAGIC: &[u8; 8] = b"BLSTDKV2";
 
 impl DenseKv {
-    /// An empty cache of `shape` holding at most `capacity` tokens. Memory grows with
-    /// use; nothing is reserved up front.
+    /// An empty f16 cache of `shape` holding at most `capacity` tokens. Memory grows
+    /// with use; nothing is reserved up front.
     pub fn new(shape: KvShape, capacity: usize) -> DenseKv {
+        DenseKv::with_dtype(shape, capacity, KvDtype::F16)
+    }
+
+    /// An empty cache storing keys and values as `dtype`.
+    pub fn with_dtype(shape: KvShape, capacity: usize, dtype: KvDtype) -> DenseKv {
         DenseKv {
             shape,
             capacity,
-            keys: vec![Vec::new(); shape.n_layers],
-            values: vec![Vec::new(); shape.n_layers],
+            dtype,
+            keys: vec![Rows::new(dtype); shape.n_layers],
+            values: vec![Rows::new(dtype); shape.n_layers],
             positions: vec![Vec::new(); shape.n_layers],
             moved: 0,
         }
+    }
+
+    /// The element type keys and values are stored in.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
     }
 
     fn check_layer(&self, layer: usize) -> Result<()> {
@@ -186,10 +323,10 @@ impl KvCache for DenseKv {
                 capacity: self.capacity,
             });
         }
-        self.keys[layer].extend_from_slice(keys);
-        self.values[layer].extend_from_slice(values);
+        self.keys[layer].push(keys);
+        self.values[layer].push(values);
         self.positions[layer].extend_from_slice(positions);
-        self.moved += (2 * keys.len() * 4) as u64;
+        self.moved += (2 * keys.len() * self.dtype.bytes()) as u64;
         Ok(())
     }
 
@@ -199,8 +336,8 @@ impl KvCache for DenseKv {
         }
         KvView {
             segments: vec![KvSegment {
-                keys: &self.keys[layer],
-                values: &self.values[layer],
+                keys: self.keys[layer].view(),
+                values: self.values[layer].view(),
                 positions: &self.positions[layer],
             }],
         }
@@ -225,15 +362,15 @@ impl KvCache for DenseKv {
             self.positions[l].drain(start..end);
             self.keys[l].drain(start * dim..end * dim);
             self.values[l].drain(start * dim..end * dim);
-            self.moved += (2 * (len - end) * dim * 4) as u64;
+            self.moved += (2 * (len - end) * dim * self.dtype.bytes()) as u64;
         }
     }
 
     fn held_bytes(&self) -> TierBytes {
-        let floats: usize = self.keys.iter().chain(&self.values).map(Vec::len).sum();
+        let elements: usize = self.keys.iter().chain(&self.values).map(Rows::len).sum();
         let positions: usize = self.positions.iter().map(Vec::len).sum();
         TierBytes {
-            device: (floats * 4 + positions * 4) as u64,
+            device: (elements * self.dtype.bytes() + positions * 4) as u64,
             ..TierBytes::default()
         }
     }
@@ -249,14 +386,15 @@ impl KvCache for DenseKv {
             self.shape.n_layers,
             self.shape.n_kv_heads,
             self.shape.head_dim,
+            self.dtype.bytes(),
         ] {
             buf.extend_from_slice(&(v as u64).to_le_bytes());
         }
         for l in 0..self.shape.n_layers {
             buf.extend_from_slice(&(self.positions[l].len() as u64).to_le_bytes());
             buf.extend_from_slice(bytemuck::cast_slice(&self.positions[l]));
-            buf.extend_from_slice(bytemuck::cast_slice(&self.keys[l]));
-            buf.extend_from_slice(bytemuck::cast_slice(&self.values[l]));
+            buf.extend_from_slice(self.keys[l].bytes());
+            buf.extend_from_slice(self.values[l].bytes());
         }
         out.write_all(&buf).map_err(|source| Error::Io {
             what: "writing a KV cache".into(),
@@ -285,11 +423,11 @@ impl KvCache for DenseKv {
         if take(8)? != DENSE_KV_MAGIC {
             return Err(bad("bad magic"));
         }
-        let mut dims = [0usize; 3];
+        let mut dims = [0usize; 4];
         for d in &mut dims {
             *d = u64::from_le_bytes(take(8)?.try_into().expect("8 bytes")) as usize;
         }
-        if dims
+        if dims[..3]
             != [
                 self.shape.n_layers,
                 self.shape.n_kv_heads,
@@ -298,16 +436,20 @@ impl KvCache for DenseKv {
         {
             return Err(bad("shape differs from this model's"));
         }
+        if dims[3] != self.dtype.bytes() {
+            return Err(bad("element type differs from this cache's"));
+        }
         let dim = self.shape.kv_dim();
-        let mut loaded = DenseKv::new(self.shape, self.capacity);
+        let eb = self.dtype.bytes();
+        let mut loaded = DenseKv::with_dtype(self.shape, self.capacity, self.dtype);
         for l in 0..self.shape.n_layers {
             let n = u64::from_le_bytes(take(8)?.try_into().expect("8 bytes")) as usize;
             if n > self.capacity {
                 return Err(bad("more tokens than the capacity"));
             }
             loaded.positions[l] = bytemuck::pod_collect_to_vec(take(n * 4)?);
-            loaded.keys[l] = bytemuck::pod_collect_to_vec(take(n * dim * 4)?);
-            loaded.values[l] = bytemuck::pod_collect_to_vec(take(n * dim * 4)?);
+            loaded.keys[l] = Rows::from_bytes(self.dtype, take(n * dim * eb)?);
+            loaded.values[l] = Rows::from_bytes(self.dtype, take(n * dim * eb)?);
         }
         if !rest.is_empty() {
             return Err(bad("trailing bytes"));
@@ -315,5 +457,71 @@ impl KvCache for DenseKv {
         loaded.moved = self.moved;
         *self = loaded;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SHAPE: KvShape = KvShape {
+        n_layers: 2,
+        n_kv_heads: 1,
+        head_dim: 4,
+    };
+
+    fn filled(dtype: KvDtype) -> DenseKv {
+        let mut kv = DenseKv::with_dtype(SHAPE, 8, dtype);
+        let k: Vec<f32> = (0..12).map(|i| i as f32 * 0.1 + 1.0 / 3.0).collect();
+        let v: Vec<f32> = k.iter().map(|x| -x).collect();
+        for l in 0..2 {
+            kv.append(l, &[0, 1, 2], &k, &v).unwrap();
+        }
+        kv
+    }
+
+    fn first_key(kv: &DenseKv) -> f32 {
+        let mut x = [0f32];
+        kv.view(0).segments[0].keys.read_f32(0, &mut x);
+        x[0]
+    }
+
+    #[test]
+    fn f16_rounds_and_halves_the_bytes() {
+        let (a, b) = (filled(KvDtype::F32), filled(KvDtype::F16));
+        assert_eq!(first_key(&a), 1.0 / 3.0);
+        assert_eq!(first_key(&b), f16::from_f32(1.0 / 3.0).to_f32());
+        let positions = 2 * 3 * 4;
+        assert_eq!(
+            a.held_bytes().device - positions,
+            2 * (b.held_bytes().device - positions)
+        );
+    }
+
+    #[test]
+    fn save_load_round_trips_and_rejects_mismatches() {
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            let kv = filled(dtype);
+            let mut bytes = Vec::new();
+            kv.save(&mut bytes).unwrap();
+            let mut back = DenseKv::with_dtype(SHAPE, 8, dtype);
+            back.load(&mut bytes.as_slice()).unwrap();
+            assert_eq!(back.len(), 3);
+            assert_eq!(first_key(&back), first_key(&kv));
+
+            // Another element type, or a truncated file: a typed error, cache untouched.
+            let other = if dtype == KvDtype::F16 {
+                KvDtype::F32
+            } else {
+                KvDtype::F16
+            };
+            let mut wrong = filled(other);
+            let err = wrong.load(&mut bytes.as_slice()).unwrap_err();
+            assert!(matches!(err, Error::KvFormat { .. }), "{err}");
+            assert_eq!(wrong.len(), 3);
+            let err = back.load(&mut &bytes[..bytes.len() - 1]).unwrap_err();
+            assert!(matches!(err, Error::KvFormat { .. }), "{err}");
+            assert_eq!(first_key(&back), first_key(&kv));
+        }
     }
 }

@@ -68,7 +68,7 @@ pub mod weights;
 pub use backend::{Backend, CpuBackend};
 pub use error::{Error, Result};
 pub use ffn::{DenseFfn, FeedForward};
-pub use kv::{DenseKv, KvCache, KvPolicy};
+pub use kv::{DenseKv, KvCache, KvDtype, KvPolicy};
 pub use model::{Model, ModelConfig};
 pub use sampler::{Sampler, SamplerConfig};
 pub use session::Session;

@@ -23,17 +23,14 @@ fn default_model() -> Option<Arc<GgufFile>> {
     common::default_model().map(Arc::new)
 }
 
-/// How far our first-step logits may be from llama.cpp's.
+/// How far our first-step logits may be from llama.cpp's (the golden file's bar).
 ///
-/// llama.cpp's figures come from its flash-attention path (K, V and Q rounded to f16, V
-/// accumulated in f16) and its own float accumulation order (checked: its build on this
-/// machine reproduces the golden figures exactly with flash attention, and gives 17.40
-/// instead of 17.61 without it). Activation quantization to 8 bits makes the logits
-/// jumpy: a 1e-6 relative change of every RMSNorm moves the top logit by 0.08, because a
-/// few values round to the other side. Our SIMD levels differ only in float summation
-/// order and land up to 0.51 from llama.cpp (measured), so 0.6 is the bound; the
-/// ids below must still match exactly up to the first near-tie.
-const FIRST_STEP_TOLERANCE: f64 = 0.6;
+/// The CPU backend follows llama.cpp's AVX-512 float order op for op (matmul lanes,
+/// flash attention over an f16 cache, RoPE and SiLU roundings), so today the logits
+/// agree to the last bit and the golden figures, printed to four decimals, are met
+/// within their rounding. Without that, 8-bit activation quantization makes logits
+/// jump by up to about 0.5 when one value rounds the other way.
+const FIRST_STEP_TOLERANCE: f64 = 0.05;
 
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
@@ -65,7 +62,7 @@ fn greedy_generation_matches_llama_cpp() {
         let mut session = Session::new(model, 512);
         let mut logits = session.feed(&prompt_ids).unwrap().to_vec();
         // First step: the same top token, and llama.cpp's top five logits within
-        // FIRST_STEP_TOLERANCE (see there for why it is not 0.05).
+        // FIRST_STEP_TOLERANCE.
         let top = ranked(&logits);
         let golden_top = &case["step0_top5_logits"];
         assert_eq!(
@@ -79,6 +76,10 @@ fn greedy_generation_matches_llama_cpp() {
                 pair[1].as_f64().unwrap(),
             );
             let diff = (logits[id] as f64 - value).abs();
+            eprintln!(
+                "{prompt:?}: logit of {id}: {} (llama.cpp {value})",
+                logits[id]
+            );
             assert!(
                 diff < FIRST_STEP_TOLERANCE,
                 "{prompt:?}: logit of {id} is {} (llama.cpp {value})",
@@ -103,12 +104,12 @@ fn greedy_generation_matches_llama_cpp() {
             let got = order[0] as u32;
             if got != expected {
                 // Every id must match up to llama.cpp's first near-tie (top two within
-                // 0.1); from a near-tie on the choice is rounding noise (see
-                // FIRST_STEP_TOLERANCE), so a difference there ends the comparison.
-                let is_tie = near_ties.iter().any(|t| t.0 == step);
+                // 0.1). There the runner-up is acceptable if our own margin is also under
+                // 0.1 (the golden README's rule), and the comparison ends.
+                let tie = near_ties.iter().find(|t| t.0 == step);
                 let gap = logits[order[0]] - logits[expected as usize];
                 assert!(
-                    is_tie,
+                    tie.is_some_and(|t| t.2 == got) && gap < 0.1,
                     "{prompt:?}: step {step} chose {got}, llama.cpp {expected} (our gap {gap})"
                 );
                 eprintln!(

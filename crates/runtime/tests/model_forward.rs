@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::gguf::{GgufFile, GgufWriter, Value};
-use ballast_runtime::kv::DenseKv;
+use ballast_runtime::kv::{DenseKv, KvDtype};
 use ballast_runtime::model::Logits;
 use ballast_runtime::quant;
 use ballast_runtime::testing::{TinyModelSpec, TINY_VOCAB};
@@ -158,8 +158,14 @@ fn max_abs_diff(a: &[f32], b: &[f64]) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// Logits of every position, with an f32 cache (the f64 reference keeps keys and values
+/// exact; the default f16 cache is checked against the f32 one separately).
 fn all_logits(model: &mut Model, ids: &[u32]) -> Vec<f32> {
-    let mut kv = DenseKv::new(model.kv_shape(), 64);
+    all_logits_with(model, ids, KvDtype::F32)
+}
+
+fn all_logits_with(model: &mut Model, ids: &[u32], dtype: KvDtype) -> Vec<f32> {
+    let mut kv = DenseKv::with_dtype(model.kv_shape(), 64, dtype);
     let positions: Vec<u32> = (0..ids.len() as u32).collect();
     model
         .forward(ids, &positions, &mut kv, None, Logits::All)
@@ -182,6 +188,28 @@ fn check_against_reference(spec: TinyModelSpec, tolerance: f64) {
             spec.weight_type
         );
     }
+}
+
+/// The default f16 cache rounds keys and values to 11 significant bits: the logits move,
+/// but only by that rounding's reach.
+#[test]
+fn f16_cache_stays_close_to_f32_cache() {
+    let spec = TinyModelSpec {
+        weight_type: GgmlType::F32,
+        embd_type: GgmlType::F32,
+        ..Default::default()
+    };
+    let ids = [72u32, 101, 108, 108, 111, 44, 32, 119, 256, 3];
+    let mut model = load(&spec, 1);
+    let exact = all_logits_with(&mut model, &ids, KvDtype::F32);
+    let half = all_logits_with(&mut model, &ids, KvDtype::F16);
+    let diff = exact
+        .iter()
+        .zip(&half)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(diff > 0.0, "the f16 cache rounds something");
+    assert!(diff < 2e-2, "f16 cache moved a logit by {diff}");
 }
 
 // F32 weights keep f32 activations: only f32 rounding separates the engine from the

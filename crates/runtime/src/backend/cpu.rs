@@ -5,7 +5,9 @@ use std::cell::RefCell;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use super::{AttentionShape, Backend, MatmulJob, OpKind, OpTimes, Rope, RopeStyle};
+use super::attention::{attend_head, HeadSlot};
+use super::elementwise;
+use super::{AttentionShape, Backend, MatmulJob, OpKind, OpTimes, Rope};
 use crate::error::{Error, Result};
 use crate::ggml_type::GgmlType;
 use crate::kv::KvView;
@@ -223,7 +225,7 @@ impl Backend for CpuBackend {
 
     fn rope(&self, x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, rope: &Rope) {
         self.timed(OpKind::Other, || {
-            rope_rows(x, positions, n_heads, head_dim, rope)
+            elementwise::rope(x, positions, n_heads, head_dim, rope)
         })
     }
 
@@ -238,11 +240,13 @@ impl Backend for CpuBackend {
         let start = Instant::now();
         let n_tokens = q_positions.len();
         let work = n_tokens * shape.n_heads;
+        // llama.cpp's `kq_scale`.
+        let scale = 1.0 / (shape.head_dim as f32).sqrt();
         let out_ptr = SyncPtr(out.as_mut_ptr());
         self.pool.run(&|thread, n_threads| {
             let range = split_range(work, 1, thread, n_threads);
             SCRATCH.with(|s| {
-                let mut scores = s.borrow_mut();
+                let mut scratch = s.borrow_mut();
                 for item in range {
                     let (t, h) = (item / shape.n_heads, item % shape.n_heads);
                     let off = (t * shape.n_heads + h) * shape.head_dim;
@@ -250,13 +254,19 @@ impl Backend for CpuBackend {
                     let dst = unsafe {
                         std::slice::from_raw_parts_mut(out_ptr.get().add(off), shape.head_dim)
                     };
-                    attend_one(
+                    let kv_head = h / (shape.n_heads / shape.n_kv_heads).max(1);
+                    let slot = HeadSlot {
+                        offset: kv_head * shape.head_dim,
+                        row_len: shape.n_kv_heads * shape.head_dim,
+                        head_dim: shape.head_dim,
+                    };
+                    attend_head(
                         &q[off..off + shape.head_dim],
                         q_positions[t],
-                        h,
                         kv,
-                        shape,
-                        &mut scores,
+                        slot,
+                        scale,
+                        &mut scratch,
                         dst,
                     );
                 }
@@ -266,11 +276,7 @@ impl Backend for CpuBackend {
     }
 
     fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
-        self.timed(OpKind::Other, || {
-            for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-                *o = g / (1.0 + (-g).exp()) * u;
-            }
-        })
+        self.timed(OpKind::Other, || elementwise::swiglu(gate, up, out))
     }
 
     fn add_assign(&self, x: &mut [f32], y: &[f32]) {
@@ -279,107 +285,5 @@ impl Backend for CpuBackend {
                 *a += b;
             }
         })
-    }
-}
-
-/// RoPE as llama.cpp computes it: `theta` starts at the position and is multiplied by
-/// `freq_base^(-2/n_dims)` for each pair, in f32.
-pub(crate) fn rope_rows(
-    x: &mut [f32],
-    positions: &[u32],
-    n_heads: usize,
-    head_dim: usize,
-    rope: &Rope,
-) {
-    let n_dims = rope.n_dims.min(head_dim);
-    let theta_scale = rope.freq_base.powf(-2.0 / n_dims as f32);
-    let row_len = n_heads * head_dim;
-    let mut cos_sin = vec![(0.0f32, 0.0f32); n_dims / 2];
-    for (row, &pos) in x.chunks_exact_mut(row_len).zip(positions) {
-        let mut theta = pos as f32;
-        for cs in cos_sin.iter_mut() {
-            *cs = (theta.cos(), theta.sin());
-            theta *= theta_scale;
-        }
-        for head in row.chunks_exact_mut(head_dim) {
-            for (i, &(c, s)) in cos_sin.iter().enumerate() {
-                let (a, b) = match rope.style {
-                    RopeStyle::Normal => (2 * i, 2 * i + 1),
-                    RopeStyle::Neox => (i, i + n_dims / 2),
-                };
-                let (x0, x1) = (head[a], head[b]);
-                head[a] = x0 * c - x1 * s;
-                head[b] = x0 * s + x1 * c;
-            }
-        }
-    }
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight partial sums let the compiler keep a vector accumulator.
-    let mut acc = [0.0f32; 8];
-    let chunks = a.len() / 8 * 8;
-    for (ca, cb) in a[..chunks].chunks_exact(8).zip(b[..chunks].chunks_exact(8)) {
-        for i in 0..8 {
-            acc[i] += ca[i] * cb[i];
-        }
-    }
-    let mut sum: f32 = acc.iter().sum();
-    for i in chunks..a.len() {
-        sum += a[i] * b[i];
-    }
-    sum
-}
-
-/// One query head over the cache: scores, softmax, weighted sum of values.
-fn attend_one(
-    q: &[f32],
-    q_pos: u32,
-    head: usize,
-    kv: &KvView<'_>,
-    shape: &AttentionShape,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    let hd = shape.head_dim;
-    let kv_head = head / (shape.n_heads / shape.n_kv_heads).max(1);
-    let kv_dim = shape.n_kv_heads * hd;
-    let scale = 1.0 / (hd as f32).sqrt();
-    scores.clear();
-    let mut max = f32::NEG_INFINITY;
-    for seg in &kv.segments {
-        for (i, &p) in seg.positions.iter().enumerate() {
-            let s = if p <= q_pos {
-                let k = &seg.keys[i * kv_dim + kv_head * hd..][..hd];
-                dot(q, k) * scale
-            } else {
-                f32::NEG_INFINITY
-            };
-            max = max.max(s);
-            scores.push(s);
-        }
-    }
-    out.fill(0.0);
-    if max == f32::NEG_INFINITY {
-        return;
-    }
-    let mut sum = 0.0f64;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s as f64;
-    }
-    let inv = (1.0 / sum) as f32;
-    let mut idx = 0;
-    for seg in &kv.segments {
-        for i in 0..seg.positions.len() {
-            let w = scores[idx] * inv;
-            idx += 1;
-            if w != 0.0 {
-                let v = &seg.values[i * kv_dim + kv_head * hd..][..hd];
-                for (o, &vv) in out.iter_mut().zip(v) {
-                    *o += w * vv;
-                }
-            }
-        }
     }
 }

@@ -5,7 +5,9 @@
 //! against. Weights arrive quantized, exactly as packed in the GGUF file; a backend
 //! dequantizes inside its kernels and never keeps an f32 copy of a weight.
 
+mod attention;
 mod cpu;
+mod elementwise;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

@@ -1,0 +1,323 @@
+//! Attention of one query head over the cache, in the float order of llama.cpp's CPU
+//! flash-attention kernel (`ggml_compute_forward_flash_attn_ext_f16_one_chunk`, built
+//! for AVX-512), so that our logits land on llama.cpp's to the last bit.
+//!
+//! That kernel, for an f16 cache: rounds the query to f16; takes each score as ggml's
+//! f16 dot product (four 16-lane accumulators over steps of 64 elements, one FMA each,
+//! reduced pairwise); scales it; runs an online softmax whose running sum of values is
+//! kept in f16 (every update `acc = f16(fma(v, w, acc))`, every rescale
+//! `acc = f16(acc * m)`); and divides by the running sum at the end (as a multiplication
+//! by its inverse). The running sum is updated as `fma(S, ms, vs)`, as gcc contracts it.
+//! An f32 cache follows the same steps without the f16 roundings.
+//!
+//! [`attend_head_reference`] is the plain statement of it; [`attend_head`] picks an
+//! AVX-512 version with the same results when the CPU has it.
+
+use half::f16;
+
+use crate::kv::{KvRows, KvView};
+
+/// Accumulators × lanes of ggml's AVX-512 dot product: one step covers 64 elements.
+const STEP: usize = 64;
+
+/// Where one head's keys and values sit in a cache row.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct HeadSlot {
+    /// Offset of the head's first element in a row.
+    pub offset: usize,
+    /// Elements per cached row (all KV heads).
+    pub row_len: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+}
+
+fn round_f16(x: f32) -> f32 {
+    f16::from_f32(x).to_f32()
+}
+
+fn read_row(rows: &KvRows<'_>, start: usize, out: &mut [f32]) {
+    rows.read_f32(start, out)
+}
+
+/// ggml's AVX-512 `ggml_vec_dot_f16` / `ggml_vec_dot_f32` order, stated lane by lane.
+fn dot_reference(x: &[f32], y: &[f32]) -> f32 {
+    let n = x.len();
+    let np = n - n % STEP;
+    let mut acc = [[0f32; 16]; 4];
+    for i in (0..np).step_by(STEP) {
+        for (j, a) in acc.iter_mut().enumerate() {
+            for (l, lane) in a.iter_mut().enumerate() {
+                let k = i + 16 * j + l;
+                *lane = x[k].mul_add(y[k], *lane);
+            }
+        }
+    }
+    // x[0] += x[2]; x[1] += x[3]; x[0] += x[1]; then gcc's _mm512_reduce_add_ps.
+    let mut r = [0f32; 16];
+    for l in 0..16 {
+        r[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+    }
+    let mut t8 = [0f32; 8];
+    for i in 0..8 {
+        t8[i] = r[i] + r[i + 8];
+    }
+    let t4: [f32; 4] = std::array::from_fn(|i| t8[i] + t8[i + 4]);
+    let mut sum = ((t4[0] + t4[2]) + (t4[1] + t4[3])) as f64;
+    for k in np..n {
+        sum += (x[k] * y[k]) as f64;
+    }
+    sum as f32
+}
+
+/// The plain statement of the kernel for one query head `q` (at position `q_pos`) over
+/// the cached tokens at or before `q_pos`; `out` gets the head's output. `tmp` is
+/// scratch of at least `3 * head_dim`.
+pub(crate) fn attend_head_reference(
+    q: &[f32],
+    q_pos: u32,
+    kv: &KvView<'_>,
+    slot: HeadSlot,
+    scale: f32,
+    tmp: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let hd = slot.head_dim;
+    tmp.resize(3 * hd, 0.0);
+    let (qh, rest) = tmp.split_at_mut(hd);
+    let (row, acc) = rest.split_at_mut(hd);
+    let half = matches!(kv.segments.first().map(|s| s.keys), Some(KvRows::F16(_)));
+    let round = |x: f32| if half { round_f16(x) } else { x };
+    for (d, &s) in qh.iter_mut().zip(q) {
+        *d = round(s);
+    }
+    acc.fill(0.0);
+    let mut max = f32::NEG_INFINITY;
+    let mut sum = 0f32;
+    for seg in &kv.segments {
+        for (i, &p) in seg.positions.iter().enumerate() {
+            if p > q_pos {
+                continue;
+            }
+            let start = i * slot.row_len + slot.offset;
+            read_row(&seg.keys, start, row);
+            let s = dot_reference(row, qh) * scale;
+            let (mut ms, mut vs) = (1f32, 1f32);
+            if s > max {
+                ms = (max - s).exp();
+                max = s;
+                for a in acc.iter_mut() {
+                    *a = round(*a * ms);
+                }
+            } else {
+                vs = (s - max).exp();
+            }
+            read_row(&seg.values, start, row);
+            for (a, &v) in acc.iter_mut().zip(row.iter()) {
+                *a = round(v.mul_add(vs, *a));
+            }
+            sum = sum.mul_add(ms, vs);
+        }
+    }
+    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+    for (o, &a) in out.iter_mut().zip(acc.iter()) {
+        *o = a * inv;
+    }
+}
+
+/// [`attend_head_reference`], on AVX-512 when the CPU has it and the head size is a
+/// multiple of 64 (same results, bit for bit).
+pub(crate) fn attend_head(
+    q: &[f32],
+    q_pos: u32,
+    kv: &KvView<'_>,
+    slot: HeadSlot,
+    scale: f32,
+    tmp: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if slot.head_dim % STEP == 0
+        && slot.head_dim <= 16 * x86::MAX_VECS
+        && crate::quant::current_simd_level() == crate::quant::SimdLevel::Avx512
+    {
+        // SAFETY: AVX-512 support was just checked.
+        unsafe { x86::attend_head_avx512(q, q_pos, kv, slot, scale, out) };
+        return;
+    }
+    attend_head_reference(q, q_pos, kv, slot, scale, tmp, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{HeadSlot, STEP};
+    use crate::kv::{KvRows, KvView};
+
+    /// Most 16-lane vectors a head holds on this path (head size up to 256).
+    pub(super) const MAX_VECS: usize = 16;
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+    unsafe fn load16(rows: &KvRows<'_>, at: usize) -> __m512 {
+        // SAFETY: the caller keeps `at + 16` within the rows.
+        unsafe {
+            match rows {
+                KvRows::F32(v) => _mm512_loadu_ps(v.as_ptr().add(at)),
+                KvRows::F16(v) => {
+                    _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at) as *const __m256i))
+                }
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+    fn round16(x: __m512, half: bool) -> __m512 {
+        if half {
+            _mm512_cvtph_ps(_mm512_cvtps_ph::<
+                { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+            >(x))
+        } else {
+            x
+        }
+    }
+
+    /// gcc's `_mm512_reduce_add_ps`: halves, then quarters, then pairs.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+    fn reduce_add(v: __m512) -> f32 {
+        let t8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
+        let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
+        let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+        _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)))
+    }
+
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+    pub(super) unsafe fn attend_head_avx512(
+        q: &[f32],
+        q_pos: u32,
+        kv: &KvView<'_>,
+        slot: HeadSlot,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        let hd = slot.head_dim;
+        let nv = hd / 16;
+        debug_assert!(hd % STEP == 0 && nv <= MAX_VECS);
+        let half = matches!(kv.segments.first().map(|s| s.keys), Some(KvRows::F16(_)));
+        let zero = _mm512_setzero_ps();
+        let mut qv = [zero; MAX_VECS];
+        let mut acc = [zero; MAX_VECS];
+        for (j, v) in qv.iter_mut().enumerate().take(nv) {
+            // SAFETY: q holds hd values.
+            *v = round16(unsafe { _mm512_loadu_ps(q.as_ptr().add(16 * j)) }, half);
+        }
+        let mut max = f32::NEG_INFINITY;
+        let mut sum = 0f32;
+        for seg in &kv.segments {
+            for (i, &p) in seg.positions.iter().enumerate() {
+                if p > q_pos {
+                    continue;
+                }
+                let start = i * slot.row_len + slot.offset;
+                // Score: four accumulators per 64 elements, then ggml's reduction.
+                let mut s4 = [zero; 4];
+                for j in 0..nv {
+                    // SAFETY: the segment holds this row.
+                    let k = unsafe { load16(&seg.keys, start + 16 * j) };
+                    s4[j % 4] = _mm512_fmadd_ps(k, qv[j], s4[j % 4]);
+                }
+                let r = _mm512_add_ps(_mm512_add_ps(s4[0], s4[2]), _mm512_add_ps(s4[1], s4[3]));
+                let s = reduce_add(r) * scale;
+                let (mut ms, mut vs) = (1f32, 1f32);
+                if s > max {
+                    ms = (max - s).exp();
+                    max = s;
+                    let m = _mm512_set1_ps(ms);
+                    for a in acc.iter_mut().take(nv) {
+                        *a = round16(_mm512_mul_ps(*a, m), half);
+                    }
+                } else {
+                    vs = (s - max).exp();
+                }
+                let w = _mm512_set1_ps(vs);
+                for (j, a) in acc.iter_mut().enumerate().take(nv) {
+                    // SAFETY: the segment holds this row.
+                    let v = unsafe { load16(&seg.values, start + 16 * j) };
+                    *a = round16(_mm512_fmadd_ps(v, w, *a), half);
+                }
+                sum = sum.mul_add(ms, vs);
+            }
+        }
+        let inv = _mm512_set1_ps(if sum == 0.0 { 0.0 } else { 1.0 / sum });
+        for (j, a) in acc.iter().enumerate().take(nv) {
+            // SAFETY: out holds hd values.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * j), _mm512_mul_ps(*a, inv)) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::KvSegment;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+    }
+
+    /// The dispatched kernel equals the reference bit for bit, for f16 and f32 caches,
+    /// several head sizes, grouped heads and masked (future) positions.
+    #[test]
+    fn dispatched_kernel_equals_reference() {
+        let mut seed = 7u64;
+        for hd in [64usize, 128, 48] {
+            for half in [true, false] {
+                let (n_tok, n_kv) = (37usize, 2usize);
+                let row_len = n_kv * hd;
+                let k: Vec<f32> = (0..n_tok * row_len).map(|_| lcg(&mut seed)).collect();
+                let v: Vec<f32> = (0..n_tok * row_len).map(|_| lcg(&mut seed)).collect();
+                let q: Vec<f32> = (0..hd).map(|_| lcg(&mut seed) * 3.0).collect();
+                let (k16, v16): (Vec<f16>, Vec<f16>) = (
+                    k.iter().map(|&x| f16::from_f32(x)).collect(),
+                    v.iter().map(|&x| f16::from_f32(x)).collect(),
+                );
+                let positions: Vec<u32> = (0..n_tok as u32).collect();
+                let (keys, values) = if half {
+                    (KvRows::F16(&k16), KvRows::F16(&v16))
+                } else {
+                    (KvRows::F32(&k), KvRows::F32(&v))
+                };
+                let view = KvView {
+                    segments: vec![KvSegment {
+                        keys,
+                        values,
+                        positions: &positions,
+                    }],
+                };
+                for kv_head in 0..n_kv {
+                    let slot = HeadSlot {
+                        offset: kv_head * hd,
+                        row_len,
+                        head_dim: hd,
+                    };
+                    let mut a = vec![f32::NAN; hd];
+                    let mut b = vec![f32::NAN; hd];
+                    let mut tmp = Vec::new();
+                    attend_head_reference(&q, 30, &view, slot, 0.125, &mut tmp, &mut a);
+                    attend_head(&q, 30, &view, slot, 0.125, &mut tmp, &mut b);
+                    assert_eq!(
+                        a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        b.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        "head_dim {hd}, f16 {half}"
+                    );
+                    assert!(a.iter().all(|x| x.is_finite()));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,171 @@
+//! The CPU backend's element-wise ops, rounded exactly as llama.cpp's AVX-512 build
+//! rounds them, so that the 8-bit activation quantization downstream sees the same
+//! bits (a value that rounds the other way moves a logit by up to half a unit).
+//!
+//! - RoPE: `x0*cos - x1*sin` and `x0*sin + x1*cos`, each with its `x1` product rounded
+//!   and its `x0` product fused, as gcc contracts ggml's `rotate_pairs` (checked against
+//!   llama.cpp's output bit for bit).
+//! - SiLU: ggml's vectorized `ggml_v_expf` (a degree-5 polynomial after a
+//!   `2^n` range reduction, ending in `scalef`), not libm's `expf`.
+//!
+//! Each op is written once as plain Rust on `f32::mul_add`; on x86-64 with FMA the same
+//! code is compiled a second time with the FMA feature on, so `mul_add` is one
+//! instruction instead of a libm call. Both give the same bits.
+
+use super::{Rope, RopeStyle};
+
+/// `exp(x)` as ggml's AVX-512 `ggml_v_expf` computes it.
+#[inline(always)]
+fn expf_ggml(x: f32) -> f32 {
+    let f = f32::from_bits;
+    let r = f(0x4b40_0000); // 0x1.8p23: adding it rounds to an integer
+    let z = x.mul_add(f(0x3fb8_aa3b), r); // x * log2(e)
+    let n = z - r;
+    // b = x - n * ln2, in two parts (0x1.62e4p-1 + 0x1.7f7d1cp-20).
+    let b = (-n).mul_add(f(0x35bf_be8e), (-n).mul_add(f(0x3f31_7200), x));
+    let u = b * b;
+    let j = f(0x3c07_2010)
+        .mul_add(b, f(0x3d2b_9f17))
+        .mul_add(u, f(0x3e2a_af33).mul_add(b, f(0x3eff_fedb)))
+        .mul_add(u, f(0x3f7f_fff6).mul_add(b, 1.0));
+    if n.abs() > 192.0 {
+        return if n <= 0.0 { 0.0 } else { f32::INFINITY };
+    }
+    // scalef(j, n) = j * 2^n with one rounding: exact in f64, then rounded once.
+    (j as f64 * (n as f64).exp2()) as f32
+}
+
+/// `silu(gate) * up`, as ggml's AVX-512 `ggml_vec_swiglu_f32`.
+#[inline(always)]
+fn swiglu_one(gate: f32, up: f32) -> f32 {
+    gate / (1.0 + expf_ggml(-gate)) * up
+}
+
+#[inline(always)]
+fn swiglu_impl(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = swiglu_one(g, u);
+    }
+}
+
+#[inline(always)]
+fn rope_impl(x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, rope: &Rope) {
+    let n_dims = rope.n_dims.min(head_dim);
+    let theta_scale = rope.freq_base.powf(-2.0 / n_dims as f32);
+    let row_len = n_heads * head_dim;
+    let mut cos_sin = [(0f32, 0f32); 256];
+    let pairs = n_dims / 2;
+    for (row, &pos) in x.chunks_exact_mut(row_len).zip(positions) {
+        // ggml_rope_cache_init: theta starts at the position and is multiplied by
+        // theta_scale per pair, in f32.
+        let mut theta = pos as f32;
+        for cs in cos_sin.iter_mut().take(pairs) {
+            *cs = (theta.cos(), theta.sin());
+            theta *= theta_scale;
+        }
+        for head in row.chunks_exact_mut(head_dim) {
+            for (i, &(c, s)) in cos_sin.iter().take(pairs).enumerate() {
+                let (a, b) = match rope.style {
+                    RopeStyle::Normal => (2 * i, 2 * i + 1),
+                    RopeStyle::Neox => (i, i + pairs),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0.mul_add(c, -(x1 * s));
+                head[b] = x0.mul_add(s, x1 * c);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod fma {
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        super::swiglu_impl(gate, up, out)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn rope(
+        x: &mut [f32],
+        positions: &[u32],
+        n_heads: usize,
+        head_dim: usize,
+        rope: &super::Rope,
+    ) {
+        super::rope_impl(x, positions, n_heads, head_dim, rope)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_fma() -> bool {
+    use std::sync::OnceLock;
+    static FMA: OnceLock<bool> = OnceLock::new();
+    *FMA.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+}
+
+/// `out[i] = silu(gate[i]) * up[i]`.
+pub(crate) fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_fma() {
+        // SAFETY: AVX2 and FMA were detected.
+        return unsafe { fma::swiglu(gate, up, out) };
+    }
+    swiglu_impl(gate, up, out)
+}
+
+/// Rotates each head of each row of `x` by its token's position. At most 512 rotated
+/// dimensions per head.
+pub(crate) fn rope(x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, rope: &Rope) {
+    #[cfg(target_arch = "x86_64")]
+    if has_fma() {
+        // SAFETY: AVX2 and FMA were detected.
+        return unsafe { fma::rope(x, positions, n_heads, head_dim, rope) };
+    }
+    rope_impl(x, positions, n_heads, head_dim, rope)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `expf_ggml` is within a few ulps of libm's `exp` over the range SiLU uses,
+    /// and saturates like ggml's.
+    #[test]
+    fn expf_ggml_is_close_to_exp() {
+        let mut x = -80.0f32;
+        while x < 80.0 {
+            let (got, want) = (expf_ggml(x), x.exp());
+            assert!(
+                ((got - want) / want).abs() < 4e-7,
+                "exp({x}): {got} vs {want}"
+            );
+            x += 0.0137;
+        }
+        assert_eq!(expf_ggml(-200.0), 0.0);
+        assert_eq!(expf_ggml(200.0), f32::INFINITY);
+    }
+
+    /// The FMA-compiled ops give the same bits as the portable ones.
+    #[test]
+    fn compiled_twice_same_bits() {
+        let gate: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) * 0.037).collect();
+        let up: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.7).sin()).collect();
+        let (mut a, mut b) = (vec![0f32; 1000], vec![0f32; 1000]);
+        swiglu_impl(&gate, &up, &mut a);
+        swiglu(&gate, &up, &mut b);
+        assert_eq!(a, b);
+        for style in [RopeStyle::Normal, RopeStyle::Neox] {
+            let r = Rope {
+                style,
+                n_dims: 64,
+                freq_base: 10000.0,
+            };
+            let mut x: Vec<f32> = (0..4 * 128).map(|i| (i as f32 * 0.31).cos()).collect();
+            let mut y = x.clone();
+            let pos = [0, 3, 17, 400];
+            rope_impl(&mut x, &pos, 2, 64, &r);
+            rope(&mut y, &pos, 2, 64, &r);
+            assert_eq!(x, y);
+        }
+    }
+}
