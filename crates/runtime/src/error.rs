@@ -491,6 +491,14 @@ pub enum Error {
         /// Layers in the model.
         n_layers: usize,
     },
+    /// A weight store could not hand out a layer (a streaming store's read failed,
+    /// say). The source is the store's own error, which names the layer and file.
+    #[error("weight store: {source}")]
+    Store {
+        /// The store's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// A token id outside the vocabulary.
     #[error("token id {id} is outside the vocabulary of {vocab}")]
     TokenId {

@@ -1,0 +1,668 @@
+//! The planner: which layers live on the device, in RAM or on disk, from the real byte
+//! size of each layer, the budgets of each memory and the reserves the model needs.
+//!
+//! # Placement rule
+//!
+//! 1. The output head and the final norm are read whole by every token, so they are
+//!    placed first, on the device (counted in the device reserve). The embedding table
+//!    is not placed: a token reads one row of it, so it stays memory-mapped and costs
+//!    `embd_row_bytes` per token. (A model that ties its head to the embedding has no
+//!    separate table.)
+//! 2. Every layer is read once per token whatever tier holds it, so the bytes moved per
+//!    token depend only on how many bytes are not resident. The planner therefore keeps
+//!    as many layers as fit on the device, then in RAM, and streams the rest.
+//! 3. Which layers stream is not "the last ones": the streamed layers are spread evenly
+//!    over the depth of the model. A streamed layer's transfer then overlaps the
+//!    compute of the resident layers before it, so a shallow ring of slots keeps the
+//!    link busy; a contiguous run of streamed layers would leave the link idle while
+//!    the resident run computes and make the compute wait during the streamed run.
+//! 4. Streaming needs slots: `depth` device slots of the largest streamed layer (and,
+//!    with a separate device, `depth` RAM staging buffers for layers read from disk).
+//!    Slots are taken from the budget before resident layers. If `depth` slots do not
+//!    fit, the depth shrinks (down to one slot, no overlap); if one slot does not fit,
+//!    planning fails with [`Error::BudgetTooSmall`], which says how much is needed.
+//!
+//! On the CPU backend the device is RAM: [`Budgets::device`] is `None`, tiers A and B
+//! are one pool, layers are either resident ([`Tier::Device`]) or read from disk into
+//! slots in RAM ([`Tier::Disk`]), and nothing is uploaded.
+//!
+//! All sums saturate: absurd sizes give "does not fit", never an overflow.
+
+use crate::{Error, Result};
+
+/// Alignment of slot buffers and of reads from disk (direct I/O wants the logical
+/// block size; 4 KiB covers every common device).
+pub const IO_ALIGN: u64 = 4096;
+
+/// Rounds `n` up to a multiple of [`IO_ALIGN`], saturating.
+pub fn align_up(n: u64) -> u64 {
+    n.saturating_add(IO_ALIGN - 1) / IO_ALIGN * IO_ALIGN
+}
+
+/// Bytes of a slot that holds a layer of `layer_bytes`: the aligned size plus two
+/// blocks, for a read that starts and ends mid-block and the padding between tensors.
+pub fn slot_bytes(layer_bytes: u64) -> u64 {
+    align_up(layer_bytes).saturating_add(2 * IO_ALIGN)
+}
+
+/// What the planner needs to know about a model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelShape {
+    /// Real byte size of each layer's tensors, in layer order.
+    pub layer_bytes: Vec<u64>,
+    /// Output head and final norm: read whole by every token.
+    pub head_bytes: u64,
+    /// Bytes of one row of the embedding table (read per token from the memory map).
+    pub embd_row_bytes: u64,
+    /// Residual width.
+    pub d_model: u64,
+    /// Query heads times head size.
+    pub q_dim: u64,
+    /// Key/value heads times head size.
+    pub kv_dim: u64,
+    /// MLP width.
+    pub n_ff: u64,
+    /// Vocabulary size.
+    pub vocab: u64,
+    /// Bytes per cached key or value (4: the runtime's `DenseKv` stores f32).
+    pub kv_value_bytes: u64,
+}
+
+impl ModelShape {
+    /// A model of `n_layers` identical layers described by its dimensions, with
+    /// weights of `bits_per_weight` bits (e.g. 6.5625 for Q6_K): what `ballast plan`
+    /// uses for a model the user does not have.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_dims(
+        n_layers: u64,
+        d_model: u64,
+        n_heads: u64,
+        n_kv_heads: u64,
+        n_ff: u64,
+        vocab: u64,
+        bits_per_weight: f64,
+        head_bits_per_weight: f64,
+    ) -> ModelShape {
+        let head_dim = d_model / n_heads.max(1);
+        let q_dim = n_heads * head_dim;
+        let kv_dim = n_kv_heads * head_dim;
+        let params = d_model * q_dim + 2 * d_model * kv_dim + q_dim * d_model + 3 * d_model * n_ff;
+        let weight_bytes = (params as f64 * bits_per_weight / 8.0).ceil() as u64;
+        let norms = 2 * d_model * 4;
+        ModelShape {
+            layer_bytes: vec![weight_bytes + norms; n_layers as usize],
+            head_bytes: (d_model as f64 * vocab as f64 * head_bits_per_weight / 8.0).ceil() as u64
+                + d_model * 4,
+            embd_row_bytes: (d_model as f64 * head_bits_per_weight / 8.0).ceil() as u64,
+            d_model,
+            q_dim,
+            kv_dim,
+            n_ff,
+            vocab,
+            kv_value_bytes: 4,
+        }
+    }
+
+    /// Number of layers.
+    pub fn n_layers(&self) -> usize {
+        self.layer_bytes.len()
+    }
+
+    /// Sum of the layers' bytes.
+    pub fn total_layer_bytes(&self) -> u64 {
+        self.layer_bytes
+            .iter()
+            .fold(0u64, |a, &b| a.saturating_add(b))
+    }
+
+    /// Bytes of keys and values one layer holds per cached token.
+    pub fn kv_bytes_per_token_layer(&self) -> u64 {
+        2u64.saturating_mul(self.kv_dim)
+            .saturating_mul(self.kv_value_bytes)
+    }
+}
+
+/// What the model needs besides its layers, per memory pool. Computed from the model
+/// and the context by [`Reserve::for_context`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Reserve {
+    /// KV cache at full context: layers x context x 2 x kv_dim x value bytes.
+    pub kv: u64,
+    /// Activations of one forward pass of `batch` tokens (residual, q, k, v,
+    /// attention output, the MLP's gate and up, f32) and one row of logits.
+    pub activations: u64,
+    /// Quantized copies of the activations and the sampler's candidate list.
+    pub scratch: u64,
+    /// Safety margin: 8 MiB plus 2% of the pool's budget (allocator slack,
+    /// fragmentation).
+    pub margin: u64,
+}
+
+impl Reserve {
+    /// The reserve of a pool of `budget` bytes that holds the KV cache and the
+    /// activations of a model with `shape`, at `ctx` tokens of context and prompt
+    /// chunks of `batch` tokens.
+    pub fn for_context(shape: &ModelShape, ctx: u64, batch: u64, budget: u64) -> Reserve {
+        let n_layers = shape.n_layers() as u64;
+        let kv = n_layers
+            .saturating_mul(ctx)
+            .saturating_mul(shape.kv_bytes_per_token_layer());
+        let per_token = 3u64
+            .saturating_mul(shape.d_model)
+            .saturating_add(2u64.saturating_mul(shape.q_dim))
+            .saturating_add(2u64.saturating_mul(shape.kv_dim))
+            .saturating_add(2u64.saturating_mul(shape.n_ff));
+        let activations = 4u64
+            .saturating_mul(batch.max(1))
+            .saturating_mul(per_token)
+            .saturating_add(4u64.saturating_mul(shape.vocab));
+        let scratch = 2u64
+            .saturating_mul(batch.max(1))
+            .saturating_mul(shape.d_model.saturating_add(shape.n_ff))
+            .saturating_add(12u64.saturating_mul(shape.vocab));
+        Reserve {
+            kv,
+            activations,
+            scratch,
+            margin: Reserve::margin_for(budget),
+        }
+    }
+
+    /// The safety margin of a pool of `budget` bytes.
+    pub fn margin_for(budget: u64) -> u64 {
+        (8u64 << 20).saturating_add(budget / 50)
+    }
+
+    /// A reserve of only a margin (the RAM pool when the device is separate: the KV
+    /// cache and activations live on the device).
+    pub fn margin_only(budget: u64) -> Reserve {
+        Reserve {
+            margin: Reserve::margin_for(budget),
+            ..Reserve::default()
+        }
+    }
+
+    /// The sum, saturating.
+    pub fn total(&self) -> u64 {
+        self.kv
+            .saturating_add(self.activations)
+            .saturating_add(self.scratch)
+            .saturating_add(self.margin)
+    }
+}
+
+/// Bytes each memory may hold for this process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Budgets {
+    /// Device memory, or `None` when the backend computes from RAM (CPU): then the
+    /// device tier is RAM and there is no separate RAM tier.
+    pub device: Option<u64>,
+    /// Host RAM.
+    pub ram: u64,
+}
+
+/// Where a layer lives between uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Tier {
+    /// Tier A: resident where the backend computes (GPU memory; RAM on the CPU).
+    Device,
+    /// Tier B: resident in host RAM, uploaded to a device slot per use (GPU only).
+    Ram,
+    /// Tier C: read from the model file per use.
+    Disk,
+}
+
+impl Tier {
+    /// Short name for tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Device => "device",
+            Tier::Ram => "ram",
+            Tier::Disk => "disk",
+        }
+    }
+}
+
+/// What the planner is asked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanRequest {
+    /// The model.
+    pub shape: ModelShape,
+    /// The budgets.
+    pub budgets: Budgets,
+    /// Context size in tokens (sizes the KV cache).
+    pub ctx: u64,
+    /// Prompt tokens per forward pass (sizes the activations).
+    pub batch: u64,
+    /// Wanted prefetch depth: slots in the ring (at least 1; 2 is double buffering).
+    pub depth: usize,
+}
+
+/// A placement of every layer, with the slots and reserves it assumes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// Tier of each layer.
+    pub tiers: Vec<Tier>,
+    /// Whether the device is RAM (CPU backend).
+    pub unified: bool,
+    /// The budgets planned for.
+    pub budgets: Budgets,
+    /// Reserve of the device pool (the RAM pool when unified).
+    pub device_reserve: Reserve,
+    /// Reserve of the RAM pool (zero when unified).
+    pub ram_reserve: Reserve,
+    /// Output head and final norm, resident on the device.
+    pub head_bytes: u64,
+    /// Slots of the ring on the device (0 when nothing streams).
+    pub device_slots: usize,
+    /// Size of one device slot (the largest streamed layer, aligned).
+    pub device_slot_bytes: u64,
+    /// RAM staging buffers for layers read from disk before upload (separate device
+    /// only).
+    pub staging_slots: usize,
+    /// Size of one staging buffer.
+    pub staging_slot_bytes: u64,
+    /// The depth asked for (the ring may be shallower if the budget is short).
+    pub requested_depth: usize,
+    /// Real byte size of each layer.
+    pub layer_bytes: Vec<u64>,
+    /// Bytes of keys and values per cached token per layer (for the attention cost).
+    pub kv_bytes_per_token_layer: u64,
+    /// Bytes of one embedding row.
+    pub embd_row_bytes: u64,
+}
+
+/// Indices of `k` of `n` layers spread evenly over `0..n`.
+pub fn spread(n: usize, k: usize) -> Vec<usize> {
+    let k = k.min(n);
+    (0..k).map(|j| ((2 * j + 1) * n) / (2 * k)).collect()
+}
+
+fn sum_of(sizes: &[u64], idx: impl Iterator<Item = usize>) -> u64 {
+    idx.fold(0u64, |a, i| a.saturating_add(sizes[i]))
+}
+
+/// Picks which of `candidates` (layer indices, in order) stay resident in a pool of
+/// `avail` bytes when the rest streams through `depth` slots of that pool. Returns the
+/// streamed ones (a subset of `candidates`), the depth used and the slot size.
+fn split(
+    sizes: &[u64],
+    candidates: &[usize],
+    avail: u64,
+    depth: usize,
+) -> Option<(Vec<usize>, usize, u64)> {
+    let all = sum_of(sizes, candidates.iter().copied());
+    if all <= avail {
+        return Some((Vec::new(), 0, 0));
+    }
+    let n = candidates.len();
+    for k in 1..=n {
+        let streamed: Vec<usize> = spread(n, k).into_iter().map(|j| candidates[j]).collect();
+        let slot = streamed
+            .iter()
+            .map(|&i| slot_bytes(sizes[i]))
+            .max()
+            .unwrap_or(0);
+        let resident = all.saturating_sub(sum_of(sizes, streamed.iter().copied()));
+        for d in (1..=depth.max(1)).rev() {
+            if resident.saturating_add(slot.saturating_mul(d as u64)) <= avail {
+                return Some((streamed, d, slot));
+            }
+        }
+    }
+    None
+}
+
+/// Places every layer of `req.shape` within `req.budgets`.
+pub fn plan(req: &PlanRequest) -> Result<Plan> {
+    let shape = &req.shape;
+    let sizes = &shape.layer_bytes;
+    let n = sizes.len();
+    let max_slot = sizes.iter().map(|&b| slot_bytes(b)).max().unwrap_or(0);
+    let device_budget = req.budgets.device.unwrap_or(req.budgets.ram);
+    let device_reserve = Reserve::for_context(shape, req.ctx, req.batch, device_budget);
+    let fixed = device_reserve.total().saturating_add(shape.head_bytes);
+    let device_avail = device_budget.saturating_sub(fixed);
+    let tier_name = if req.budgets.device.is_some() {
+        "device"
+    } else {
+        "RAM"
+    };
+    let all: Vec<usize> = (0..n).collect();
+    let Some((off_device, device_slots, device_slot_bytes)) =
+        split(sizes, &all, device_avail, req.depth)
+    else {
+        return Err(Error::BudgetTooSmall {
+            tier: tier_name,
+            budget: device_budget,
+            needed: fixed.saturating_add(max_slot),
+            what: format!(
+                "reserve {} (KV cache {}, activations {}, scratch {}, margin {}) + output head {} + one slot of {}",
+                device_reserve.total(),
+                device_reserve.kv,
+                device_reserve.activations,
+                device_reserve.scratch,
+                device_reserve.margin,
+                shape.head_bytes,
+                max_slot
+            ),
+        });
+    };
+    let mut tiers = vec![Tier::Device; n];
+    let (mut ram_reserve, mut staging_slots, mut staging_slot_bytes) = (Reserve::default(), 0, 0);
+    match req.budgets.device {
+        None => {
+            for &i in &off_device {
+                tiers[i] = Tier::Disk;
+            }
+        }
+        Some(_) => {
+            let ram = req.budgets.ram;
+            ram_reserve = Reserve::margin_only(ram);
+            let ram_avail = ram.saturating_sub(ram_reserve.total());
+            let max_staging = off_device
+                .iter()
+                .map(|&i| slot_bytes(sizes[i]))
+                .max()
+                .unwrap_or(0);
+            let Some((to_disk, s, sb)) = split(sizes, &off_device, ram_avail, req.depth) else {
+                return Err(Error::BudgetTooSmall {
+                    tier: "RAM",
+                    budget: ram,
+                    needed: ram_reserve.total().saturating_add(max_staging),
+                    what: format!(
+                        "margin {} + one staging buffer of {}",
+                        ram_reserve.margin, max_staging
+                    ),
+                });
+            };
+            for &i in &off_device {
+                tiers[i] = Tier::Ram;
+            }
+            for &i in &to_disk {
+                tiers[i] = Tier::Disk;
+            }
+            (staging_slots, staging_slot_bytes) = (s, sb);
+        }
+    }
+    Ok(Plan {
+        tiers,
+        unified: req.budgets.device.is_none(),
+        budgets: req.budgets,
+        device_reserve,
+        ram_reserve,
+        head_bytes: shape.head_bytes,
+        device_slots,
+        device_slot_bytes,
+        staging_slots,
+        staging_slot_bytes,
+        requested_depth: req.depth,
+        layer_bytes: sizes.clone(),
+        kv_bytes_per_token_layer: shape.kv_bytes_per_token_layer(),
+        embd_row_bytes: shape.embd_row_bytes,
+    })
+}
+
+/// Bytes moved per generated token, by where they come from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BytesPerToken {
+    /// Read by the compute from resident device memory (tier A and the head).
+    pub device: u64,
+    /// Uploaded from RAM to the device (tiers B and C; zero on the CPU backend).
+    pub host_to_device: u64,
+    /// Read from disk (tier C, plus one embedding row).
+    pub disk: u64,
+}
+
+/// Speeds of the machine a plan runs on.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Speeds {
+    /// Bytes of weights the backend computes over per second in a decode step
+    /// (matrix-vector products are bound by memory bandwidth).
+    pub compute_bytes_per_s: f64,
+    /// Host-to-device bandwidth (PCIe); ignored on the CPU backend.
+    pub h2d_bytes_per_s: f64,
+    /// Disk read bandwidth.
+    pub disk_bytes_per_s: f64,
+}
+
+/// What limits a plan's speed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bottleneck {
+    /// The backend's compute (memory bandwidth of matrix-vector products).
+    Compute,
+    /// Host-to-device uploads (PCIe).
+    HostToDevice,
+    /// Reads from disk.
+    Disk,
+}
+
+impl Bottleneck {
+    /// Name for tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Bottleneck::Compute => "compute",
+            Bottleneck::HostToDevice => "PCIe (host to device)",
+            Bottleneck::Disk => "disk",
+        }
+    }
+}
+
+/// The predicted time of one generated token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Prediction {
+    /// Seconds per token of the pipelined schedule (steady state).
+    pub seconds_per_token: f64,
+    /// Busy time of the compute per token.
+    pub compute_s: f64,
+    /// Busy time of the host-to-device link per token.
+    pub h2d_s: f64,
+    /// Busy time of the disk per token.
+    pub disk_s: f64,
+    /// The busiest resource.
+    pub bottleneck: Bottleneck,
+}
+
+impl Prediction {
+    /// Tokens per second.
+    pub fn tokens_per_s(&self) -> f64 {
+        if self.seconds_per_token > 0.0 {
+            1.0 / self.seconds_per_token
+        } else {
+            f64::INFINITY
+        }
+    }
+}
+
+impl Plan {
+    /// Layers per tier: (device, ram, disk).
+    pub fn counts(&self) -> (usize, usize, usize) {
+        let c = |t| self.tiers.iter().filter(|&&x| x == t).count();
+        (c(Tier::Device), c(Tier::Ram), c(Tier::Disk))
+    }
+
+    /// Bytes of the layers in `tier`.
+    pub fn tier_bytes(&self, tier: Tier) -> u64 {
+        self.tiers
+            .iter()
+            .zip(&self.layer_bytes)
+            .filter(|(&t, _)| t == tier)
+            .fold(0u64, |a, (_, &b)| a.saturating_add(b))
+    }
+
+    /// Bytes this plan holds in device memory (the RAM pool when unified): resident
+    /// layers, slots, head and reserve.
+    pub fn device_used(&self) -> u64 {
+        self.tier_bytes(Tier::Device)
+            .saturating_add(
+                self.device_slot_bytes
+                    .saturating_mul(self.device_slots as u64),
+            )
+            .saturating_add(self.head_bytes)
+            .saturating_add(self.device_reserve.total())
+    }
+
+    /// Bytes this plan holds in RAM besides the device pool (zero when unified).
+    pub fn ram_used(&self) -> u64 {
+        if self.unified {
+            return 0;
+        }
+        self.tier_bytes(Tier::Ram)
+            .saturating_add(
+                self.staging_slot_bytes
+                    .saturating_mul(self.staging_slots as u64),
+            )
+            .saturating_add(self.ram_reserve.total())
+    }
+
+    /// Bytes moved per generated token.
+    pub fn bytes_per_token(&self) -> BytesPerToken {
+        let (a, b, c) = (
+            self.tier_bytes(Tier::Device),
+            self.tier_bytes(Tier::Ram),
+            self.tier_bytes(Tier::Disk),
+        );
+        BytesPerToken {
+            device: a.saturating_add(self.head_bytes),
+            host_to_device: if self.unified { 0 } else { b.saturating_add(c) },
+            disk: c.saturating_add(self.embd_row_bytes),
+        }
+    }
+
+    /// Predicted time per generated token with `kv_tokens` tokens in the cache, from
+    /// a simulation of the pipeline this plan runs: the compute goes layer by layer,
+    /// each streamed layer waits for its transfer, a transfer waits for its link and
+    /// for a free slot (freed when the layer `depth` streamed layers earlier has
+    /// computed), and prefetch runs on into the next token. Three tokens are
+    /// simulated; the last is the steady state.
+    pub fn predict(&self, speeds: &Speeds, kv_tokens: u64) -> Prediction {
+        let n = self.tiers.len();
+        let rate = |b: u64, r: f64| if r > 0.0 { b as f64 / r } else { 0.0 };
+        let kv = self.kv_bytes_per_token_layer.saturating_mul(kv_tokens);
+        let compute: Vec<f64> = self
+            .layer_bytes
+            .iter()
+            .map(|&b| rate(b.saturating_add(kv), speeds.compute_bytes_per_s))
+            .collect();
+        let head = rate(self.head_bytes, speeds.compute_bytes_per_s);
+        let streamed: Vec<usize> = (0..n).filter(|&i| self.tiers[i] != Tier::Device).collect();
+        let disk_time = |i: usize| {
+            if self.tiers[i] == Tier::Disk {
+                rate(self.layer_bytes[i], speeds.disk_bytes_per_s)
+            } else {
+                0.0
+            }
+        };
+        let h2d_time = |i: usize| {
+            if self.unified {
+                0.0
+            } else {
+                rate(self.layer_bytes[i], speeds.h2d_bytes_per_s)
+            }
+        };
+        const TOKENS: usize = 3;
+        let depth = self.device_slots.max(1);
+        let staging = self.staging_slots.max(1);
+        // Per streamed access (in order over the tokens): when its transfer ends.
+        let mut ready: Vec<f64> = Vec::new();
+        // When the compute of each streamed access ended (frees its slot).
+        let mut freed: Vec<f64> = Vec::new();
+        // Disk accesses: when each one's upload ended (frees its staging buffer).
+        let mut staged_free: Vec<f64> = Vec::new();
+        let (mut disk_free, mut h2d_free, mut t) = (0.0f64, 0.0f64, 0.0f64);
+        let mut token_end = Vec::new();
+        // Transfers are issued in access order; compute as soon as the data is there.
+        // Because a transfer depends only on earlier computes (slot frees), issue each
+        // lazily right before the compute that needs it, computing its start from the
+        // state so far: that is exact for a FIFO link.
+        for _ in 0..TOKENS {
+            #[allow(clippy::needless_range_loop)] // `i` indexes tiers, sizes and compute
+            for i in 0..n {
+                if self.tiers[i] != Tier::Device {
+                    let j = ready.len();
+                    let slot_free = if j >= depth { freed[j - depth] } else { 0.0 };
+                    let mut data_at = 0.0f64;
+                    if self.tiers[i] == Tier::Disk {
+                        let k = staged_free.len();
+                        let buf_free = if self.unified {
+                            slot_free
+                        } else if k >= staging {
+                            staged_free[k - staging]
+                        } else {
+                            0.0
+                        };
+                        let start = disk_free.max(buf_free);
+                        disk_free = start + disk_time(i);
+                        data_at = disk_free;
+                    }
+                    let end = if self.unified {
+                        data_at
+                    } else {
+                        let start = h2d_free.max(slot_free).max(data_at);
+                        h2d_free = start + h2d_time(i);
+                        h2d_free
+                    };
+                    if self.tiers[i] == Tier::Disk {
+                        staged_free.push(end);
+                    }
+                    ready.push(end);
+                    t = t.max(end);
+                }
+                t += compute[i];
+                if self.tiers[i] != Tier::Device {
+                    freed.push(t);
+                }
+            }
+            t += head;
+            token_end.push(t);
+        }
+        let seconds_per_token = token_end[TOKENS - 1] - token_end[TOKENS - 2];
+        let compute_s = compute.iter().sum::<f64>() + head;
+        let disk_s: f64 = streamed.iter().map(|&i| disk_time(i)).sum();
+        let h2d_s: f64 = streamed.iter().map(|&i| h2d_time(i)).sum();
+        let bottleneck = if disk_s >= compute_s && disk_s >= h2d_s {
+            Bottleneck::Disk
+        } else if h2d_s >= compute_s {
+            Bottleneck::HostToDevice
+        } else {
+            Bottleneck::Compute
+        };
+        Prediction {
+            seconds_per_token,
+            compute_s,
+            h2d_s,
+            disk_s,
+            bottleneck,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spread_is_even_and_distinct() {
+        assert_eq!(spread(10, 2), vec![2, 7]);
+        assert_eq!(spread(4, 4), vec![0, 1, 2, 3]);
+        assert_eq!(spread(5, 0), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn all_resident_when_it_fits() {
+        let shape = ModelShape::from_dims(4, 64, 4, 2, 128, 257, 8.5, 8.5);
+        let p = plan(&PlanRequest {
+            shape,
+            budgets: Budgets {
+                device: None,
+                ram: 1 << 30,
+            },
+            ctx: 256,
+            batch: 8,
+            depth: 2,
+        })
+        .unwrap();
+        assert_eq!(p.counts(), (4, 0, 0));
+        assert_eq!(p.device_slots, 0);
+    }
+}

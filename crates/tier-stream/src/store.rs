@@ -1,0 +1,709 @@
+//! [`TieredStore`]: a [`WeightStore`] that keeps the layers a [`Plan`] makes resident
+//! in memory and streams the others from the model file through a ring of slots, with
+//! reader threads prefetching the next layers while the current one computes.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use ballast_runtime::gguf::GgufFile;
+use ballast_runtime::store::PassId;
+use ballast_runtime::weights::{ByteSource, GlobalWeights, LayerWeights, Weight, WeightBytes};
+use ballast_runtime::{ModelConfig, TierBytes, WeightStore};
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::io::{AlignedBuf, ReadAt};
+use crate::plan::{Plan, Tier, IO_ALIGN};
+use crate::{Error, ModelShape, Result};
+
+/// Tensors of one layer closer than this in the file are read in one request.
+const MERGE_GAP: u64 = 64 << 10;
+
+/// One aligned read of a layer: `len` bytes at `file_offset` into the slot at
+/// `buf_offset`; the layer's bytes end `needed` bytes into it (the rest is padding the
+/// file may not have).
+#[derive(Clone, Debug)]
+struct Extent {
+    file_offset: u64,
+    len: u64,
+    needed: u64,
+    buf_offset: u64,
+}
+
+/// Where a layer's tensors are in the file and in its slot.
+struct LayerLayout {
+    template: LayerWeights,
+    extents: Vec<Extent>,
+    /// For each of the seven matrices (wq, wk, wv, wo, gate, up, down): its byte range
+    /// in the slot.
+    ranges: [std::ops::Range<usize>; 7],
+    /// Bytes of a slot holding this layer.
+    slot_len: u64,
+    /// Real bytes of the layer's tensors.
+    bytes: u64,
+}
+
+fn matrices(l: &LayerWeights) -> [&Weight; 7] {
+    [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+}
+
+fn matrices_mut(l: &mut LayerWeights) -> [&mut Weight; 7] {
+    [
+        &mut l.wq,
+        &mut l.wk,
+        &mut l.wv,
+        &mut l.wo,
+        &mut l.w_gate,
+        &mut l.w_up,
+        &mut l.w_down,
+    ]
+}
+
+impl LayerLayout {
+    fn new(file: &GgufFile, template: LayerWeights) -> Result<LayerLayout> {
+        let mut spans: Vec<(u64, u64, usize)> = Vec::new();
+        for (k, w) in matrices(&template).iter().enumerate() {
+            let info = file.tensor(&w.name)?;
+            spans.push((info.offset, info.n_bytes, k));
+        }
+        spans.sort();
+        let mut extents: Vec<Extent> = Vec::new();
+        let mut ranges: [std::ops::Range<usize>; 7] = Default::default();
+        let mut buf_end = 0u64;
+        for &(off, len, k) in &spans {
+            let merge = extents
+                .last()
+                .is_some_and(|e| off <= e.file_offset + e.needed + MERGE_GAP);
+            if !merge {
+                let start = off / IO_ALIGN * IO_ALIGN;
+                extents.push(Extent {
+                    file_offset: start,
+                    len: 0,
+                    needed: 0,
+                    buf_offset: buf_end,
+                });
+            }
+            let e = extents.last_mut().expect("pushed above");
+            e.needed = e.needed.max(off + len - e.file_offset);
+            e.len = e.needed.div_ceil(IO_ALIGN) * IO_ALIGN;
+            buf_end = e.buf_offset + e.len;
+            let at = (e.buf_offset + off - e.file_offset) as usize;
+            ranges[k] = at..at + len as usize;
+        }
+        Ok(LayerLayout {
+            bytes: template.byte_size() as u64,
+            template,
+            extents,
+            ranges,
+            slot_len: buf_end,
+        })
+    }
+
+    /// The layer's weights pointing into `source`, a buffer this layout was read into.
+    fn weights(&self, source: Arc<dyn ByteSource>) -> Result<LayerWeights> {
+        let mut l = self.template.clone();
+        for (w, r) in matrices_mut(&mut l).into_iter().zip(&self.ranges) {
+            w.bytes = WeightBytes::new(source.clone(), r.clone())?;
+        }
+        Ok(l)
+    }
+}
+
+/// What a read is for, in error messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    /// A transformer layer.
+    Layer(usize),
+    /// The output head.
+    Head,
+}
+
+impl std::fmt::Display for Part {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Part::Layer(i) => write!(f, "layer {i}"),
+            Part::Head => write!(f, "the output head"),
+        }
+    }
+}
+
+/// Reads `extents` into `buf` through `reader`.
+fn read_extents(
+    reader: &dyn ReadAt,
+    part: Part,
+    extents: &[Extent],
+    buf: &mut AlignedBuf,
+) -> Result<()> {
+    for e in extents {
+        let dst = &mut buf.as_mut_slice()[e.buf_offset as usize..(e.buf_offset + e.len) as usize];
+        let mut got = 0u64;
+        while got < e.needed {
+            let n = reader
+                .read_at(&mut dst[got as usize..], e.file_offset + got)
+                .map_err(|source| Error::LayerRead {
+                    part,
+                    path: reader.path().to_path_buf(),
+                    offset: e.file_offset + got,
+                    source,
+                })?;
+            if n == 0 {
+                return Err(Error::ShortRead {
+                    part,
+                    path: reader.path().to_path_buf(),
+                    offset: e.file_offset,
+                    wanted: e.needed,
+                    got,
+                });
+            }
+            got += n as u64;
+            if got < e.needed && got % IO_ALIGN != 0 {
+                // A short read that is not block-aligned cannot be continued with
+                // direct I/O; the file ended early.
+                return Err(Error::ShortRead {
+                    part,
+                    path: reader.path().to_path_buf(),
+                    offset: e.file_offset,
+                    wanted: e.needed,
+                    got,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Bytes that stay in memory for the life of the store.
+struct Resident(AlignedBuf);
+
+impl ByteSource for Resident {
+    fn bytes(&self) -> &[u8] {
+        self.0.as_slice()
+    }
+}
+
+/// A slot handed to the forward pass: its buffer goes back to the ring when the last
+/// weight pointing into it is dropped.
+struct Slot {
+    buf: Option<AlignedBuf>,
+    home: Sender<AlignedBuf>,
+}
+
+impl ByteSource for Slot {
+    fn bytes(&self) -> &[u8] {
+        self.buf.as_ref().map_or(&[], |b| b.as_slice())
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            // The store may be gone already; then the buffer is simply freed.
+            let _ = self.home.send(b);
+        }
+    }
+}
+
+struct Job {
+    layer: usize,
+    buf: AlignedBuf,
+}
+
+struct Done {
+    layer: usize,
+    buf: AlignedBuf,
+    result: Result<()>,
+}
+
+/// What the consumer side of the pipeline knows.
+#[derive(Default)]
+struct Ring {
+    free: Vec<AlignedBuf>,
+    ready: HashMap<usize, AlignedBuf>,
+    failed: HashMap<usize, Error>,
+    in_flight: HashSet<usize>,
+    handed_out: usize,
+}
+
+/// Counters of a [`TieredStore`], cumulative since it was made.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamStats {
+    /// Bytes read from the model file by the reader threads (aligned reads).
+    pub disk_bytes: u64,
+    /// Layer reads done.
+    pub disk_reads: u64,
+    /// Time the reader threads spent reading (summed over threads).
+    pub read_time: Duration,
+    /// Time the forward pass waited for a layer that was not loaded yet.
+    pub stall_time: Duration,
+    /// Layer bytes handed out from resident memory.
+    pub resident_bytes_served: u64,
+    /// Layer bytes handed out from streamed slots.
+    pub streamed_bytes_served: u64,
+    /// Prefetched layers dropped unused (access was not in the predicted order).
+    pub evictions: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    disk_bytes: AtomicU64,
+    disk_reads: AtomicU64,
+    read_ns: AtomicU64,
+    stall_ns: AtomicU64,
+    resident_served: AtomicU64,
+    streamed_served: AtomicU64,
+    evictions: AtomicU64,
+}
+
+/// Options of a [`TieredStore`].
+#[derive(Clone, Copy, Debug)]
+pub struct TieredOptions {
+    /// Reader threads (one is enough for one disk; more keep an NVMe queue fuller).
+    pub io_threads: usize,
+}
+
+impl Default for TieredOptions {
+    fn default() -> Self {
+        TieredOptions { io_threads: 1 }
+    }
+}
+
+/// A [`WeightStore`] over a GGUF file placed by a [`Plan`]: resident layers are read
+/// once into RAM (bypassing the page cache), streamed layers are read from the file per
+/// use into a ring of `plan.device_slots` slots, prefetched in the model's layer order
+/// (cyclically, so the next token's first layers load while this token ends). Any
+/// access order is answered: a layer that was not prefetched is read on demand, and
+/// prefetched layers nobody asked for are evicted when a slot is needed.
+///
+/// On the CPU backend device and RAM are the same memory ([`Tier::Device`] means
+/// "resident in RAM"); a plan with [`Tier::Ram`] layers needs a device backend that
+/// uploads slots, which this store does not do yet, and is refused.
+pub struct TieredStore {
+    globals: GlobalWeights,
+    layouts: Arc<Vec<LayerLayout>>,
+    resident: Vec<Option<Arc<LayerWeights>>>,
+    tiers: Vec<Tier>,
+    /// Streamed layers in layer order: the predicted access order.
+    streamed: Vec<usize>,
+    slots: usize,
+    slot_len: u64,
+    resident_bytes: u64,
+    head_bytes: u64,
+    path: PathBuf,
+    ring: Mutex<Ring>,
+    jobs: Option<Sender<Job>>,
+    done: Receiver<Done>,
+    home_tx: Sender<AlignedBuf>,
+    home_rx: Receiver<AlignedBuf>,
+    counters: Arc<Counters>,
+    threads: Vec<JoinHandle<()>>,
+    mode: &'static str,
+}
+
+/// The real byte sizes of a model's layers and head, for the planner.
+pub fn model_shape(
+    config: &ModelConfig,
+    globals: &GlobalWeights,
+    layers: &[LayerWeights],
+) -> ModelShape {
+    ModelShape {
+        layer_bytes: layers.iter().map(|l| l.byte_size() as u64).collect(),
+        head_bytes: globals.output.bytes.len() as u64 + globals.output_norm.len() as u64 * 4,
+        embd_row_bytes: globals.token_embd.row_bytes() as u64,
+        d_model: config.d_model as u64,
+        q_dim: config.q_dim() as u64,
+        kv_dim: config.kv_dim() as u64,
+        n_ff: config.n_ff as u64,
+        vocab: config.vocab_size as u64,
+        kv_value_bytes: 4,
+    }
+}
+
+impl TieredStore {
+    /// A store for the weights `globals` and `layers` of `file` (as
+    /// `ballast_runtime::model::load_weights` returns them), placed by `plan`, reading
+    /// through `reader` (normally a [`crate::io::DirectFile`] of the same file).
+    pub fn new(
+        file: &GgufFile,
+        mut globals: GlobalWeights,
+        layers: Vec<LayerWeights>,
+        plan: &Plan,
+        reader: Arc<dyn ReadAt>,
+        options: TieredOptions,
+    ) -> Result<TieredStore> {
+        if plan.tiers.len() != layers.len() {
+            return Err(Error::PlanMismatch {
+                why: format!(
+                    "the plan places {} layers, the model has {}",
+                    plan.tiers.len(),
+                    layers.len()
+                ),
+            });
+        }
+        if plan.tiers.contains(&Tier::Ram) || !plan.unified {
+            return Err(Error::PlanMismatch {
+                why: "the plan has a separate device; this store computes from RAM (CPU backend)"
+                    .into(),
+            });
+        }
+        let layouts: Vec<LayerLayout> = layers
+            .into_iter()
+            .map(|l| LayerLayout::new(file, l))
+            .collect::<Result<_>>()?;
+        let streamed: Vec<usize> = (0..layouts.len())
+            .filter(|&i| plan.tiers[i] == Tier::Disk)
+            .collect();
+        let slot_len = streamed
+            .iter()
+            .map(|&i| layouts[i].slot_len)
+            .max()
+            .unwrap_or(0);
+        if slot_len > plan.device_slot_bytes {
+            return Err(Error::PlanMismatch {
+                why: format!(
+                    "a streamed layer's tensors span {slot_len} bytes of the file, more than the plan's slot of {} bytes",
+                    plan.device_slot_bytes
+                ),
+            });
+        }
+        // The head is read whole by every token: read it once into RAM. A tied
+        // embedding is the same tensor; an untied one stays memory-mapped (a token
+        // reads one row of it).
+        let head_info = file.tensor(&globals.output.name)?.clone();
+        let tied = globals.output.name == globals.token_embd.name;
+        let mut head_buf = AlignedBuf::new((head_info.n_bytes + 2 * IO_ALIGN) as usize);
+        let head_layout = Extent {
+            file_offset: head_info.offset / IO_ALIGN * IO_ALIGN,
+            needed: head_info.offset % IO_ALIGN + head_info.n_bytes,
+            len: (head_info.offset % IO_ALIGN + head_info.n_bytes).div_ceil(IO_ALIGN) * IO_ALIGN,
+            buf_offset: 0,
+        };
+        read_extents(reader.as_ref(), Part::Head, &[head_layout], &mut head_buf)?;
+        let head_source: Arc<dyn ByteSource> = Arc::new(Resident(head_buf));
+        let at = (head_info.offset % IO_ALIGN) as usize;
+        globals.output.bytes = WeightBytes::new(head_source, at..at + head_info.n_bytes as usize)?;
+        if tied {
+            globals.token_embd.bytes = globals.output.bytes.clone();
+        }
+        let head_bytes = head_info.n_bytes + globals.output_norm.len() as u64 * 4;
+
+        let mut resident = Vec::with_capacity(layouts.len());
+        let mut resident_bytes = 0u64;
+        for (i, layout) in layouts.iter().enumerate() {
+            if plan.tiers[i] == Tier::Device {
+                let mut buf = AlignedBuf::new(layout.slot_len as usize);
+                read_extents(reader.as_ref(), Part::Layer(i), &layout.extents, &mut buf)?;
+                resident_bytes += layout.bytes;
+                let source: Arc<dyn ByteSource> = Arc::new(Resident(buf));
+                resident.push(Some(Arc::new(layout.weights(source)?)));
+            } else {
+                resident.push(None);
+            }
+        }
+        let layouts = Arc::new(layouts);
+        let slots = if streamed.is_empty() {
+            0
+        } else {
+            plan.device_slots.max(1)
+        };
+        let ring = Ring {
+            free: (0..slots)
+                .map(|_| AlignedBuf::new(slot_len as usize))
+                .collect(),
+            ..Ring::default()
+        };
+        let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded::<Job>();
+        let (done_tx, done_rx) = crossbeam_channel::unbounded::<Done>();
+        let (home_tx, home_rx) = crossbeam_channel::unbounded::<AlignedBuf>();
+        let counters = Arc::new(Counters::default());
+        let mut threads = Vec::new();
+        if slots > 0 {
+            for t in 0..options.io_threads.max(1) {
+                let (jobs_rx, done_tx) = (jobs_rx.clone(), done_tx.clone());
+                let (reader, layouts, counters) =
+                    (reader.clone(), layouts.clone(), counters.clone());
+                let handle = std::thread::Builder::new()
+                    .name(format!("ballast-read-{t}"))
+                    .spawn(move || {
+                        for mut job in jobs_rx {
+                            let start = Instant::now();
+                            let layout = &layouts[job.layer];
+                            let result = read_extents(
+                                reader.as_ref(),
+                                Part::Layer(job.layer),
+                                &layout.extents,
+                                &mut job.buf,
+                            );
+                            counters
+                                .read_ns
+                                .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                            if result.is_ok() {
+                                let n: u64 = layout.extents.iter().map(|e| e.len).sum();
+                                counters.disk_bytes.fetch_add(n, Ordering::Relaxed);
+                                counters.disk_reads.fetch_add(1, Ordering::Relaxed);
+                            }
+                            if done_tx
+                                .send(Done {
+                                    layer: job.layer,
+                                    buf: job.buf,
+                                    result,
+                                })
+                                .is_err()
+                            {
+                                break;
+                            }
+                        }
+                    })
+                    .map_err(|source| Error::Thread { source })?;
+                threads.push(handle);
+            }
+        }
+        Ok(TieredStore {
+            globals,
+            layouts,
+            resident,
+            tiers: plan.tiers.clone(),
+            streamed,
+            slots,
+            slot_len,
+            resident_bytes,
+            head_bytes,
+            path: reader.path().to_path_buf(),
+            ring: Mutex::new(ring),
+            jobs: Some(jobs_tx),
+            done: done_rx,
+            home_tx,
+            home_rx,
+            counters,
+            threads,
+            mode: reader.mode(),
+        })
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> StreamStats {
+        let c = &self.counters;
+        StreamStats {
+            disk_bytes: c.disk_bytes.load(Ordering::Relaxed),
+            disk_reads: c.disk_reads.load(Ordering::Relaxed),
+            read_time: Duration::from_nanos(c.read_ns.load(Ordering::Relaxed)),
+            stall_time: Duration::from_nanos(c.stall_ns.load(Ordering::Relaxed)),
+            resident_bytes_served: c.resident_served.load(Ordering::Relaxed),
+            streamed_bytes_served: c.streamed_served.load(Ordering::Relaxed),
+            evictions: c.evictions.load(Ordering::Relaxed),
+        }
+    }
+
+    /// How reads bypass the page cache (`O_DIRECT`, or the `fadvise` fallback).
+    pub fn read_mode(&self) -> &'static str {
+        self.mode
+    }
+
+    /// Slots in the ring and the bytes of each.
+    pub fn slots(&self) -> (usize, u64) {
+        (self.slots, self.slot_len)
+    }
+
+    /// Takes finished reads and returned slots into the ring without waiting.
+    fn collect(&self, ring: &mut Ring) {
+        while let Ok(b) = self.home_rx.try_recv() {
+            ring.handed_out = ring.handed_out.saturating_sub(1);
+            ring.free.push(b);
+        }
+        while let Ok(d) = self.done.try_recv() {
+            self.finish(ring, d);
+        }
+    }
+
+    fn finish(&self, ring: &mut Ring, d: Done) {
+        ring.in_flight.remove(&d.layer);
+        match d.result {
+            Ok(()) => {
+                ring.ready.insert(d.layer, d.buf);
+            }
+            Err(e) => {
+                ring.free.push(d.buf);
+                ring.failed.insert(d.layer, e);
+            }
+        }
+    }
+
+    /// Waits for a read to finish or a slot to come back, counting the wait as stall.
+    fn wait(&self, ring: &mut Ring) -> Result<()> {
+        let start = Instant::now();
+        crossbeam_channel::select! {
+            recv(self.done) -> d => {
+                let d = d.map_err(|_| Error::PipelineClosed)?;
+                self.finish(ring, d);
+            }
+            recv(self.home_rx) -> b => {
+                let b = b.map_err(|_| Error::PipelineClosed)?;
+                ring.handed_out = ring.handed_out.saturating_sub(1);
+                ring.free.push(b);
+            }
+        }
+        self.counters
+            .stall_ns
+            .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn issue(&self, ring: &mut Ring, layer: usize, buf: AlignedBuf) -> Result<()> {
+        ring.in_flight.insert(layer);
+        self.jobs
+            .as_ref()
+            .ok_or(Error::PipelineClosed)?
+            .send(Job { layer, buf })
+            .map_err(|_| Error::PipelineClosed)
+    }
+
+    /// Streamed layers after `after` in the predicted (cyclic layer) order.
+    fn predicted(&self, after: usize) -> impl Iterator<Item = usize> + '_ {
+        let start = self.streamed.partition_point(|&i| i <= after);
+        let n = self.streamed.len();
+        (0..n).map(move |k| self.streamed[(start + k) % n])
+    }
+
+    /// Fills free slots with the next layers in the predicted order.
+    fn prefetch(&self, ring: &mut Ring, after: usize) -> Result<()> {
+        let wanted: Vec<usize> = self.predicted(after).take(self.slots).collect();
+        for layer in wanted {
+            if ring.free.is_empty() {
+                break;
+            }
+            if ring.ready.contains_key(&layer) || ring.in_flight.contains(&layer) {
+                continue;
+            }
+            let buf = ring.free.pop().expect("checked non-empty");
+            self.issue(ring, layer, buf)?;
+        }
+        Ok(())
+    }
+
+    fn streamed_layer(&self, index: usize) -> Result<Arc<LayerWeights>> {
+        let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        self.collect(&mut ring);
+        let buf = loop {
+            if let Some(buf) = ring.ready.remove(&index) {
+                break buf;
+            }
+            if let Some(e) = ring.failed.remove(&index) {
+                return Err(e);
+            }
+            if ring.in_flight.contains(&index) {
+                self.wait(&mut ring)?;
+                continue;
+            }
+            // Not predicted: read it on demand. Take a free slot, else evict the
+            // prefetched layer predicted last, else wait for a read or a returned slot.
+            if let Some(buf) = ring.free.pop() {
+                self.issue(&mut ring, index, buf)?;
+                continue;
+            }
+            let victim = self
+                .predicted(index)
+                .filter(|l| ring.ready.contains_key(l))
+                .last();
+            if let Some(v) = victim {
+                let buf = ring.ready.remove(&v).expect("ready");
+                self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+                self.issue(&mut ring, index, buf)?;
+                continue;
+            }
+            if ring.in_flight.is_empty() && ring.handed_out >= self.slots {
+                return Err(Error::SlotsExhausted {
+                    slots: self.slots,
+                    layer: index,
+                });
+            }
+            self.wait(&mut ring)?;
+        };
+        ring.handed_out += 1;
+        self.prefetch(&mut ring, index)?;
+        drop(ring);
+        let layout = &self.layouts[index];
+        self.counters
+            .streamed_served
+            .fetch_add(layout.bytes, Ordering::Relaxed);
+        let source: Arc<dyn ByteSource> = Arc::new(Slot {
+            buf: Some(buf),
+            home: self.home_tx.clone(),
+        });
+        Ok(Arc::new(layout.weights(source)?))
+    }
+}
+
+impl WeightStore for TieredStore {
+    fn n_layers(&self) -> usize {
+        self.layouts.len()
+    }
+
+    fn globals(&self) -> &GlobalWeights {
+        &self.globals
+    }
+
+    fn layer(&self, _pass: PassId, index: usize) -> ballast_runtime::Result<Arc<LayerWeights>> {
+        let Some(tier) = self.tiers.get(index) else {
+            return Err(ballast_runtime::Error::LayerIndex {
+                index,
+                n_layers: self.tiers.len(),
+            });
+        };
+        if *tier == Tier::Device {
+            let l = self.resident[index].clone().expect("resident layer");
+            self.counters
+                .resident_served
+                .fetch_add(self.layouts[index].bytes, Ordering::Relaxed);
+            if self.slots > 0 {
+                let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+                self.collect(&mut ring);
+                self.prefetch(&mut ring, index)
+                    .map_err(|e| ballast_runtime::Error::Store {
+                        source: Box::new(e),
+                    })?;
+            }
+            return Ok(l);
+        }
+        self.streamed_layer(index)
+            .map_err(|e| ballast_runtime::Error::Store {
+                source: Box::new(e),
+            })
+    }
+
+    fn held_bytes(&self) -> TierBytes {
+        let streamed: u64 = self.streamed.iter().map(|&i| self.layouts[i].bytes).sum();
+        TierBytes {
+            device: self.resident_bytes + self.head_bytes + self.slot_len * self.slots as u64,
+            ram: 0,
+            disk: streamed,
+        }
+    }
+
+    fn moved_bytes(&self) -> u64 {
+        self.counters.disk_bytes.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for TieredStore {
+    fn drop(&mut self) {
+        // Closing the job channel ends the reader threads once their current read is
+        // done; the completion channel stays open until then, so none blocks.
+        self.jobs = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for TieredStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TieredStore")
+            .field("path", &self.path)
+            .field("tiers", &self.tiers)
+            .field("slots", &self.slots)
+            .field("slot_len", &self.slot_len)
+            .finish()
+    }
+}

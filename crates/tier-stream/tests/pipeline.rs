@@ -1,0 +1,398 @@
+//! The streaming store: exact bytes in any access order under random read delays and
+//! split reads; the same logits as the resident store; read errors and short reads
+//! that name the layer and the file.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ballast_runtime::gguf::GgufFile;
+use ballast_runtime::kv::DenseKv;
+use ballast_runtime::model::{load_weights, Logits};
+use ballast_runtime::store::PassId;
+use ballast_runtime::testing::TinyModelSpec;
+use ballast_runtime::weights::LayerWeights;
+use ballast_runtime::{CpuBackend, DenseFfn, Model, ModelConfig, ResidentStore, WeightStore};
+use ballast_tier_stream::io::ReadAt;
+use ballast_tier_stream::{
+    model_shape, plan, Budgets, Plan, PlanRequest, Tier, TieredOptions, TieredStore,
+};
+use proptest::prelude::*;
+
+/// A file in memory whose reads sleep a random while, may return fewer (aligned) bytes
+/// than asked, and may fail or end early past a given offset.
+struct FlakyReader {
+    bytes: Arc<Vec<u8>>,
+    path: PathBuf,
+    seed: AtomicU64,
+    max_delay_us: u64,
+    split_reads: bool,
+    fail_at: Option<u64>,
+    truncate_at: Option<u64>,
+}
+
+impl FlakyReader {
+    fn new(bytes: Arc<Vec<u8>>, seed: u64, max_delay_us: u64) -> FlakyReader {
+        FlakyReader {
+            bytes,
+            path: PathBuf::from("/models/flaky.gguf"),
+            seed: AtomicU64::new(seed | 1),
+            max_delay_us,
+            split_reads: true,
+            fail_at: None,
+            truncate_at: None,
+        }
+    }
+
+    fn next(&self) -> u64 {
+        let mut x = self
+            .seed
+            .fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed);
+        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x ^ (x >> 31)
+    }
+}
+
+impl ReadAt for FlakyReader {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        assert_eq!(offset % 4096, 0, "reads must be aligned");
+        assert_eq!(buf.len() % 4096, 0, "read lengths must be aligned");
+        assert_eq!(buf.as_ptr() as usize % 4096, 0, "buffers must be aligned");
+        if self.max_delay_us > 0 {
+            std::thread::sleep(Duration::from_micros(self.next() % self.max_delay_us));
+        }
+        let end_of_file = self.truncate_at.unwrap_or(self.bytes.len() as u64);
+        if let Some(f) = self.fail_at {
+            if offset + buf.len() as u64 > f {
+                return Err(std::io::Error::other("injected I/O error"));
+            }
+        }
+        if offset >= end_of_file {
+            return Ok(0);
+        }
+        let mut n = buf.len().min((end_of_file - offset) as usize);
+        if self.split_reads && n > 4096 && self.next() % 2 == 0 {
+            // A partial read of whole blocks, as a disk may return.
+            n = (1 + self.next() as usize % (n / 4096)) * 4096;
+        }
+        buf[..n].copy_from_slice(&self.bytes[offset as usize..offset as usize + n]);
+        Ok(n)
+    }
+
+    fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn len(&self) -> u64 {
+        self.bytes.len() as u64
+    }
+
+    fn mode(&self) -> &'static str {
+        "test"
+    }
+}
+
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn layer_checksum(l: &LayerWeights) -> u64 {
+    [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+        .iter()
+        .fold(0u64, |h, w| h.rotate_left(7) ^ fnv(w.bytes.as_slice()))
+}
+
+struct Fixture {
+    bytes: Arc<Vec<u8>>,
+    file: Arc<GgufFile>,
+    config: ModelConfig,
+}
+
+fn fixture(n_layers: usize, seed: u64) -> Fixture {
+    let spec = TinyModelSpec {
+        n_layers,
+        d_model: 128,
+        n_ff: 256,
+        seed,
+        ..TinyModelSpec::default()
+    };
+    let bytes = spec.to_gguf_bytes().unwrap();
+    let file = Arc::new(GgufFile::from_bytes(bytes.clone()).unwrap());
+    let config = ModelConfig::from_gguf(&file).unwrap();
+    Fixture {
+        bytes: Arc::new(bytes),
+        file,
+        config,
+    }
+}
+
+/// A plan with the given tiers and `slots` slots big enough for any layer.
+fn plan_with(fx: &Fixture, tiers: Vec<Tier>, slots: usize) -> Plan {
+    let (g, l) = load_weights(&fx.file, &fx.config).unwrap();
+    let mut p = plan(&PlanRequest {
+        shape: model_shape(&fx.config, &g, &l),
+        budgets: Budgets {
+            device: None,
+            ram: 1 << 40,
+        },
+        ctx: 64,
+        batch: 8,
+        depth: slots,
+    })
+    .unwrap();
+    p.tiers = tiers;
+    p.device_slots = slots;
+    p.device_slot_bytes = fx.bytes.len() as u64 + 8192;
+    p
+}
+
+fn store(fx: &Fixture, p: &Plan, reader: FlakyReader, io_threads: usize) -> TieredStore {
+    let (g, l) = load_weights(&fx.file, &fx.config).unwrap();
+    TieredStore::new(
+        &fx.file,
+        g,
+        l,
+        p,
+        Arc::new(reader),
+        TieredOptions { io_threads },
+    )
+    .unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn exact_bytes_in_any_order_under_random_delays(
+        n_layers in 1usize..7,
+        streamed_mask in 0u32..128,
+        slots in 1usize..4,
+        io_threads in 1usize..3,
+        order in prop::collection::vec(0usize..7, 1..40),
+        hold in prop::collection::vec(0usize..3, 40),
+        seed in 0u64..1000,
+    ) {
+        let fx = fixture(n_layers, 7);
+        let tiers: Vec<Tier> = (0..n_layers)
+            .map(|i| if streamed_mask >> i & 1 == 1 { Tier::Disk } else { Tier::Device })
+            .collect();
+        let p = plan_with(&fx, tiers, slots);
+        let s = store(&fx, &p, FlakyReader::new(fx.bytes.clone(), seed, 400), io_threads);
+        let (_, expected) = load_weights(&fx.file, &fx.config).unwrap();
+        let expected: Vec<u64> = expected.iter().map(layer_checksum).collect();
+        // Hold some earlier layers while asking for the next, fewer than the slots.
+        let mut held: Vec<Arc<LayerWeights>> = Vec::new();
+        for (k, &i) in order.iter().enumerate() {
+            let i = i % n_layers;
+            let keep = hold[k % hold.len()].min(slots - 1);
+            while held.len() > keep {
+                held.remove(0);
+            }
+            let l = s.layer(PassId(k as u64), i).unwrap();
+            prop_assert_eq!(l.index, i);
+            prop_assert_eq!(layer_checksum(&l), expected[i], "layer {}", i);
+            held.push(l);
+        }
+        drop(held);
+        let stats = s.stats();
+        let streamed_asks = order.iter().filter(|&&i| p.tiers[i % n_layers] == Tier::Disk).count();
+        prop_assert!(stats.disk_reads as usize >= streamed_asks.min(1));
+    }
+}
+
+#[test]
+fn same_logits_as_the_resident_store_in_every_mode() {
+    let fx = fixture(6, 3);
+    let ids = [10u32, 200, 33, 7, 99];
+    let run = |store: Box<dyn WeightStore>| -> Vec<f32> {
+        let mut model = Model::from_parts(
+            fx.config.clone(),
+            store,
+            Arc::new(CpuBackend::new(1)),
+            Box::new(DenseFfn::new()),
+        );
+        let mut kv = DenseKv::new(model.kv_shape(), 64);
+        let mut out = Vec::new();
+        // Prefill, then three decode steps: several passes through the ring.
+        let pos: Vec<u32> = (0..ids.len() as u32).collect();
+        out.extend_from_slice(
+            model
+                .forward(&ids, &pos, &mut kv, None, Logits::Last)
+                .unwrap(),
+        );
+        for step in 0..3u32 {
+            let p = ids.len() as u32 + step;
+            out.extend_from_slice(
+                model
+                    .forward(&[p % 250], &[p], &mut kv, None, Logits::Last)
+                    .unwrap(),
+            );
+        }
+        out
+    };
+    let (g, l) = load_weights(&fx.file, &fx.config).unwrap();
+    let reference = run(Box::new(ResidentStore::new(g, l, false)));
+    let modes: [(&str, Vec<Tier>, usize); 3] = [
+        ("all resident", vec![Tier::Device; 6], 2),
+        ("all streamed", vec![Tier::Disk; 6], 2),
+        (
+            "mixed, one slot",
+            vec![
+                Tier::Device,
+                Tier::Disk,
+                Tier::Device,
+                Tier::Disk,
+                Tier::Disk,
+                Tier::Device,
+            ],
+            1,
+        ),
+    ];
+    for (name, tiers, slots) in modes {
+        let p = plan_with(&fx, tiers, slots);
+        let s = store(&fx, &p, FlakyReader::new(fx.bytes.clone(), 5, 200), 1);
+        let got = run(Box::new(s));
+        assert_eq!(
+            got, reference,
+            "{name}: logits differ from the resident store"
+        );
+    }
+}
+
+#[test]
+fn streamed_bytes_read_match_the_non_resident_bytes() {
+    let fx = fixture(8, 4);
+    let tiers: Vec<Tier> = (0..8)
+        .map(|i| if i % 2 == 1 { Tier::Disk } else { Tier::Device })
+        .collect();
+    let p = plan_with(&fx, tiers.clone(), 2);
+    let s = store(&fx, &p, FlakyReader::new(fx.bytes.clone(), 1, 0), 1);
+    for pass in 0..5u64 {
+        for i in 0..8 {
+            drop(s.layer(PassId(pass), i).unwrap());
+        }
+    }
+    let non_resident: u64 = (0..8)
+        .filter(|&i| tiers[i] == Tier::Disk)
+        .map(|i| p.layer_bytes[i])
+        .sum();
+    let per_pass = s.stats().disk_bytes as f64 / 5.0;
+    // Aligned reads cost at most two extra blocks per layer (plus the prefetch of the
+    // next pass's first layers, here at most the two slots).
+    let slack = (4 * 2 * 4096 + 2 * p.device_slot_bytes.min(1 << 20)) as f64;
+    assert!(
+        per_pass >= non_resident as f64,
+        "{per_pass} < {non_resident}"
+    );
+    assert!(
+        per_pass <= non_resident as f64 + slack / 5.0 + 2.0 * 8192.0,
+        "{per_pass} vs {non_resident}"
+    );
+    assert_eq!(s.stats().evictions, 0, "in-order access never evicts");
+}
+
+#[test]
+fn read_errors_name_the_layer_and_the_file() {
+    let fx = fixture(3, 5);
+    let p = plan_with(&fx, vec![Tier::Device, Tier::Device, Tier::Disk], 2);
+    let (_, layers) = load_weights(&fx.file, &fx.config).unwrap();
+    let start_of_last = fx
+        .file
+        .tensor(&layers[2].wq.name)
+        .unwrap()
+        .offset
+        .min(fx.file.tensor(&layers[2].w_down.name).unwrap().offset);
+    // An I/O error inside layer 2.
+    let mut r = FlakyReader::new(fx.bytes.clone(), 1, 0);
+    r.split_reads = false;
+    r.fail_at = Some(fx.bytes.len() as u64 - 1);
+    let s = store(&fx, &p, r, 1);
+    let e = s.layer(PassId(0), 2).unwrap_err().to_string();
+    assert!(
+        e.contains("layer 2") && e.contains("/models/flaky.gguf") && e.contains("injected"),
+        "{e}"
+    );
+    // A file that ends inside layer 2.
+    let mut r = FlakyReader::new(fx.bytes.clone(), 1, 0);
+    r.truncate_at = Some(start_of_last + 100);
+    let s = store(&fx, &p, r, 1);
+    let e = s.layer(PassId(0), 2).unwrap_err().to_string();
+    assert!(
+        e.contains("short read") && e.contains("layer 2") && e.contains("/models/flaky.gguf"),
+        "{e}"
+    );
+    // The failure is reported, not cached forever: the other layers still answer.
+    assert!(s.layer(PassId(1), 0).is_ok());
+}
+
+#[test]
+fn resident_layers_that_cannot_be_read_fail_at_open() {
+    let fx = fixture(2, 6);
+    let p = plan_with(&fx, vec![Tier::Device, Tier::Device], 2);
+    let (g, l) = load_weights(&fx.file, &fx.config).unwrap();
+    let mut r = FlakyReader::new(fx.bytes.clone(), 1, 0);
+    r.truncate_at = Some(fx.bytes.len() as u64 / 2);
+    let e = TieredStore::new(&fx.file, g, l, &p, Arc::new(r), TieredOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("short read") && e.contains("flaky.gguf"), "{e}");
+}
+
+#[test]
+fn holding_every_slot_and_asking_for_more_is_an_error_not_a_hang() {
+    let fx = fixture(3, 8);
+    let p = plan_with(&fx, vec![Tier::Disk; 3], 2);
+    let s = store(&fx, &p, FlakyReader::new(fx.bytes.clone(), 1, 0), 1);
+    let a = s.layer(PassId(0), 0).unwrap();
+    let b = s.layer(PassId(0), 1).unwrap();
+    let e = s.layer(PassId(0), 2).unwrap_err().to_string();
+    assert!(e.contains("slots are held"), "{e}");
+    drop((a, b));
+    assert_eq!(s.layer(PassId(0), 2).unwrap().index, 2);
+}
+
+#[test]
+fn held_bytes_fit_the_planned_budget() {
+    let fx = fixture(10, 9);
+    let (g, l) = load_weights(&fx.file, &fx.config).unwrap();
+    let shape = model_shape(&fx.config, &g, &l);
+    let total: u64 = shape.layer_bytes.iter().sum();
+    let budget = total / 2 + shape.head_bytes + (9 << 20);
+    let p = plan(&PlanRequest {
+        shape,
+        budgets: Budgets {
+            device: None,
+            ram: budget,
+        },
+        ctx: 64,
+        batch: 8,
+        depth: 2,
+    })
+    .unwrap();
+    let (_, _, c) = p.counts();
+    assert!(c > 0, "the budget streams some layers");
+    let s = TieredStore::new(
+        &fx.file,
+        g,
+        l,
+        &p,
+        Arc::new(FlakyReader::new(fx.bytes.clone(), 1, 0)),
+        TieredOptions::default(),
+    )
+    .unwrap();
+    let held = s.held_bytes();
+    assert!(
+        held.device + p.device_reserve.total() <= budget,
+        "{} + {} > {budget}",
+        held.device,
+        p.device_reserve.total()
+    );
+    let streamed: u64 = (0..10)
+        .filter(|&i| p.tiers[i] == Tier::Disk)
+        .map(|i| p.layer_bytes[i])
+        .sum();
+    assert_eq!(held.disk, streamed);
+}

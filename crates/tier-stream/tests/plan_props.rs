@@ -1,0 +1,207 @@
+//! The planner's promises, for any layer sizes, budgets and reserves: it never assigns
+//! a tier more than its budget, it assigns every layer, and when it refuses, the error
+//! says how much is needed (and that is more than the budget).
+
+use ballast_tier_stream::plan::{align_up, spread};
+use ballast_tier_stream::{plan, Budgets, Error, ModelShape, PlanRequest, Reserve, Speeds, Tier};
+use proptest::prelude::*;
+
+fn shape(layers: Vec<u64>, head: u64, kv_dim: u64) -> ModelShape {
+    ModelShape {
+        layer_bytes: layers,
+        head_bytes: head,
+        embd_row_bytes: 64,
+        d_model: 64,
+        q_dim: 64,
+        kv_dim,
+        n_ff: 128,
+        vocab: 1000,
+        kv_value_bytes: 4,
+    }
+}
+
+fn budgets() -> impl Strategy<Value = Budgets> {
+    (
+        prop::option::of(0u64..(1u64 << 34)),
+        0u64..(1u64 << 34),
+        prop::bool::ANY,
+    )
+        .prop_map(|(device, ram, huge)| Budgets {
+            device: if huge {
+                device.map(|d| d.saturating_mul(1 << 20))
+            } else {
+                device
+            },
+            ram,
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn never_over_budget_and_every_layer_placed(
+        layers in prop::collection::vec(0u64..(1u64 << 30), 0..96),
+        head in 0u64..(1u64 << 30),
+        kv_dim in 0u64..4096,
+        ctx in 0u64..100_000,
+        batch in 0u64..1024,
+        depth in 0usize..6,
+        budgets in budgets(),
+    ) {
+        let req = PlanRequest { shape: shape(layers.clone(), head, kv_dim), budgets, ctx, batch, depth };
+        match plan(&req) {
+            Ok(p) => {
+                prop_assert_eq!(p.tiers.len(), layers.len());
+                let device_budget = budgets.device.unwrap_or(budgets.ram);
+                prop_assert!(p.device_used() <= device_budget,
+                    "device used {} > budget {}", p.device_used(), device_budget);
+                if budgets.device.is_some() {
+                    prop_assert!(p.ram_used() <= budgets.ram, "ram used {} > budget {}", p.ram_used(), budgets.ram);
+                } else {
+                    prop_assert!(!p.tiers.contains(&Tier::Ram), "unified plans have no RAM tier");
+                }
+                // Slots hold the largest streamed layer.
+                for (i, &t) in p.tiers.iter().enumerate() {
+                    if t != Tier::Device {
+                        prop_assert!(p.device_slots >= 1);
+                        prop_assert!(align_up(layers[i]) <= p.device_slot_bytes);
+                    }
+                    if t == Tier::Disk && budgets.device.is_some() {
+                        prop_assert!(p.staging_slots >= 1);
+                        prop_assert!(align_up(layers[i]) <= p.staging_slot_bytes);
+                    }
+                }
+                prop_assert!(p.device_slots <= depth.max(1));
+                let bpt = p.bytes_per_token();
+                let total: u64 = layers.iter().fold(0u64, |a, &b| a.saturating_add(b));
+                prop_assert_eq!(
+                    p.tier_bytes(Tier::Device).saturating_add(p.tier_bytes(Tier::Ram)).saturating_add(p.tier_bytes(Tier::Disk)),
+                    total
+                );
+                prop_assert!(bpt.disk >= p.tier_bytes(Tier::Disk));
+            }
+            Err(Error::BudgetTooSmall { needed, budget, .. }) => {
+                prop_assert!(needed > budget, "refused although {needed} <= {budget}");
+            }
+            Err(e) => prop_assert!(false, "unexpected error {e}"),
+        }
+    }
+
+    #[test]
+    fn prediction_is_at_least_every_resource_busy_time(
+        layers in prop::collection::vec(1u64..(1u64 << 28), 1..40),
+        ram in (1u64 << 26)..(1u64 << 33),
+        device in prop::option::of((1u64 << 26)..(1u64 << 33)),
+        depth in 1usize..4,
+        compute in 1e8f64..1e12,
+        disk in 1e7f64..1e10,
+        h2d in 1e8f64..1e11,
+    ) {
+        let req = PlanRequest { shape: shape(layers, 1 << 20, 256), budgets: Budgets { device, ram }, ctx: 256, batch: 1, depth };
+        if let Ok(p) = plan(&req) {
+            let pr = p.predict(&Speeds { compute_bytes_per_s: compute, h2d_bytes_per_s: h2d, disk_bytes_per_s: disk }, 128);
+            let bound = pr.compute_s.max(pr.disk_s).max(pr.h2d_s);
+            prop_assert!(pr.seconds_per_token >= bound * (1.0 - 1e-9), "{} < {}", pr.seconds_per_token, bound);
+            // Never worse than doing everything one after the other.
+            prop_assert!(pr.seconds_per_token <= (pr.compute_s + pr.disk_s + pr.h2d_s) * (1.0 + 1e-9));
+        }
+    }
+
+    #[test]
+    fn spread_picks_distinct_layers(n in 0usize..200, k in 0usize..200) {
+        let s = spread(n, k);
+        prop_assert_eq!(s.len(), k.min(n));
+        prop_assert!(s.windows(2).all(|w| w[0] < w[1]));
+        prop_assert!(s.iter().all(|&i| i < n));
+    }
+}
+
+#[test]
+fn too_small_says_how_much_is_needed() {
+    let req = PlanRequest {
+        shape: shape(vec![100 << 20; 4], 10 << 20, 256),
+        budgets: Budgets {
+            device: None,
+            ram: 50 << 20,
+        },
+        ctx: 512,
+        batch: 1,
+        depth: 2,
+    };
+    let e = plan(&req).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("too small") && msg.contains("one slot"),
+        "{msg}"
+    );
+    match e {
+        Error::BudgetTooSmall { needed, .. } => assert!(needed > 100 << 20),
+        other => panic!("{other}"),
+    }
+}
+
+#[test]
+fn half_the_ram_streams_about_half_the_layers_spread_out() {
+    let layers = vec![3 << 20; 30];
+    let total: u64 = layers.iter().sum();
+    let shape = shape(layers, 28 << 20, 192);
+    // Half the layers, the head and the reserve at this budget (the margin grows with
+    // the budget, so ask with a first guess and then add its margin).
+    let guess = total / 2 + (28 << 20);
+    let reserve = Reserve::for_context(&shape, 256, 32, guess).total();
+    let req = PlanRequest {
+        shape,
+        budgets: Budgets {
+            device: None,
+            ram: guess + reserve + Reserve::margin_for(guess + reserve)
+                - Reserve::margin_for(guess),
+        },
+        ctx: 256,
+        batch: 32,
+        depth: 2,
+    };
+    let p = plan(&req).unwrap();
+    let (a, b, c) = p.counts();
+    assert_eq!(b, 0);
+    // Two slots of one layer each come out of the resident half.
+    assert!((15..=18).contains(&c), "{a} resident, {c} streamed");
+    // Spread: no two streamed layers are adjacent when fewer than half stream.
+    let streamed: Vec<usize> = (0..30).filter(|&i| p.tiers[i] == Tier::Disk).collect();
+    let longest_run = streamed
+        .windows(2)
+        .fold((1, 1), |(best, run), w| {
+            let run = if w[1] == w[0] + 1 { run + 1 } else { 1 };
+            (best.max(run), run)
+        })
+        .0;
+    assert!(longest_run <= 2, "streamed layers bunch up: {streamed:?}");
+}
+
+#[test]
+fn seed_machine_is_bound_by_pcie() {
+    let shape = ModelShape::from_dims(80, 8192, 64, 8, 28672, 128256, 6.5625, 6.5625);
+    for ctx in [512, 4096] {
+        let p = plan(&PlanRequest {
+            shape: shape.clone(),
+            budgets: Budgets {
+                device: Some(24 << 30),
+                ram: 48 << 30,
+            },
+            ctx,
+            batch: 1,
+            depth: 2,
+        })
+        .unwrap();
+        let pr = p.predict(
+            &Speeds {
+                compute_bytes_per_s: 936e9,
+                h2d_bytes_per_s: 6.5e9,
+                disk_bytes_per_s: 3e9,
+            },
+            ctx,
+        );
+        assert_eq!(pr.bottleneck.name(), "PCIe (host to device)");
+        assert!(pr.tokens_per_s() > 0.1 && pr.tokens_per_s() < 0.5);
+    }
+}
