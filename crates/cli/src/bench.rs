@@ -12,6 +12,7 @@ use clap::Args;
 use serde_json::json;
 
 use crate::common::{self, human_bytes};
+use crate::tiered::{self, StoreArgs, StoreKind};
 
 /// Flags of `ballast bench` (as llama-bench's).
 #[derive(Args, Debug)]
@@ -37,6 +38,8 @@ pub struct BenchArgs {
     /// Print one JSON object per test instead of a table.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub store: StoreArgs,
 }
 
 struct TestResult {
@@ -44,6 +47,26 @@ struct TestResult {
     threads: usize,
     tokens_per_s: Vec<f64>,
     per_token: Option<OpTimesSnapshot>,
+    io: Option<IoFigures>,
+}
+
+/// What a generation test moved, per token.
+struct IoFigures {
+    /// `read_bytes` of /proc/self/io (any store: page faults count too).
+    process_read_per_token: Option<f64>,
+    /// Tiered streaming's own figures and the plan's bound from measured speeds.
+    streaming: Option<StreamingFigures>,
+}
+
+struct StreamingFigures {
+    disk_bytes_per_token: f64,
+    non_resident_bytes: u64,
+    stall_ms: f64,
+    read_ms: f64,
+    disk_bytes_per_s: f64,
+    compute_bytes_per_s: f64,
+    predicted_ms: f64,
+    bottleneck: &'static str,
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -83,7 +106,8 @@ fn per_token(t: OpTimesSnapshot, n: usize) -> OpTimesSnapshot {
 
 pub fn run(args: BenchArgs) -> Result<()> {
     let path = common::resolve_model(args.model.as_deref())?;
-    let file = Arc::new(GgufFile::open(&path, !args.no_mmap)?);
+    let mapped = !args.no_mmap && args.store.store != StoreKind::Ram;
+    let file = Arc::new(GgufFile::open(&path, mapped)?);
     let threads = if args.threads.is_empty() {
         vec![common::threads(None)]
     } else {
@@ -93,15 +117,38 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let size: u64 = file.tensors().iter().map(|t| t.n_bytes).sum();
     let mut results = Vec::new();
     let mut backend_name = String::new();
+    let mut store_name = "";
+    let mut plan_text = None;
     // One spinner line on stderr while the tests run; stdout holds only the results.
     let progress = indicatif::ProgressBar::new_spinner();
     progress.enable_steady_tick(std::time::Duration::from_millis(120));
     for &t in &threads {
         let backend = Arc::new(CpuBackend::new(t));
-        let model = Model::load(file.clone(), backend.clone(), !args.no_mmap)?;
+        let ctx = args.n_prompt.max(args.n_gen) + 1;
+        let built = tiered::build(
+            &file,
+            &path,
+            backend.clone(),
+            &args.store,
+            mapped,
+            ctx,
+            args.n_prompt.max(1),
+            true,
+        )?;
+        let model: Model = built.model;
+        let tiered_info = built.tiered;
+        store_name = built.store_name;
+        if let Some(info) = &tiered_info {
+            plan_text.get_or_insert_with(|| {
+                format!(
+                    "{}disk reads: {}\n",
+                    tiered::describe(&info.plan, None, None),
+                    info.read_mode
+                )
+            });
+        }
         backend_name = model.backend().name();
         let vocab = model.config().vocab_size;
-        let ctx = args.n_prompt.max(args.n_gen) + 1;
         let mut session = Session::new(model, ctx);
         if args.n_prompt > 0 {
             progress.set_message(format!("pp{} at {t} threads", args.n_prompt));
@@ -120,6 +167,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 threads: t,
                 tokens_per_s: speeds,
                 per_token: None,
+                io: None,
             });
         }
         if args.n_gen > 0 {
@@ -130,6 +178,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             let mut speeds = Vec::new();
             let mut busy = OpTimesSnapshot::default();
             let mut wall = Duration::ZERO;
+            let stream_before = tiered_info.as_ref().map(|i| i.stats.get());
+            let read_before = ballast_tier_stream::io::process_read_bytes();
             for _ in 0..args.repetitions {
                 session.rewind(0);
                 backend.op_times().reset();
@@ -146,6 +196,38 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 speeds.push(args.n_gen as f64 / elapsed.as_secs_f64());
             }
             let n = args.n_gen * args.repetitions;
+            let process_read_per_token = ballast_tier_stream::io::process_read_bytes()
+                .zip(read_before)
+                .map(|(a, b)| (a - b) as f64 / n as f64);
+            let streaming = tiered_info
+                .as_ref()
+                .zip(stream_before)
+                .map(|(info, before)| {
+                    let m = tiered::measured(before, info.stats.get(), n);
+                    // The plan's bound from the speeds measured in this run: compute from
+                    // the backend's busy time per token, disk from the readers' time.
+                    let busy_s =
+                        (busy.matmul + busy.attention + busy.other).as_secs_f64() / n as f64;
+                    let weights = info.shape.total_layer_bytes() + info.shape.head_bytes;
+                    let compute = weights as f64 / busy_s.max(1e-12);
+                    let speeds = ballast_tier_stream::Speeds {
+                        compute_bytes_per_s: compute,
+                        h2d_bytes_per_s: 0.0,
+                        disk_bytes_per_s: m.disk_bytes_per_s,
+                    };
+                    // Attention is in the measured compute already: no extra KV bytes.
+                    let pr = info.plan.predict(&speeds, 0);
+                    StreamingFigures {
+                        disk_bytes_per_token: m.disk_bytes_per_token,
+                        non_resident_bytes: info.non_resident_bytes(),
+                        stall_ms: m.stall_per_token.as_secs_f64() * 1e3,
+                        read_ms: m.read_time_per_token.as_secs_f64() * 1e3,
+                        disk_bytes_per_s: m.disk_bytes_per_s,
+                        compute_bytes_per_s: compute,
+                        predicted_ms: pr.seconds_per_token * 1e3,
+                        bottleneck: pr.bottleneck.name(),
+                    }
+                });
             let mut pt = per_token(busy, n);
             // Whatever no op accounted for (sampling excluded: there is none here)
             // is engine overhead; show it with "other".
@@ -156,6 +238,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 threads: t,
                 tokens_per_s: speeds,
                 per_token: Some(pt),
+                io: Some(IoFigures {
+                    process_read_per_token,
+                    streaming,
+                }),
             });
         }
     }
@@ -169,7 +255,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 r.tokens_per_s.iter().copied().fold(0.0, f64::max),
             );
             let mut obj = json!({
-                "model": model_name, "size_bytes": size, "backend": backend_name,
+                "model": model_name, "size_bytes": size, "backend": backend_name, "store": store_name,
                 "threads": r.threads, "test": r.test,
                 "tokens_per_s_median": median(&r.tokens_per_s),
                 "tokens_per_s_min": spread.0, "tokens_per_s_max": spread.1,
@@ -182,20 +268,39 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     "rest": pt.other.as_secs_f64() * 1e3,
                 });
             }
+            if let Some(io) = &r.io {
+                obj["process_read_bytes_per_token"] = json!(io.process_read_per_token);
+                if let Some(s) = &io.streaming {
+                    obj["streaming"] = json!({
+                        "disk_bytes_per_token": s.disk_bytes_per_token,
+                        "non_resident_bytes": s.non_resident_bytes,
+                        "stall_ms_per_token": s.stall_ms,
+                        "read_ms_per_token": s.read_ms,
+                        "disk_bytes_per_s": s.disk_bytes_per_s,
+                        "compute_bytes_per_s": s.compute_bytes_per_s,
+                        "predicted_ms_per_token": s.predicted_ms,
+                        "measured_ms_per_token": 1e3 / median(&r.tokens_per_s),
+                        "bottleneck": s.bottleneck,
+                    });
+                }
+            }
             println!("{obj}");
         }
         return Ok(());
     }
-    println!("| model | size | backend | threads | test | t/s (median) | spread (min - max) |");
-    println!("| --- | ---: | --- | ---: | --- | ---: | ---: |");
+    println!(
+        "| model | size | backend | store | threads | test | t/s (median) | spread (min - max) |"
+    );
+    println!("| --- | ---: | --- | --- | ---: | --- | ---: | ---: |");
     for r in &results {
         let lo = r.tokens_per_s.iter().copied().fold(f64::INFINITY, f64::min);
         let hi = r.tokens_per_s.iter().copied().fold(0.0, f64::max);
         println!(
-            "| {} | {} | {} | {} | {} | {:.2} | {:.2} - {:.2} |",
+            "| {} | {} | {} | {} | {} | {} | {:.2} | {:.2} - {:.2} |",
             model_name,
             human_bytes(size),
             backend_name.split(" (").next().unwrap_or("cpu"),
+            store_name,
             r.threads,
             r.test,
             median(&r.tokens_per_s),
@@ -219,6 +324,41 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 pct(pt.other),
             );
         }
+    }
+    for r in &results {
+        let Some(io) = &r.io else { continue };
+        if let Some(b) = io.process_read_per_token {
+            println!(
+                "  {} threads: the process read {} per generated token from storage (/proc/self/io)",
+                r.threads,
+                human_bytes(b as u64)
+            );
+        }
+        if let Some(s) = &io.streaming {
+            let measured_ms = 1e3 / median(&r.tokens_per_s);
+            println!(
+                "  {} threads, streaming per token: {} read from disk (non-resident layers {}, {:+.1}%), stalled {:.2} ms, readers busy {:.2} ms; disk {}/s, compute {}/s measured",
+                r.threads,
+                human_bytes(s.disk_bytes_per_token as u64),
+                human_bytes(s.non_resident_bytes),
+                100.0 * (s.disk_bytes_per_token / s.non_resident_bytes.max(1) as f64 - 1.0),
+                s.stall_ms,
+                s.read_ms,
+                tiered::human_rate(s.disk_bytes_per_s),
+                tiered::human_rate(s.compute_bytes_per_s),
+            );
+            println!(
+                "  {} threads: {:.2} ms per token measured (median) vs {:.2} ms the plan predicts from those speeds ({:.2}x); bottleneck {}",
+                r.threads,
+                measured_ms,
+                s.predicted_ms,
+                measured_ms / s.predicted_ms.max(1e-9),
+                s.bottleneck
+            );
+        }
+    }
+    if let Some(text) = &plan_text {
+        println!("plan used:\n{text}");
     }
     if let Some(kib) = peak_rss_kib() {
         println!("peak resident memory: {}", human_bytes(kib * 1024));

@@ -30,7 +30,7 @@ pub struct ChatArgs {
 
 pub fn run(args: ChatArgs) -> Result<()> {
     let threads = common::threads(args.model.threads);
-    let loaded = common::load(&args.model, threads)?;
+    let loaded = common::load(&args.model, threads, args.ctx, 64)?;
     let source = loaded
         .file
         .get_str("tokenizer.chat_template")

@@ -21,6 +21,15 @@ pub struct ModelArgs {
     /// Read the weights into RAM instead of memory-mapping the file.
     #[arg(long)]
     pub no_mmap: bool,
+    #[command(flatten)]
+    pub store: crate::tiered::StoreArgs,
+}
+
+impl ModelArgs {
+    /// Whether to memory-map the file (tiered streaming maps it for its header only).
+    pub fn mapped(&self) -> bool {
+        !self.no_mmap && self.store.store != crate::tiered::StoreKind::Ram
+    }
 }
 
 /// Flags of the sampler (llama.cpp's names and defaults).
@@ -89,6 +98,8 @@ pub struct Loaded {
     pub file: Arc<GgufFile>,
     pub tokenizer: Tokenizer,
     pub model: Model,
+    /// The plan and counters when the weights stream.
+    pub tiered: Option<crate::tiered::TieredInfo>,
 }
 
 /// Threads to use: the flag, else every core.
@@ -97,22 +108,32 @@ pub fn threads(flag: Option<usize>) -> usize {
         .max(1)
 }
 
-/// Opens, parses and loads a model for `threads` threads.
-pub fn load(args: &ModelArgs, threads: usize) -> Result<Loaded> {
+/// Opens, parses and loads a model for `threads` threads, a context of `ctx` tokens
+/// and prompt chunks of `batch` (which size the reserves of tiered streaming).
+pub fn load(args: &ModelArgs, threads: usize, ctx: usize, batch: usize) -> Result<Loaded> {
     let path = resolve_model(args.model.as_deref())?;
     let file = Arc::new(
-        GgufFile::open(&path, !args.no_mmap)
+        GgufFile::open(&path, args.mapped())
             .with_context(|| format!("opening {}", path.display()))?,
     );
     let tokenizer = Tokenizer::from_gguf(&file)
         .with_context(|| format!("building the tokenizer of {}", path.display()))?;
     let backend = Arc::new(CpuBackend::new(threads));
-    let model = Model::load(file.clone(), backend, !args.no_mmap)
-        .with_context(|| format!("loading {}", path.display()))?;
+    let built = crate::tiered::build(
+        &file,
+        &path,
+        backend,
+        &args.store,
+        args.mapped(),
+        ctx,
+        batch,
+        false,
+    )?;
     Ok(Loaded {
         file,
         tokenizer,
-        model,
+        model: built.model,
+        tiered: built.tiered,
     })
 }
 

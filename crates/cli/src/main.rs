@@ -5,7 +5,9 @@ mod chat;
 mod common;
 mod inspect;
 mod perplexity;
+mod plan;
 mod run;
+mod tiered;
 
 use clap::{Parser, Subcommand};
 
@@ -34,6 +36,9 @@ enum Command {
     Perplexity(perplexity::PerplexityArgs),
     /// Fetch the default model into the model cache and print its path.
     FetchModel,
+    /// Where each layer would live (device, RAM, disk) and the speed to expect, for a
+    /// model and this machine, or for a machine and a model shape given by flags.
+    Plan(plan::PlanArgs),
 }
 
 fn main() {
@@ -44,6 +49,7 @@ fn main() {
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Perplexity(a) => perplexity::run(a),
+        Command::Plan(a) => plan::run(a),
         Command::FetchModel => common::resolve_model(None).map(|p| println!("{}", p.display())),
     };
     if let Err(e) = result {

@@ -32,7 +32,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     let threads = common::threads(args.model.threads);
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;
-    let mut loaded = common::load(&args.model, threads)?;
+    let mut loaded = common::load(&args.model, threads, args.ctx, args.batch)?;
     let mut tokens = loaded.tokenizer.encode(&text, false, false)?;
     // llama-perplexity starts every window with BOS when the model adds one.
     let bos = loaded

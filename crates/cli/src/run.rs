@@ -77,7 +77,8 @@ impl Timings {
 
 pub fn run(args: RunArgs) -> Result<()> {
     let threads = common::threads(args.model.threads);
-    let loaded = common::load(&args.model, threads)?;
+    let loaded = common::load(&args.model, threads, args.ctx, args.batch)?;
+    let tiered = loaded.tiered;
     let tokenizer = loaded.tokenizer;
     let prompt_ids = tokenizer
         .encode(&args.prompt, true, true)
@@ -107,6 +108,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let mut logprob = log_softmax_at(logits, next);
     let mut decoder = StreamDecoder::new();
     let mut generated = 0;
+    let stream_before = tiered.as_ref().map(|t| t.stats.get());
     let gen_start = Instant::now();
     let budget = args.n_predict.min(args.ctx - prompt_ids.len());
     while generated < budget {
@@ -141,6 +143,16 @@ pub fn run(args: RunArgs) -> Result<()> {
         generation_time: gen_start.elapsed(),
     };
     let peak = peak_rss_kib();
+    // Streaming figures of the generation (each generated token after the first is one
+    // forward pass).
+    let streaming = tiered.as_ref().zip(stream_before).map(|(t, before)| {
+        let m = crate::tiered::measured(before, t.stats.get(), generated.saturating_sub(1));
+        (
+            m,
+            t.non_resident_bytes(),
+            t.plan.tier_bytes(ballast_tier_stream::Tier::Device),
+        )
+    });
     if args.json {
         writeln!(
             out,
@@ -155,6 +167,13 @@ pub fn run(args: RunArgs) -> Result<()> {
                 "peak_rss_kib": peak,
                 "threads": threads,
                 "backend": backend_name,
+                "streaming": streaming.as_ref().map(|(m, non_resident, resident)| json!({
+                    "disk_bytes_per_token": m.disk_bytes_per_token,
+                    "non_resident_bytes": non_resident,
+                    "resident_bytes_per_token": resident,
+                    "stall_ms_per_token": m.stall_per_token.as_secs_f64() * 1e3,
+                    "read_ms_per_token": m.read_time_per_token.as_secs_f64() * 1e3,
+                })),
             }})
         )?;
     } else {
@@ -170,6 +189,16 @@ pub fn run(args: RunArgs) -> Result<()> {
             peak.map_or("unknown".into(), |k| common::human_bytes(k * 1024)),
             backend_name,
         );
+        if let Some((m, non_resident, resident)) = &streaming {
+            eprintln!(
+                "streaming per generated token: {} read from disk (non-resident layers: {}), {} read in place from RAM, stalled {:.2} ms, reading {:.2} ms",
+                common::human_bytes(m.disk_bytes_per_token as u64),
+                common::human_bytes(*non_resident),
+                common::human_bytes(*resident),
+                m.stall_per_token.as_secs_f64() * 1e3,
+                m.read_time_per_token.as_secs_f64() * 1e3,
+            );
+        }
     }
     Ok(())
 }

@@ -243,3 +243,130 @@ fn a_prompt_longer_than_the_context_is_refused() {
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("context of 32"), "{}", stderr(&o));
 }
+
+fn layered_model(dir: &Path) -> PathBuf {
+    let path = dir.join("layered.gguf");
+    let spec = TinyModelSpec {
+        n_layers: 6,
+        d_model: 256,
+        n_ff: 512,
+        ..TinyModelSpec::default()
+    };
+    std::fs::write(&path, spec.to_gguf_bytes().unwrap()).unwrap();
+    path
+}
+
+/// The `ballast plan --json` split (device, disk) of `model` under `ram`.
+fn split(model: &str, ram: &str) -> Option<(u64, u64)> {
+    let o = ballast(&[
+        "plan",
+        "-m",
+        model,
+        "--ram",
+        ram,
+        "-c",
+        "64",
+        "-b",
+        "64",
+        "--compute",
+        "1GB/s",
+        "--json",
+    ]);
+    if !o.status.success() {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    Some((
+        v["split"]["device"].as_u64().unwrap(),
+        v["split"]["disk"].as_u64().unwrap(),
+    ))
+}
+
+#[test]
+fn tiered_streaming_gives_the_same_tokens_as_mapping_and_reports_what_it_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = layered_model(dir.path());
+    let m = model.to_str().unwrap();
+    // A budget that keeps some layers resident and streams the others.
+    let ram = (8..40)
+        .map(|mib| format!("{mib}M"))
+        .find(|r| matches!(split(m, r), Some((a, c)) if a > 0 && c > 0))
+        .expect("some budget splits the layers");
+    let greedy = ["--temp", "0", "-c", "64", "-b", "64"];
+    let mapped = generated_tokens(m, "xyz", 8, &greedy);
+    let tiered_flags = [&greedy[..], &["--store", "tiered", "--ram", &ram]].concat();
+    assert_eq!(mapped, generated_tokens(m, "xyz", 8, &tiered_flags));
+    let mut args = vec!["run", "-m", m, "xyz", "-n", "8", "--ignore-eos"];
+    args.extend_from_slice(&tiered_flags);
+    let o = ballast(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("| C disk |") && err.contains("layers: "),
+        "{err}"
+    );
+    assert!(
+        err.contains("streaming per generated token") && err.contains("stalled"),
+        "{err}"
+    );
+}
+
+#[test]
+fn plan_reports_split_speed_and_bottleneck_for_a_machine_given_by_flags() {
+    let o = ballast(&[
+        "plan",
+        "--preset",
+        "llama-70b-q6_k",
+        "--vram",
+        "24G",
+        "--ram",
+        "48G",
+        "--h2d",
+        "6.5GB/s",
+        "--disk",
+        "3GB/s",
+        "-c",
+        "4096",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("| A device |") && out.contains("| B RAM |"),
+        "{out}"
+    );
+    assert!(
+        out.contains("tokens/s") && out.contains("bottleneck: PCIe"),
+        "{out}"
+    );
+    let o = ballast(&["plan", "--preset", "llama-1t"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("unknown preset 'llama-1t'"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn a_budget_too_small_for_one_layer_says_how_much_is_needed() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = layered_model(dir.path());
+    let o = ballast(&[
+        "run",
+        "-m",
+        model.to_str().unwrap(),
+        "hi",
+        "--store",
+        "tiered",
+        "--ram",
+        "1M",
+    ]);
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("too small") && err.contains("bytes are needed"),
+        "{err}"
+    );
+    let o = ballast(&["run", "-m", model.to_str().unwrap(), "hi", "--ram", "lots"]);
+    assert!(stderr(&o).contains("bad size 'lots'"), "{}", stderr(&o));
+}

@@ -200,3 +200,41 @@ pub fn drop_file_cache(path: &Path) -> std::io::Result<()> {
     drop(file);
     Ok(())
 }
+
+/// Tells the kernel this process no longer needs the pages of `mapped`, part of a
+/// read-only file mapping (`MADV_DONTNEED`): loading the model touched a few pages of
+/// each layer (its norms), and a streaming store should not keep them resident. Later
+/// accesses fault the pages in again from the file, so the bytes seen do not change.
+/// A no-op off Linux.
+pub fn release_mapped_pages(mapped: &[u8]) {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: `mapped` is a live shared file mapping; MADV_DONTNEED on a read-only
+        // file mapping only drops page-table entries, the contents stay those of the
+        // file. The start is rounded down to a page inside the same mapping (mappings
+        // start on a page).
+        unsafe {
+            let page = libc::sysconf(libc::_SC_PAGESIZE).max(4096) as usize;
+            let start = mapped.as_ptr() as usize;
+            let aligned = start / page * page;
+            libc::madvise(
+                aligned as *mut libc::c_void,
+                mapped.len() + (start - aligned),
+                libc::MADV_DONTNEED,
+            );
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = mapped;
+}
+
+/// Bytes this process has caused to be read from storage (`read_bytes` of
+/// `/proc/self/io`: page faults of memory maps and direct reads alike), if known.
+pub fn process_read_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/io").ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("read_bytes:"))?
+        .trim()
+        .parse()
+        .ok()
+}

@@ -62,7 +62,7 @@ pub use plan::{
     plan, Bottleneck, Budgets, BytesPerToken, ModelShape, Plan, PlanRequest, Prediction, Reserve,
     Speeds, Tier,
 };
-pub use store::{model_shape, Part, StreamStats, TieredOptions, TieredStore};
+pub use store::{model_shape, Part, StatsHandle, StreamStats, TieredOptions, TieredStore};
 
 /// Errors of this crate. Read errors name the layer and the file.
 #[derive(Debug, thiserror::Error)]

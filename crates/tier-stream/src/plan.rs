@@ -235,6 +235,7 @@ pub struct PlanRequest {
     /// Prompt tokens per forward pass (sizes the activations).
     pub batch: u64,
     /// Wanted prefetch depth: slots in the ring (at least 1; 2 is double buffering).
+    /// Kept whenever some split allows it, even at the cost of resident layers.
     pub depth: usize,
 }
 
@@ -296,15 +297,17 @@ fn split(
         return Some((Vec::new(), 0, 0));
     }
     let n = candidates.len();
-    for k in 1..=n {
-        let streamed: Vec<usize> = spread(n, k).into_iter().map(|j| candidates[j]).collect();
-        let slot = streamed
-            .iter()
-            .map(|&i| slot_bytes(sizes[i]))
-            .max()
-            .unwrap_or(0);
-        let resident = all.saturating_sub(sum_of(sizes, streamed.iter().copied()));
-        for d in (1..=depth.max(1)).rev() {
+    // The full depth if any split allows it (overlap is worth more than one more
+    // resident layer), else shallower rings.
+    for d in (1..=depth.max(1)).rev() {
+        for k in 1..=n {
+            let streamed: Vec<usize> = spread(n, k).into_iter().map(|j| candidates[j]).collect();
+            let slot = streamed
+                .iter()
+                .map(|&i| slot_bytes(sizes[i]))
+                .max()
+                .unwrap_or(0);
+            let resident = all.saturating_sub(sum_of(sizes, streamed.iter().copied()));
             if resident.saturating_add(slot.saturating_mul(d as u64)) <= avail {
                 return Some((streamed, d, slot));
             }
@@ -617,9 +620,10 @@ impl Plan {
             token_end.push(t);
         }
         let seconds_per_token = token_end[TOKENS - 1] - token_end[TOKENS - 2];
-        let compute_s = compute.iter().sum::<f64>() + head;
-        let disk_s: f64 = streamed.iter().map(|&i| disk_time(i)).sum();
-        let h2d_s: f64 = streamed.iter().map(|&i| h2d_time(i)).sum();
+        // Folds from +0.0 (a float `sum` of nothing is -0.0).
+        let compute_s = compute.iter().fold(0.0, |a, b| a + b) + head;
+        let disk_s = streamed.iter().fold(0.0, |a, &i| a + disk_time(i));
+        let h2d_s = streamed.iter().fold(0.0, |a, &i| a + h2d_time(i));
         let bottleneck = if disk_s >= compute_s && disk_s >= h2d_s {
             Bottleneck::Disk
         } else if h2d_s >= compute_s {

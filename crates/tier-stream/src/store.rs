@@ -484,7 +484,18 @@ impl TieredStore {
 
     /// The counters so far.
     pub fn stats(&self) -> StreamStats {
-        let c = &self.counters;
+        self.stats_handle().get()
+    }
+}
+
+/// Reads the counters of a [`TieredStore`] after it moved into a model.
+#[derive(Clone)]
+pub struct StatsHandle(Arc<Counters>);
+
+impl StatsHandle {
+    /// The counters so far.
+    pub fn get(&self) -> StreamStats {
+        let c = &self.0;
         StreamStats {
             disk_bytes: c.disk_bytes.load(Ordering::Relaxed),
             disk_reads: c.disk_reads.load(Ordering::Relaxed),
@@ -494,6 +505,13 @@ impl TieredStore {
             streamed_bytes_served: c.streamed_served.load(Ordering::Relaxed),
             evictions: c.evictions.load(Ordering::Relaxed),
         }
+    }
+}
+
+impl TieredStore {
+    /// A handle on the counters that outlives moving the store into a model.
+    pub fn stats_handle(&self) -> StatsHandle {
+        StatsHandle(self.counters.clone())
     }
 
     /// How reads bypass the page cache (`O_DIRECT`, or the `fadvise` fallback).

@@ -1,0 +1,290 @@
+//! `ballast plan`: where each layer would live and the speed to expect.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use ballast_runtime::gguf::GgufFile;
+use ballast_runtime::model::load_weights;
+use ballast_runtime::{CpuBackend, ModelConfig};
+use ballast_tier_stream::{model_shape, plan, probe, Budgets, ModelShape, PlanRequest, Speeds};
+use clap::Args;
+use serde_json::json;
+
+use crate::common::{self, human_bytes};
+use crate::tiered::{self, describe, human_rate};
+
+/// A named model shape: (name, layers, hidden, heads, kv heads, MLP width, vocabulary,
+/// bits per layer weight, bits per head weight).
+type Preset = (&'static str, u64, u64, u64, u64, u64, u64, f64, f64);
+
+/// Named model shapes.
+const PRESETS: &[Preset] = &[
+    (
+        "llama-70b-q6_k",
+        80,
+        8192,
+        64,
+        8,
+        28672,
+        128256,
+        6.5625,
+        6.5625,
+    ),
+    (
+        "llama-70b-q4_k",
+        80,
+        8192,
+        64,
+        8,
+        28672,
+        128256,
+        4.5,
+        6.5625,
+    ),
+    ("llama-8b-q8_0", 32, 4096, 32, 8, 14336, 128256, 8.5, 8.5),
+    (
+        "llama-13b-q4_k",
+        40,
+        5120,
+        40,
+        40,
+        13824,
+        32000,
+        4.5,
+        6.5625,
+    ),
+    (
+        "mistral-7b-q4_k",
+        32,
+        4096,
+        32,
+        8,
+        14336,
+        32768,
+        4.5,
+        6.5625,
+    ),
+];
+
+/// Flags of `ballast plan`.
+#[derive(Args, Debug)]
+#[command(after_help = "Examples:
+  ballast plan                                   # the default model on this machine
+  ballast plan -m big.gguf --ram 8G              # a model file under a RAM budget
+  ballast plan --preset llama-70b-q6_k --vram 24G --ram 48G --h2d 6.5GB/s --disk 3GB/s -c 4096
+  ballast plan --layers 80 --hidden 8192 --heads 64 --kv-heads 8 --ff 28672 --bits 6.5625 --vram 24G --ram 48G
+
+Presets: llama-70b-q6_k, llama-70b-q4_k, llama-8b-q8_0, llama-13b-q4_k, mistral-7b-q4_k.")]
+pub struct PlanArgs {
+    /// GGUF model file (its real layer sizes). Default: the default model, unless a
+    /// preset or --layers describes one.
+    #[arg(short = 'm', long)]
+    pub model: Option<PathBuf>,
+    /// A named model shape instead of a file (see below).
+    #[arg(long)]
+    pub preset: Option<String>,
+    /// Model shape: transformer blocks.
+    #[arg(long)]
+    pub layers: Option<u64>,
+    /// Model shape: residual width.
+    #[arg(long, default_value_t = 4096)]
+    pub hidden: u64,
+    /// Model shape: attention heads.
+    #[arg(long, default_value_t = 32)]
+    pub heads: u64,
+    /// Model shape: key/value heads.
+    #[arg(long, default_value_t = 8)]
+    pub kv_heads: u64,
+    /// Model shape: MLP width.
+    #[arg(long, default_value_t = 14336)]
+    pub ff: u64,
+    /// Model shape: vocabulary.
+    #[arg(long, default_value_t = 128256)]
+    pub vocab: u64,
+    /// Model shape: bits per weight of the layers (Q4_K 4.5, Q6_K 6.5625, Q8_0 8.5).
+    #[arg(long, default_value_t = 4.5)]
+    pub bits: f64,
+    /// Every layer this many bytes (e.g. 669MiB), whatever the shape says.
+    #[arg(long)]
+    pub layer_bytes: Option<String>,
+    /// Device (GPU) memory, e.g. 24G. Without it the backend computes from RAM.
+    #[arg(long)]
+    pub vram: Option<String>,
+    /// RAM for this process, e.g. 48G. Default: probed (MemAvailable, cgroup limit).
+    #[arg(long)]
+    pub ram: Option<String>,
+    /// Host-to-device bandwidth, e.g. 6.5GB/s (PCIe 3.0 x8). Default 13GB/s (assumed).
+    #[arg(long)]
+    pub h2d: Option<String>,
+    /// Disk read bandwidth, e.g. 3GB/s. Default: measured on the model file with
+    /// direct I/O, or 3GB/s (assumed) without a file.
+    #[arg(long)]
+    pub disk: Option<String>,
+    /// Weight bytes per second the backend computes over in decode, e.g. 900GB/s.
+    /// Default: measured with the CPU backend on the model file; 900GB/s (assumed)
+    /// with --vram; 20GB/s (assumed) otherwise.
+    #[arg(long)]
+    pub compute: Option<String>,
+    /// Context size in tokens (sizes the KV cache).
+    #[arg(short = 'c', long = "ctx", default_value_t = 2048)]
+    pub ctx: u64,
+    /// Prompt tokens per forward pass (sizes the activations).
+    #[arg(short = 'b', long = "batch", default_value_t = 64)]
+    pub batch: u64,
+    /// Prefetch depth (slots in the ring).
+    #[arg(long, default_value_t = 2)]
+    pub depth: usize,
+    /// Threads for the compute measurement. Default: every core.
+    #[arg(short = 't', long)]
+    pub threads: Option<usize>,
+    /// One JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: PlanArgs) -> Result<()> {
+    let mut notes: Vec<String> = Vec::new();
+    let (mut shape, file, label) = if let Some(name) = &args.preset {
+        let Some(p) = PRESETS.iter().find(|p| p.0 == name.as_str()) else {
+            bail!(
+                "unknown preset '{name}'; known: {}",
+                PRESETS.iter().map(|p| p.0).collect::<Vec<_>>().join(", ")
+            );
+        };
+        let shape = ModelShape::from_dims(p.1, p.2, p.3, p.4, p.5, p.6, p.7, p.8);
+        (shape, None, format!("preset {}", p.0))
+    } else if let Some(layers) = args.layers {
+        anyhow::ensure!(
+            layers > 0 && args.heads > 0,
+            "--layers and --heads must be positive"
+        );
+        let shape = ModelShape::from_dims(
+            layers,
+            args.hidden,
+            args.heads,
+            args.kv_heads,
+            args.ff,
+            args.vocab,
+            args.bits,
+            args.bits,
+        );
+        (shape, None, "shape from flags".to_string())
+    } else {
+        let path = common::resolve_model(args.model.as_deref())?;
+        let file = Arc::new(
+            GgufFile::open(&path, true).with_context(|| format!("opening {}", path.display()))?,
+        );
+        let config = ModelConfig::from_gguf(&file)?;
+        let (g, l) = load_weights(&file, &config)?;
+        let shape = model_shape(&config, &g, &l);
+        (
+            shape,
+            Some((file, path.clone())),
+            path.display().to_string(),
+        )
+    };
+    if let Some(b) = &args.layer_bytes {
+        let b = probe::parse_size(b)?;
+        shape.layer_bytes.iter_mut().for_each(|x| *x = b);
+    }
+    let device = args.vram.as_deref().map(probe::parse_size).transpose()?;
+    let (ram, ram_source) = tiered::ram_budget(args.ram.as_deref())?;
+    let h2d = match &args.h2d {
+        Some(r) => probe::parse_rate(r)?,
+        None => {
+            if device.is_some() {
+                notes.push("host to device assumed".into());
+            }
+            13e9
+        }
+    };
+    let disk = match (&args.disk, &file) {
+        (Some(r), _) => probe::parse_rate(r)?,
+        (None, Some((_, path))) => {
+            notes.push("disk measured".into());
+            tiered::measure_disk(path)?
+        }
+        (None, None) => {
+            notes.push("disk assumed".into());
+            3e9
+        }
+    };
+    let compute = match (&args.compute, &file, device) {
+        (Some(r), _, _) => probe::parse_rate(r)?,
+        (None, _, Some(_)) => {
+            notes.push("compute assumed".into());
+            900e9
+        }
+        (None, Some((f, _)), None) => {
+            let threads = common::threads(args.threads);
+            notes.push(format!("compute measured at {threads} threads"));
+            tiered::measure_compute(f, &CpuBackend::new(threads))?
+        }
+        (None, None, None) => {
+            notes.push("compute assumed".into());
+            20e9
+        }
+    };
+    let p = plan(&PlanRequest {
+        shape: shape.clone(),
+        budgets: Budgets { device, ram },
+        ctx: args.ctx,
+        batch: args.batch,
+        depth: args.depth.max(1),
+    })?;
+    let speeds = Speeds {
+        compute_bytes_per_s: compute,
+        h2d_bytes_per_s: h2d,
+        disk_bytes_per_s: disk,
+    };
+    let pr = p.predict(&speeds, args.ctx);
+    let (a, b, c) = p.counts();
+    if args.json {
+        let bpt = p.bytes_per_token();
+        println!(
+            "{}",
+            json!({
+                "model": label, "layers": shape.n_layers(),
+                "layer_bytes_total": shape.total_layer_bytes(), "head_bytes": shape.head_bytes,
+                "budgets": {"device": device, "ram": ram},
+                "ctx": args.ctx,
+                "split": {"device": a, "ram": b, "disk": c},
+                "layer_map": tiered::layer_map(&p),
+                "bytes_per_token": {"device": bpt.device, "host_to_device": bpt.host_to_device, "disk": bpt.disk},
+                "speeds": {"compute": compute, "h2d": h2d, "disk": disk},
+                "predicted": {"seconds_per_token": pr.seconds_per_token, "tokens_per_s": pr.tokens_per_s(),
+                    "compute_s": pr.compute_s, "h2d_s": pr.h2d_s, "disk_s": pr.disk_s,
+                    "bottleneck": pr.bottleneck.name()},
+            })
+        );
+        return Ok(());
+    }
+    println!(
+        "model: {label}: {} layers, {} of layers (largest {}), output head {}",
+        shape.n_layers(),
+        human_bytes(shape.total_layer_bytes()),
+        human_bytes(shape.layer_bytes.iter().copied().max().unwrap_or(0)),
+        human_bytes(shape.head_bytes)
+    );
+    println!(
+        "machine: {}, RAM {} ({}), context {} tokens",
+        device.map_or("CPU backend (device = RAM)".to_string(), |d| format!(
+            "device {}",
+            human_bytes(d)
+        )),
+        human_bytes(ram),
+        if args.ram.is_some() {
+            "given".to_string()
+        } else {
+            ram_source
+        },
+        args.ctx
+    );
+    print!(
+        "{}",
+        describe(&p, Some((&speeds, args.ctx)), Some(&notes.join(", ")))
+    );
+    let _ = human_rate;
+    Ok(())
+}

@@ -1,0 +1,389 @@
+//! The weight store a command uses: the plain memory map, the file read into RAM, or
+//! tiered streaming (`ballast-tier-stream`) planned from `--ram` (or the probed RAM),
+//! and the figures it reports.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use ballast_runtime::gguf::GgufFile;
+use ballast_runtime::model::load_weights;
+use ballast_runtime::{Backend, DenseFfn, Model, ModelConfig, ResidentStore};
+use ballast_tier_stream::io::{self, DirectFile, ReadAt};
+use ballast_tier_stream::{
+    model_shape, plan, probe, Budgets, ModelShape, Plan, PlanRequest, Speeds, StatsHandle,
+    StreamStats, Tier, TieredOptions, TieredStore,
+};
+use clap::{Args, ValueEnum};
+
+use crate::common::human_bytes;
+
+/// How the weights are held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum StoreKind {
+    /// Tiered if --ram is given or the model does not fit the probed RAM, else mmap.
+    Auto,
+    /// Memory-map the file; the kernel pages weights in and out (llama.cpp's default).
+    Mmap,
+    /// Read the whole file into RAM.
+    Ram,
+    /// Keep what fits the budget resident, stream the rest from disk with prefetch.
+    Tiered,
+}
+
+/// Flags that choose the weight store and its budget.
+#[derive(Args, Clone, Debug)]
+pub struct StoreArgs {
+    /// Where weights live: auto, mmap, ram (read into RAM) or tiered (resident layers
+    /// within --ram, the rest streamed from disk bypassing the page cache).
+    #[arg(long, value_enum, default_value_t = StoreKind::Auto)]
+    pub store: StoreKind,
+    /// RAM budget for weights, KV cache and activations (e.g. 2G, 512M). Default: the
+    /// probed RAM (MemAvailable, or the cgroup limit when one is set).
+    #[arg(long)]
+    pub ram: Option<String>,
+    /// Device memory budget (needs a GPU backend; the CPU backend computes from RAM).
+    #[arg(long)]
+    pub vram: Option<String>,
+    /// Prefetch depth of tiered streaming: slots in the ring (2 = double buffering).
+    #[arg(long, default_value_t = 2)]
+    pub depth: usize,
+    /// Reader threads of tiered streaming.
+    #[arg(long, default_value_t = 1)]
+    pub io_threads: usize,
+    /// Read with plain reads plus posix_fadvise(DONTNEED) instead of O_DIRECT.
+    #[arg(long)]
+    pub no_direct_io: bool,
+}
+
+/// What a tiered model reports.
+pub struct TieredInfo {
+    pub plan: Plan,
+    pub stats: StatsHandle,
+    pub read_mode: &'static str,
+    pub shape: ModelShape,
+}
+
+impl TieredInfo {
+    /// Bytes of the layers that are not resident.
+    pub fn non_resident_bytes(&self) -> u64 {
+        self.plan.tier_bytes(Tier::Disk)
+    }
+}
+
+/// A model built with the store the flags ask for.
+pub struct Built {
+    pub model: Model,
+    pub tiered: Option<TieredInfo>,
+    pub store_name: &'static str,
+}
+
+/// The RAM budget: the flag, else the probe.
+pub fn ram_budget(flag: Option<&str>) -> Result<(u64, String)> {
+    if let Some(s) = flag {
+        return Ok((probe::parse_size(s)?, "given".into()));
+    }
+    let p = probe::probe_ram();
+    let held = ballast_runtime::memory::current_rss_kib().unwrap_or(0) * 1024;
+    let budget = p
+        .budget(held)
+        .context("cannot probe RAM (no /proc/meminfo); pass --ram")?;
+    let source = match &p.cgroup_limit {
+        Some((l, f)) if *l - held.min(*l) <= p.mem_available.unwrap_or(u64::MAX) => {
+            format!(
+                "cgroup limit {} in {} minus {} held",
+                human_bytes(*l),
+                f.display(),
+                human_bytes(held)
+            )
+        }
+        _ => "MemAvailable".into(),
+    };
+    Ok((budget, source))
+}
+
+/// Builds the model of `file` with the store `args` ask for, sized for a context of
+/// `ctx` tokens and prompt chunks of `batch`; `quiet` keeps the plan off stderr.
+#[allow(clippy::too_many_arguments)] // each is a separate fact about the run
+pub fn build(
+    file: &Arc<GgufFile>,
+    path: &Path,
+    backend: Arc<dyn Backend>,
+    args: &StoreArgs,
+    mapped: bool,
+    ctx: usize,
+    batch: usize,
+    quiet: bool,
+) -> Result<Built> {
+    if args.vram.is_some() {
+        bail!("--vram needs a GPU backend, and this build computes on the CPU, where device memory is RAM: use --ram");
+    }
+    let config =
+        ModelConfig::from_gguf(file).with_context(|| format!("loading {}", path.display()))?;
+    let (globals, layers) =
+        load_weights(file, &config).with_context(|| format!("loading {}", path.display()))?;
+    let shape = model_shape(&config, &globals, &layers);
+    let kind = match args.store {
+        StoreKind::Auto if args.ram.is_some() => StoreKind::Tiered,
+        StoreKind::Auto => {
+            let (budget, _) = ram_budget(None)?;
+            let need = shape.total_layer_bytes() + shape.head_bytes;
+            if need > budget {
+                StoreKind::Tiered
+            } else if mapped {
+                StoreKind::Mmap
+            } else {
+                StoreKind::Ram
+            }
+        }
+        k => k,
+    };
+    if kind != StoreKind::Tiered {
+        let store = ResidentStore::new(globals, layers, mapped);
+        return Ok(Built {
+            model: Model::from_parts(config, Box::new(store), backend, Box::new(DenseFfn::new())),
+            tiered: None,
+            store_name: if mapped { "mmap" } else { "ram" },
+        });
+    }
+    let (ram, source) = ram_budget(args.ram.as_deref())?;
+    let p = plan(&PlanRequest {
+        shape: shape.clone(),
+        budgets: Budgets { device: None, ram },
+        ctx: ctx as u64,
+        batch: batch as u64,
+        depth: args.depth.max(1),
+    })?;
+    let reader = DirectFile::open(path, !args.no_direct_io)
+        .with_context(|| format!("opening {} for streaming", path.display()))?;
+    let store = TieredStore::new(
+        file,
+        globals,
+        layers,
+        &p,
+        Arc::new(reader),
+        TieredOptions {
+            io_threads: args.io_threads.max(1),
+        },
+    )?;
+    // Loading touched each layer's norms through the memory map: let those pages go.
+    io::release_mapped_pages(file.as_bytes());
+    let _ = io::drop_file_cache(path);
+    let info = TieredInfo {
+        plan: p,
+        stats: store.stats_handle(),
+        read_mode: store.read_mode(),
+        shape,
+    };
+    if !quiet {
+        eprintln!("RAM budget {} ({source})", human_bytes(ram));
+        eprint!("{}", describe(&info.plan, None, None));
+        eprintln!("disk reads: {}", info.read_mode);
+    }
+    Ok(Built {
+        model: Model::from_parts(config, Box::new(store), backend, Box::new(DenseFfn::new())),
+        tiered: Some(info),
+        store_name: "tiered",
+    })
+}
+
+/// One letter per layer: `A` device (RAM on the CPU), `B` RAM, `C` disk.
+pub fn layer_map(p: &Plan) -> String {
+    p.tiers
+        .iter()
+        .map(|t| match t {
+            Tier::Device => 'A',
+            Tier::Ram => 'B',
+            Tier::Disk => 'C',
+        })
+        .collect()
+}
+
+/// The plan as text: the split, the reserves, the bytes per tier per token, and (given
+/// speeds) the prediction.
+pub fn describe(p: &Plan, speeds: Option<(&Speeds, u64)>, notes: Option<&str>) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let (a, b, c) = p.counts();
+    let dev = if p.unified {
+        "A device (= RAM, CPU)"
+    } else {
+        "A device"
+    };
+    let _ = writeln!(s, "| tier | layers | bytes held | moved per token |");
+    let _ = writeln!(s, "| --- | ---: | ---: | ---: |");
+    let bpt = p.bytes_per_token();
+    let _ = writeln!(
+        s,
+        "| {dev} | {a} | {} | read in place |",
+        human_bytes(p.tier_bytes(Tier::Device))
+    );
+    if !p.unified {
+        let _ = writeln!(
+            s,
+            "| B RAM | {b} | {} | {} uploaded (B and C) |",
+            human_bytes(p.tier_bytes(Tier::Ram)),
+            human_bytes(bpt.host_to_device)
+        );
+    }
+    let _ = writeln!(
+        s,
+        "| C disk | {c} | {} | {} read |",
+        human_bytes(p.tier_bytes(Tier::Disk)),
+        human_bytes(bpt.disk)
+    );
+    let _ = writeln!(s, "layers: {}", layer_map(p));
+    let r = &p.device_reserve;
+    let pool = if p.unified { "RAM" } else { "device" };
+    let _ = writeln!(
+        s,
+        "{pool} budget {}: reserve {} (KV cache {}, activations {}, scratch {}, margin {}), output head {}, {} slot(s) of {}, resident layers {} = {} used",
+        human_bytes(p.budgets.device.unwrap_or(p.budgets.ram)),
+        human_bytes(r.total()),
+        human_bytes(r.kv),
+        human_bytes(r.activations),
+        human_bytes(r.scratch),
+        human_bytes(r.margin),
+        human_bytes(p.head_bytes),
+        p.device_slots,
+        human_bytes(p.device_slot_bytes),
+        human_bytes(p.tier_bytes(Tier::Device)),
+        human_bytes(p.device_used()),
+    );
+    if !p.unified {
+        let _ = writeln!(
+            s,
+            "RAM budget {}: margin {}, {} staging buffer(s) of {}, tier B {} = {} used",
+            human_bytes(p.budgets.ram),
+            human_bytes(p.ram_reserve.margin),
+            p.staging_slots,
+            human_bytes(p.staging_slot_bytes),
+            human_bytes(p.tier_bytes(Tier::Ram)),
+            human_bytes(p.ram_used()),
+        );
+    }
+    if p.device_slots > 0 && p.device_slots < p.requested_depth {
+        let _ = writeln!(
+            s,
+            "note: prefetch depth cut from {} to {} slot(s) to fit the budget",
+            p.requested_depth, p.device_slots
+        );
+    }
+    if let Some((sp, kv_tokens)) = speeds {
+        let pr = p.predict(sp, kv_tokens);
+        let _ = writeln!(
+            s,
+            "speeds: compute {}/s, host to device {}/s, disk {}/s{}",
+            human_rate(sp.compute_bytes_per_s),
+            human_rate(sp.h2d_bytes_per_s),
+            human_rate(sp.disk_bytes_per_s),
+            notes.map(|n| format!(" ({n})")).unwrap_or_default()
+        );
+        let _ = writeln!(
+            s,
+            "predicted: {:.1} ms per token = {:.3} tokens/s at {kv_tokens} cached tokens; busy per token: compute {:.1} ms, PCIe {:.1} ms, disk {:.1} ms; bottleneck: {}",
+            pr.seconds_per_token * 1e3,
+            pr.tokens_per_s(),
+            pr.compute_s * 1e3,
+            pr.h2d_s * 1e3,
+            pr.disk_s * 1e3,
+            pr.bottleneck.name()
+        );
+    }
+    s
+}
+
+/// A rate in decimal units, as disks and links are quoted.
+pub fn human_rate(bytes_per_s: f64) -> String {
+    if bytes_per_s >= 1e9 {
+        format!("{:.2} GB", bytes_per_s / 1e9)
+    } else {
+        format!("{:.0} MB", bytes_per_s / 1e6)
+    }
+}
+
+/// Measures the disk: reads up to 256 MiB of `path` with direct I/O in 4 MiB requests
+/// (from the middle of the file, where the layers are).
+pub fn measure_disk(path: &Path) -> Result<f64> {
+    let f = DirectFile::open(path, true)?;
+    let len = f.len();
+    let chunk = 4u64 << 20;
+    let total = len.min(256 << 20) / 4096 * 4096;
+    anyhow::ensure!(
+        total > 0,
+        "{} is too small to measure the disk",
+        path.display()
+    );
+    let start_at = (len - total) / 2 / 4096 * 4096;
+    let mut buf = io::AlignedBuf::new(chunk as usize);
+    let _ = io::drop_file_cache(path);
+    let t = Instant::now();
+    let mut off = 0;
+    while off < total {
+        let want = (total - off).min(chunk) as usize;
+        let n = f.read_at(&mut buf.as_mut_slice()[..want], start_at + off)?;
+        anyhow::ensure!(
+            n > 0,
+            "{}: read nothing at {}",
+            path.display(),
+            start_at + off
+        );
+        off += n as u64;
+    }
+    Ok(total as f64 / t.elapsed().as_secs_f64())
+}
+
+/// Measures the backend's decode speed in weight bytes per second: matrix-vector
+/// products over one layer's weights (and the head), repeated for at least 200 ms.
+pub fn measure_compute(file: &Arc<GgufFile>, backend: &dyn Backend) -> Result<f64> {
+    use ballast_runtime::backend::MatmulJob;
+    let config = ModelConfig::from_gguf(file)?;
+    let (_, layers) = load_weights(file, &config)?;
+    let l = layers.first().context("the model has no layers")?;
+    let ws = [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down];
+    let bytes: u64 = ws.iter().map(|w| w.bytes.len() as u64).sum();
+    let x = vec![0.5f32; config.d_model.max(config.n_ff).max(config.q_dim())];
+    let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.0; w.rows()]).collect();
+    let mut run = || -> Result<()> {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            backend.matmul(&x[..w.cols()], 1, &mut [MatmulJob { weight: w, out }])?;
+        }
+        Ok(())
+    };
+    run()?; // warm-up (pages in the weights)
+    let t = Instant::now();
+    let mut reps = 0u64;
+    while t.elapsed() < Duration::from_millis(200) || reps < 3 {
+        run()?;
+        reps += 1;
+    }
+    Ok((bytes * reps) as f64 / t.elapsed().as_secs_f64())
+}
+
+/// Measured figures of tiered streaming between two snapshots, per token.
+pub struct Measured {
+    pub disk_bytes_per_token: f64,
+    pub stall_per_token: Duration,
+    pub read_time_per_token: Duration,
+    pub disk_bytes_per_s: f64,
+}
+
+pub fn measured(before: StreamStats, after: StreamStats, tokens: usize) -> Measured {
+    let n = tokens.max(1) as f64;
+    let bytes = after.disk_bytes - before.disk_bytes;
+    let read = after.read_time.saturating_sub(before.read_time);
+    Measured {
+        disk_bytes_per_token: bytes as f64 / n,
+        stall_per_token: after
+            .stall_time
+            .saturating_sub(before.stall_time)
+            .div_f64(n),
+        read_time_per_token: read.div_f64(n),
+        disk_bytes_per_s: if read.is_zero() {
+            0.0
+        } else {
+            bytes as f64 / read.as_secs_f64()
+        },
+    }
+}
