@@ -168,14 +168,18 @@ fn row(label: &str, v: &serde_json::Value) {
         .parse::<f64>()
         .map_or("-".to_string(), |p| format!("{:.2}x", meas / p.max(1e-9)));
     println!(
-        "| {label} | {} | {:.3} | {:.1} | {:.2} MiB | {disk} | {nonres} | {stall} | {pred} | {ratio} | {bottleneck} |",
-        v["threads"], tps, 1e3 / tps.max(1e-12), read / MIB as f64
+        "| {label} | {} | {:.3} | {:.1} | {:.2} MiB | {disk} | {nonres} | {stall} | {pred} | {ratio} | {bottleneck} | {:.1} MiB |",
+        v["threads"],
+        tps,
+        1e3 / tps.max(1e-12),
+        read / MIB as f64,
+        v["peak_rss_kib"].as_f64().unwrap_or(f64::NAN) / 1024.0
     );
 }
 
 fn header() {
-    println!("| run | threads | t/s (median) | ms/token | storage read/token (/proc) | streamed read/token | non-resident | stall ms/token | plan bound ms | measured/bound | bottleneck |");
-    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |");
+    println!("| run | threads | t/s (median) | ms/token | storage read/token (/proc) | streamed read/token | non-resident | stall ms/token | plan bound ms | measured/bound | bottleneck | peak RSS |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |");
 }
 
 /// The synthetic model: Q8_0 layers of 2048 wide with an MLP of 5632 (about 48 MB a
@@ -366,7 +370,7 @@ pub fn run(ballast: &Path, default_model: &Path, quick: bool) -> Result<()> {
     drop(cg);
 
     println!(
-        "\n## ballast plan for the seed's machine (70B Q6_K, 24 GB GPU, 48 GB RAM, Gen3 x8)\n"
+        "\n## ballast plan for the seed's machine (70B Q6_K, 24 GB GPU, 48 GB RAM, Gen3 x8; double buffering as the seed)\n"
     );
     for ctx in ["512", "4096"] {
         let args = [
@@ -383,6 +387,8 @@ pub fn run(ballast: &Path, default_model: &Path, quick: bool) -> Result<()> {
             "3GB/s",
             "--compute",
             "936GB/s",
+            "--depth",
+            "2",
             "-c",
             ctx,
         ];

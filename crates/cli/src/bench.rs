@@ -260,6 +260,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 "tokens_per_s_median": median(&r.tokens_per_s),
                 "tokens_per_s_min": spread.0, "tokens_per_s_max": spread.1,
                 "samples": r.tokens_per_s,
+                "peak_rss_kib": peak_rss_kib(),
             });
             if let Some(pt) = r.per_token {
                 obj["per_token_ms"] = json!({
@@ -337,7 +338,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         if let Some(s) = &io.streaming {
             let measured_ms = 1e3 / median(&r.tokens_per_s);
             println!(
-                "  {} threads, streaming per token: {} read from disk (non-resident layers {}, {:+.1}%), stalled {:.2} ms, readers busy {:.2} ms; disk {}/s, compute {}/s measured",
+                "  {} threads, streaming per token: {} read from disk (non-resident layers {}, {:+.1}%), stalled {:.2} ms, disk busy {:.2} ms; disk {}/s, compute {}/s measured",
                 r.threads,
                 human_bytes(s.disk_bytes_per_token as u64),
                 human_bytes(s.non_resident_bytes),

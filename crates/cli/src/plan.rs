@@ -132,8 +132,9 @@ pub struct PlanArgs {
     /// Prompt tokens per forward pass (sizes the activations).
     #[arg(short = 'b', long = "batch", default_value_t = 64)]
     pub batch: u64,
-    /// Prefetch depth (slots in the ring).
-    #[arg(long, default_value_t = 2)]
+    /// Prefetch depth (slots in the ring; `ballast run` uses 3 by default, the seed's
+    /// double buffering is 2).
+    #[arg(long, default_value_t = 3)]
     pub depth: usize,
     /// Threads for the compute measurement. Default: every core.
     #[arg(short = 't', long)]

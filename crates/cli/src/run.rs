@@ -191,7 +191,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         );
         if let Some((m, non_resident, resident)) = &streaming {
             eprintln!(
-                "streaming per generated token: {} read from disk (non-resident layers: {}), {} read in place from RAM, stalled {:.2} ms, reading {:.2} ms",
+                "streaming per generated token: {} read from disk (non-resident layers: {}), {} read in place from RAM, stalled {:.2} ms, disk busy {:.2} ms",
                 common::human_bytes(m.disk_bytes_per_token as u64),
                 common::human_bytes(*non_resident),
                 common::human_bytes(*resident),

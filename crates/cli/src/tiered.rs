@@ -47,10 +47,11 @@ pub struct StoreArgs {
     #[arg(long)]
     pub vram: Option<String>,
     /// Prefetch depth of tiered streaming: slots in the ring (2 = double buffering).
-    #[arg(long, default_value_t = 2)]
+    /// The default 3 absorbs scheduling jitter on a busy machine for one more slot.
+    #[arg(long, default_value_t = 3)]
     pub depth: usize,
-    /// Reader threads of tiered streaming.
-    #[arg(long, default_value_t = 1)]
+    /// Reader threads of tiered streaming (2 keep a read queued while one finishes).
+    #[arg(long, default_value_t = 2)]
     pub io_threads: usize,
     /// Read with plain reads plus posix_fadvise(DONTNEED) instead of O_DIRECT.
     #[arg(long)]
@@ -278,7 +279,10 @@ pub fn describe(p: &Plan, speeds: Option<(&Speeds, u64)>, notes: Option<&str>) -
             human_rate(sp.compute_bytes_per_s),
             human_rate(sp.h2d_bytes_per_s),
             human_rate(sp.disk_bytes_per_s),
-            notes.map(|n| format!(" ({n})")).unwrap_or_default()
+            notes
+                .filter(|n| !n.is_empty())
+                .map(|n| format!(" ({n})"))
+                .unwrap_or_default()
         );
         let _ = writeln!(
             s,

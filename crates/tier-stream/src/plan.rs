@@ -64,7 +64,7 @@ pub struct ModelShape {
     pub n_ff: u64,
     /// Vocabulary size.
     pub vocab: u64,
-    /// Bytes per cached key or value (4: the runtime's `DenseKv` stores f32).
+    /// Bytes per cached key or value (the runtime's `DenseKv` stores f16 by default: 2).
     pub kv_value_bytes: u64,
 }
 
@@ -99,7 +99,7 @@ impl ModelShape {
             kv_dim,
             n_ff,
             vocab,
-            kv_value_bytes: 4,
+            kv_value_bytes: ballast_runtime::kv::KvDtype::default().bytes() as u64,
         }
     }
 

@@ -149,19 +149,10 @@ fn read_extents(
                     offset: e.file_offset + got,
                     source,
                 })?;
-            if n == 0 {
-                return Err(Error::ShortRead {
-                    part,
-                    path: reader.path().to_path_buf(),
-                    offset: e.file_offset,
-                    wanted: e.needed,
-                    got,
-                });
-            }
             got += n as u64;
-            if got < e.needed && got % IO_ALIGN != 0 {
-                // A short read that is not block-aligned cannot be continued with
-                // direct I/O; the file ended early.
+            // The file ended early: nothing more, or a piece that is not whole blocks
+            // (direct I/O cannot continue from there).
+            if n == 0 || (got < e.needed && got % IO_ALIGN != 0) {
                 return Err(Error::ShortRead {
                     part,
                     path: reader.path().to_path_buf(),
@@ -234,7 +225,8 @@ pub struct StreamStats {
     pub disk_bytes: u64,
     /// Layer reads done.
     pub disk_reads: u64,
-    /// Time the reader threads spent reading (summed over threads).
+    /// Time at least one reader thread was reading: the disk link's busy time (with
+    /// several reader threads, overlapping reads count once).
     pub read_time: Duration,
     /// Time the forward pass waited for a layer that was not loaded yet.
     pub stall_time: Duration,
@@ -250,11 +242,41 @@ pub struct StreamStats {
 struct Counters {
     disk_bytes: AtomicU64,
     disk_reads: AtomicU64,
-    read_ns: AtomicU64,
+    /// Readers reading now, since when, and the busy time of the finished periods.
+    link: Mutex<(usize, Option<Instant>, Duration)>,
     stall_ns: AtomicU64,
     resident_served: AtomicU64,
     streamed_served: AtomicU64,
     evictions: AtomicU64,
+}
+
+impl Counters {
+    fn link(&self) -> std::sync::MutexGuard<'_, (usize, Option<Instant>, Duration)> {
+        self.link.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn link_start(&self) {
+        let mut l = self.link();
+        if l.0 == 0 {
+            l.1 = Some(Instant::now());
+        }
+        l.0 += 1;
+    }
+
+    fn link_end(&self) {
+        let mut l = self.link();
+        l.0 = l.0.saturating_sub(1);
+        if l.0 == 0 {
+            if let Some(since) = l.1.take() {
+                l.2 += since.elapsed();
+            }
+        }
+    }
+
+    fn link_busy(&self) -> Duration {
+        let l = self.link();
+        l.2 + l.1.map_or(Duration::ZERO, |s| s.elapsed())
+    }
 }
 
 /// Options of a [`TieredStore`].
@@ -317,7 +339,7 @@ pub fn model_shape(
         kv_dim: config.kv_dim() as u64,
         n_ff: config.n_ff as u64,
         vocab: config.vocab_size as u64,
-        kv_value_bytes: 4,
+        kv_value_bytes: ballast_runtime::kv::KvDtype::default().bytes() as u64,
     }
 }
 
@@ -428,7 +450,7 @@ impl TieredStore {
                     .name(format!("ballast-read-{t}"))
                     .spawn(move || {
                         for mut job in jobs_rx {
-                            let start = Instant::now();
+                            counters.link_start();
                             let layout = &layouts[job.layer];
                             let result = read_extents(
                                 reader.as_ref(),
@@ -436,9 +458,7 @@ impl TieredStore {
                                 &layout.extents,
                                 &mut job.buf,
                             );
-                            counters
-                                .read_ns
-                                .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                            counters.link_end();
                             if result.is_ok() {
                                 let n: u64 = layout.extents.iter().map(|e| e.len).sum();
                                 counters.disk_bytes.fetch_add(n, Ordering::Relaxed);
@@ -499,7 +519,7 @@ impl StatsHandle {
         StreamStats {
             disk_bytes: c.disk_bytes.load(Ordering::Relaxed),
             disk_reads: c.disk_reads.load(Ordering::Relaxed),
-            read_time: Duration::from_nanos(c.read_ns.load(Ordering::Relaxed)),
+            read_time: c.link_busy(),
             stall_time: Duration::from_nanos(c.stall_ns.load(Ordering::Relaxed)),
             resident_bytes_served: c.resident_served.load(Ordering::Relaxed),
             streamed_bytes_served: c.streamed_served.load(Ordering::Relaxed),
