@@ -260,15 +260,39 @@ pub fn run(ballast: &Path, default_model: &Path, quick: bool) -> Result<()> {
             .concat(),
             &model,
         )?;
+        // The seed's double buffering with one reader, for the effect of the depth.
+        let double = bench_json(
+            ballast,
+            cg.as_ref(),
+            &[
+                &common[..],
+                &[
+                    "--store",
+                    "tiered",
+                    "--ram",
+                    ram,
+                    "--depth",
+                    "2",
+                    "--io-threads",
+                    "1",
+                ]
+                .map(String::from),
+            ]
+            .concat(),
+            &model,
+        )?;
         if let (Some(m), Some(s)) = (mmap.first(), tiered.first()) {
             row("plain mmap", m);
-            row("tiered", s);
+            row("tiered (depth 3, 2 readers)", s);
+            if let Some(d) = double.first() {
+                row("tiered (depth 2, 1 reader)", d);
+            }
             let (a, b) = (
                 m["tokens_per_s_median"].as_f64().unwrap_or(0.0),
                 s["tokens_per_s_median"].as_f64().unwrap_or(0.0),
             );
             println!(
-                "| tiered / mmap at {t} threads | | {:.1}x | | | | | | | | |",
+                "| tiered / mmap at {t} threads | | {:.1}x | | | | | | | | | |",
                 b / a.max(1e-12)
             );
         }
