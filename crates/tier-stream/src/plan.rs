@@ -332,9 +332,11 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
         "RAM"
     };
     let all: Vec<usize> = (0..n).collect();
-    let Some((off_device, device_slots, device_slot_bytes)) =
-        split(sizes, &all, device_avail, req.depth)
-    else {
+    // The reserve and head must fit before any layer does (`device_avail` saturates).
+    let placed = (fixed <= device_budget)
+        .then(|| split(sizes, &all, device_avail, req.depth))
+        .flatten();
+    let Some((off_device, device_slots, device_slot_bytes)) = placed else {
         return Err(Error::BudgetTooSmall {
             tier: tier_name,
             budget: device_budget,
@@ -368,7 +370,10 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
                 .map(|&i| slot_bytes(sizes[i]))
                 .max()
                 .unwrap_or(0);
-            let Some((to_disk, s, sb)) = split(sizes, &off_device, ram_avail, req.depth) else {
+            let placed = (ram_reserve.total() <= ram)
+                .then(|| split(sizes, &off_device, ram_avail, req.depth))
+                .flatten();
+            let Some((to_disk, s, sb)) = placed else {
                 return Err(Error::BudgetTooSmall {
                     tier: "RAM",
                     budget: ram,

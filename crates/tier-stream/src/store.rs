@@ -417,7 +417,8 @@ impl TieredStore {
             if plan.tiers[i] == Tier::Device {
                 let mut buf = AlignedBuf::new(layout.slot_len as usize);
                 read_extents(reader.as_ref(), Part::Layer(i), &layout.extents, &mut buf)?;
-                resident_bytes += layout.bytes;
+                // What is allocated (aligned reads), not only the tensors' bytes.
+                resident_bytes += buf.len() as u64;
                 let source: Arc<dyn ByteSource> = Arc::new(Resident(buf));
                 resident.push(Some(Arc::new(layout.weights(source)?)));
             } else {
