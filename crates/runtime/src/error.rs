@@ -596,6 +596,46 @@ pub enum Error {
         /// The cause.
         source: std::io::Error,
     },
+
+    // ---- GPU ---------------------------------------------------------------------
+    /// No GPU adapter could be used.
+    #[error("no GPU adapter: {why}")]
+    NoGpuAdapter {
+        /// What was found instead (or why none could be opened).
+        why: String,
+    },
+    /// The adapter refused the device or a limit the backend needs.
+    #[error("GPU adapter {adapter}: {why}")]
+    GpuDevice {
+        /// Adapter name and backend.
+        adapter: String,
+        /// What was refused.
+        why: String,
+    },
+    /// A buffer would exceed what the device allows.
+    #[error("GPU: {what} needs {needed} bytes, the device allows {limit}")]
+    GpuLimit {
+        /// The buffer concerned.
+        what: String,
+        /// Bytes needed.
+        needed: u64,
+        /// The device's limit.
+        limit: u64,
+    },
+    /// The device reported an error (validation, out of memory, lost device).
+    #[error("GPU: {what}")]
+    Gpu {
+        /// The device's message.
+        what: String,
+    },
+    /// A weight type has no GPU kernel.
+    #[error("{tensor}: type {ty} has no GPU kernel")]
+    GpuUnsupportedType {
+        /// The tensor concerned.
+        tensor: String,
+        /// Its type.
+        ty: String,
+    },
 }
 
 /// `Result` with [`Error`].

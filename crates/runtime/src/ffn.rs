@@ -15,6 +15,12 @@ pub trait FeedForward: Send {
         Ok(())
     }
 
+    /// True if this is exactly the dense SwiGLU MLP, so a device backend may run it
+    /// inside its own recorded pass. The default is false.
+    fn is_exact(&self) -> bool {
+        false
+    }
+
     /// `out = down(silu(gate(x)) * up(x))` for `n_tokens` rows of `x`, or an
     /// approximation of it that the implementation documents.
     fn forward(
@@ -43,6 +49,10 @@ impl DenseFfn {
 }
 
 impl FeedForward for DenseFfn {
+    fn is_exact(&self) -> bool {
+        true
+    }
+
     fn forward(
         &mut self,
         backend: &dyn Backend,

@@ -52,6 +52,7 @@ pub mod error;
 pub mod ffn;
 pub mod ggml_type;
 pub mod gguf;
+pub mod gpu;
 pub mod kv;
 pub mod memory;
 pub mod model;
@@ -65,7 +66,7 @@ pub mod threadpool;
 pub mod tokenizer;
 pub mod weights;
 
-pub use backend::{Backend, CpuBackend};
+pub use backend::{Backend, CpuBackend, WgpuBackend};
 pub use error::{Error, Result};
 pub use ffn::{DenseFfn, FeedForward};
 pub use kv::{DenseKv, KvCache, KvDtype, KvPolicy};

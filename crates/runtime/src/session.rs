@@ -76,6 +76,35 @@ impl Session {
     /// Feeds `ids` (a prompt in chunks of the batch size, or one generated token) and
     /// returns the logits after the last of them.
     pub fn feed(&mut self, ids: &[u32]) -> Result<&[f32]> {
+        let mut logits = std::mem::take(&mut self.logits);
+        let r = self.feed_chunks(ids, |model, chunk, positions, kv, policy, last| {
+            let mode = if last { Logits::Last } else { Logits::None };
+            let out = model.forward(chunk, positions, kv, policy, mode)?;
+            if last {
+                logits.clear();
+                logits.extend_from_slice(out);
+            }
+            Ok(())
+        });
+        self.logits = logits;
+        r?;
+        Ok(&self.logits)
+    }
+
+    /// Runs `ids` in chunks of the batch size through `pass` (told whether the chunk is
+    /// the last), then records them as fed.
+    fn feed_chunks(
+        &mut self,
+        ids: &[u32],
+        mut pass: impl FnMut(
+            &mut Model,
+            &[u32],
+            &[u32],
+            &mut dyn KvCache,
+            Option<&mut dyn KvPolicy>,
+            bool,
+        ) -> Result<()>,
+    ) -> Result<()> {
         if ids.is_empty() {
             return Err(Error::EmptyInput);
         }
@@ -93,18 +122,35 @@ impl Session {
             self.positions
                 .extend((0..chunk.len() as u32).map(|j| start + j));
             let last = i + 1 == chunks.len();
-            let mode = if last { Logits::Last } else { Logits::None };
             let policy = self.policy.as_deref_mut().map(|p| p as &mut dyn KvPolicy);
-            let out = self
-                .model
-                .forward(chunk, &self.positions, self.kv.as_mut(), policy, mode)?;
-            if last {
-                self.logits.clear();
-                self.logits.extend_from_slice(out);
-            }
+            pass(
+                &mut self.model,
+                chunk,
+                &self.positions,
+                self.kv.as_mut(),
+                policy,
+                last,
+            )?;
             self.tokens.extend_from_slice(chunk);
         }
-        Ok(&self.logits)
+        Ok(())
+    }
+
+    /// Feeds `ids` like [`Session::feed`] and returns the greedy next id (largest logit,
+    /// lowest id on ties) instead of the logits: on a device backend only that id is read
+    /// back. [`Session::logits`] is not updated.
+    pub fn feed_greedy(&mut self, ids: &[u32]) -> Result<u32> {
+        let mut greedy = None;
+        self.feed_chunks(ids, |model, chunk, positions, kv, policy, last| {
+            if last {
+                greedy = Some(model.forward_greedy(chunk, positions, kv, policy)?);
+                Ok(())
+            } else {
+                model.forward(chunk, positions, kv, policy, Logits::None)?;
+                Ok(())
+            }
+        })?;
+        greedy.ok_or(Error::EmptyInput)
     }
 
     /// Forgets everything after the first `n_tokens` tokens.

@@ -8,15 +8,18 @@
 mod attention;
 mod cpu;
 mod elementwise;
+mod wgpu;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+pub use self::wgpu::WgpuBackend;
 pub use cpu::CpuBackend;
 
 use crate::error::Result;
-use crate::kv::KvView;
-use crate::weights::Weight;
+use crate::kv::{KvCache, KvView};
+use crate::model::{Logits, ModelConfig};
+use crate::weights::{GlobalWeights, LayerWeights, Weight};
 
 /// How RoPE pairs the dimensions it rotates; llama.cpp's rope-type table assigns one
 /// per architecture.
@@ -157,5 +160,105 @@ pub trait Backend: Send + Sync {
         for row in x.chunks_exact_mut(bias.len()) {
             self.add_assign(row, bias);
         }
+    }
+    /// A way to run whole forward passes on the backend's own device, keeping
+    /// activations and a mirror of the KV cache there. `None` (the CPU backend): the
+    /// model calls the ops above one by one on host memory.
+    fn device_forward(&self) -> Option<&dyn DeviceForward> {
+        None
+    }
+    /// Asks for per-kernel timings in [`Backend::last_pass`] (where the device has
+    /// timestamp queries).
+    fn set_profiling(&self, on: bool) {
+        let _ = on;
+    }
+    /// Figures of the last device pass: traffic, dispatches, kernel timings.
+    fn last_pass(&self) -> Option<PassReport> {
+        None
+    }
+    /// Device bytes held now and at the peak, for backends with their own memory.
+    fn device_bytes(&self) -> Option<(u64, u64)> {
+        None
+    }
+}
+
+/// What a device forward pass needs: the model's hyper-parameters, its weights for
+/// this pass, the tokens and which logits to return.
+pub struct DeviceForwardInput<'a> {
+    /// Hyper-parameters.
+    pub config: &'a ModelConfig,
+    /// Embedding table, final norm, output head.
+    pub globals: &'a GlobalWeights,
+    /// Every layer's weights, from the store, for this pass.
+    pub layers: &'a [std::sync::Arc<LayerWeights>],
+    /// Token ids.
+    pub ids: &'a [u32],
+    /// Their positions.
+    pub positions: &'a [u32],
+    /// Which logits (or the greedy id) to return.
+    pub logits: Logits,
+}
+
+/// A whole forward pass recorded and submitted at once on a device.
+pub trait DeviceForward: Send + Sync {
+    /// Runs `input` with the cache `kv`: appends the new keys and values to `kv`, and
+    /// puts the requested logits in `out` (or returns the greedy id for
+    /// [`Logits::Greedy`]).
+    fn forward(
+        &self,
+        input: &DeviceForwardInput<'_>,
+        kv: &mut dyn KvCache,
+        out: &mut Vec<f32>,
+    ) -> Result<Option<u32>>;
+}
+
+/// Time of one kernel over a pass, from timestamp queries.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct KernelTime {
+    /// Kernel name.
+    pub name: String,
+    /// Dispatches in the pass.
+    pub count: u32,
+    /// Total device time in nanoseconds.
+    pub nanos: f64,
+}
+
+/// What one device pass did: bytes moved (as the kernels read and write them),
+/// submissions, dispatches and, when profiling with timestamps, time per kernel.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PassReport {
+    /// Tokens in the pass.
+    pub tokens: usize,
+    /// Wall time from the call to the read-back.
+    pub wall: Duration,
+    /// Command submissions (one per pass).
+    pub submissions: usize,
+    /// Compute dispatches.
+    pub dispatches: usize,
+    /// Weight bytes read by the matrix products and the embedding lookup.
+    pub weight_bytes_read: u64,
+    /// Key and value bytes read by attention.
+    pub kv_bytes_read: u64,
+    /// Activation bytes read (inputs, norms, biases, quantized activations).
+    pub activation_bytes_read: u64,
+    /// Bytes written by kernels and copies (KV appends included).
+    pub bytes_written: u64,
+    /// Bytes copied back to the host.
+    pub bytes_read_back: u64,
+    /// True if the device has timestamp queries.
+    pub timestamps: bool,
+    /// Time per kernel (empty unless profiling on a device with timestamps).
+    pub kernels: Vec<KernelTime>,
+    /// A recording error, reported when the pass is submitted.
+    pub error: Option<String>,
+}
+
+impl PassReport {
+    /// Every byte the pass moved through device memory.
+    pub fn bytes_moved(&self) -> u64 {
+        self.weight_bytes_read
+            + self.kv_bytes_read
+            + self.activation_bytes_read
+            + self.bytes_written
     }
 }

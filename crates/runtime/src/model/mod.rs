@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 pub use config::{Architecture, ModelConfig};
 
-use crate::backend::{AttentionShape, Backend, MatmulJob};
+use crate::backend::{AttentionShape, Backend, DeviceForwardInput, MatmulJob};
 use crate::error::{Error, Result};
 use crate::ffn::{DenseFfn, FeedForward};
 use crate::ggml_type::GgmlType;
@@ -33,6 +33,10 @@ pub enum Logits {
     All,
     /// None (prefill of a chunk that is not the last).
     None,
+    /// The last token's greedy id only ([`Model::forward_greedy`]); a device backend
+    /// then reads back one id instead of the logits. [`Model::forward`] treats it as
+    /// [`Logits::Last`].
+    Greedy,
 }
 
 /// Reads tensor `name` of `file` as a [`Weight`], checking its shape against `dims`.
@@ -204,9 +208,77 @@ impl Model {
         ids: &[u32],
         positions: &[u32],
         kv: &mut dyn KvCache,
-        mut policy: Option<&mut dyn KvPolicy>,
+        policy: Option<&mut dyn KvPolicy>,
         logits: Logits,
     ) -> Result<&[f32]> {
+        let logits = if logits == Logits::Greedy {
+            Logits::Last
+        } else {
+            logits
+        };
+        self.check_input(ids, positions, kv)?;
+        if policy.is_none() && self.ffn.is_exact() && self.backend.device_forward().is_some() {
+            self.device_pass(ids, positions, kv, logits)?;
+        } else {
+            self.host_pass(ids, positions, kv, policy, logits)?;
+        }
+        Ok(match logits {
+            Logits::None => &[],
+            _ => &self.scratch.logits,
+        })
+    }
+
+    /// Like [`Model::forward`] with [`Logits::Last`], but returns only the greedy id
+    /// (largest logit, lowest id on ties). A device backend computes it on the device and
+    /// reads back that one id.
+    pub fn forward_greedy(
+        &mut self,
+        ids: &[u32],
+        positions: &[u32],
+        kv: &mut dyn KvCache,
+        policy: Option<&mut dyn KvPolicy>,
+    ) -> Result<u32> {
+        self.check_input(ids, positions, kv)?;
+        if policy.is_none() && self.ffn.is_exact() && self.backend.device_forward().is_some() {
+            return self
+                .device_pass(ids, positions, kv, Logits::Greedy)?
+                .ok_or_else(|| Error::Gpu {
+                    what: "the device pass returned no greedy id".into(),
+                });
+        }
+        self.host_pass(ids, positions, kv, policy, Logits::Last)?;
+        Ok(crate::sampler::argmax(&self.scratch.logits))
+    }
+
+    /// The whole pass on the backend's device: the same sequence of ops as
+    /// [`Model::host_pass`], recorded there as one submission.
+    fn device_pass(
+        &mut self,
+        ids: &[u32],
+        positions: &[u32],
+        kv: &mut dyn KvCache,
+        logits: Logits,
+    ) -> Result<Option<u32>> {
+        let device = self
+            .backend
+            .device_forward()
+            .expect("checked by the caller");
+        let pass = self.passes.next();
+        let layers = (0..self.config.n_layers)
+            .map(|l| self.store.layer(pass, l))
+            .collect::<Result<Vec<_>>>()?;
+        let input = DeviceForwardInput {
+            config: &self.config,
+            globals: self.store.globals(),
+            layers: &layers,
+            ids,
+            positions,
+            logits,
+        };
+        device.forward(&input, kv, &mut self.scratch.logits)
+    }
+
+    fn check_input(&self, ids: &[u32], positions: &[u32], kv: &dyn KvCache) -> Result<()> {
         let n = ids.len();
         if n == 0 || positions.len() != n {
             return Err(Error::ShapeMismatch {
@@ -226,6 +298,19 @@ impl Model {
                 capacity: kv.capacity(),
             });
         }
+        Ok(())
+    }
+
+    /// The pass op by op through [`Backend`] on host activations.
+    fn host_pass(
+        &mut self,
+        ids: &[u32],
+        positions: &[u32],
+        kv: &mut dyn KvCache,
+        mut policy: Option<&mut dyn KvPolicy>,
+        logits: Logits,
+    ) -> Result<()> {
+        let n = ids.len();
         let c = &self.config;
         let be = &self.backend;
         let pass = self.passes.next();
@@ -292,8 +377,8 @@ impl Model {
             be.add_assign(&mut s.x, &s.o);
         }
         let (rows, first) = match logits {
-            Logits::None => return Ok(&[]),
-            Logits::Last => (1, n - 1),
+            Logits::None => return Ok(()),
+            Logits::Last | Logits::Greedy => (1, n - 1),
             Logits::All => (n, 0),
         };
         let d = c.d_model;
@@ -311,7 +396,6 @@ impl Model {
                 weight: &globals.output,
                 out: &mut s.logits,
             }],
-        )?;
-        Ok(&s.logits)
+        )
     }
 }

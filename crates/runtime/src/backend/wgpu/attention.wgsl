@@ -1,0 +1,120 @@
+// Causal grouped-query attention over the device KV cache of one layer. One workgroup
+// per (query head, token): scores of the cached tokens whose position is at most the
+// query's, softmax, weighted sum of the values (the CPU backend's order per element).
+
+struct Params {
+    a: vec4<u32>,
+    b: vec4<u32>,
+    f: vec4<f32>,
+}
+
+// a: (n_tokens, n_heads, n_kv_heads, head_dim); b: (cached tokens, score row stride);
+// f.x: 1/sqrt(head_dim).
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> q: array<f32>;
+@group(0) @binding(2) var<storage, read> kc: array<f32>;
+@group(0) @binding(3) var<storage, read> vc: array<f32>;
+@group(0) @binding(4) var<storage, read> kpos: array<u32>;
+@group(0) @binding(5) var<storage, read> qpos: array<u32>;
+@group(0) @binding(6) var<storage, read_write> scores: array<f32>;
+@group(0) @binding(7) var<storage, read_write> out: array<f32>;
+
+var<workgroup> red: array<f32, 64>;
+
+// q·k summed in the CPU backend's order: eight lane sums, added in lane order, then the
+// tail.
+fn dot_cpu_order(qo: u32, ko: u32, hd: u32) -> f32 {
+    var acc = array<f32, 8>(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    let whole = hd / 8u * 8u;
+    for (var d = 0u; d < whole; d += 8u) {
+        for (var l = 0u; l < 8u; l++) {
+            acc[l] += q[qo + d + l] * kc[ko + d + l];
+        }
+    }
+    var s = 0.0;
+    for (var l = 0u; l < 8u; l++) {
+        s += acc[l];
+    }
+    for (var d = whole; d < hd; d++) {
+        s += q[qo + d] * kc[ko + d];
+    }
+    return s;
+}
+
+fn reduce_max(lid: u32, v: f32) -> f32 {
+    red[lid] = v;
+    workgroupBarrier();
+    for (var stride = 32u; stride > 0u; stride >>= 1u) {
+        if (lid < stride) {
+            red[lid] = max(red[lid], red[lid + stride]);
+        }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+fn reduce_sum(lid: u32, v: f32) -> f32 {
+    red[lid] = v;
+    workgroupBarrier();
+    for (var stride = 32u; stride > 0u; stride >>= 1u) {
+        if (lid < stride) {
+            red[lid] += red[lid + stride];
+        }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+@compute @workgroup_size(64)
+fn attention(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let n_heads = p.a.y;
+    let hd = p.a.w;
+    let h = wid.x;
+    let t = wid.y;
+    let group = max(n_heads / p.a.z, 1u);
+    let kvh = h / group;
+    let kv_dim = p.a.z * hd;
+    let qo = (t * n_heads + h) * hd;
+    let sb = (t * n_heads + h) * p.b.y;
+    let qp = qpos[t];
+    let n = p.b.x;
+    var mx = -3.0e38;
+    var found = 0.0;
+    for (var i = lid.x; i < n; i += 64u) {
+        if (kpos[i] <= qp) {
+            var s = dot_cpu_order(qo, i * kv_dim + kvh * hd, hd) * p.f.x;
+            scores[sb + i] = s;
+            mx = max(mx, s);
+            found = 1.0;
+        }
+    }
+    let all_max = reduce_max(lid.x, mx);
+    let any = reduce_max(lid.x, found);
+    var sum = 0.0;
+    for (var i = lid.x; i < n; i += 64u) {
+        var e = 0.0;
+        if (kpos[i] <= qp) {
+            e = exp(scores[sb + i] - all_max);
+        }
+        scores[sb + i] = e;
+        sum += e;
+    }
+    let total = reduce_sum(lid.x, sum);
+    storageBarrier();
+    workgroupBarrier();
+    let inv = select(0.0, 1.0 / total, any > 0.0);
+    for (var d = lid.x; d < hd; d += 64u) {
+        var acc = 0.0;
+        for (var i = 0u; i < n; i++) {
+            let wgt = scores[sb + i] * inv;
+            if (wgt != 0.0) {
+                acc += wgt * vc[i * kv_dim + kvh * hd + d];
+            }
+        }
+        out[qo + d] = acc;
+    }
+}

@@ -1,0 +1,288 @@
+//! [`Recorder`]: records dispatches and copies of one pass into one command encoder,
+//! counts the bytes each moves, optionally times each with timestamp queries, and
+//! submits them all at once with the one read-back.
+
+use std::num::NonZeroU64;
+
+use crate::backend::{KernelTime, PassReport};
+use crate::error::Result;
+use crate::gpu::{GpuBuffer, GpuContext, Shader};
+
+/// The uniform block every kernel takes: two vectors of sizes and offsets, one of floats.
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+pub(crate) struct Params {
+    a: [u32; 4],
+    b: [u32; 4],
+    f: [f32; 4],
+}
+
+impl Params {
+    pub(crate) fn new(a: [u32; 4], b: [u32; 4], f: [f32; 4]) -> Params {
+        Params { a, b, f }
+    }
+}
+
+const PARAMS_SIZE: u64 = std::mem::size_of::<Params>() as u64;
+/// Parameter slots per uniform buffer.
+const SLOTS_PER_CHUNK: u64 = 64;
+/// wgpu's cap on queries per query set.
+const MAX_QUERIES: u32 = 4096;
+
+struct ParamChunk {
+    buffer: GpuBuffer,
+    bytes: Vec<u8>,
+}
+
+struct Timer {
+    queries: wgpu::QuerySet,
+    resolve: GpuBuffer,
+    labels: Vec<&'static str>,
+}
+
+/// One pass being recorded.
+pub(crate) struct Recorder<'c> {
+    ctx: &'c GpuContext,
+    encoder: wgpu::CommandEncoder,
+    params: Vec<ParamChunk>,
+    align: u64,
+    kept: Vec<GpuBuffer>,
+    report: PassReport,
+    timer: Option<Timer>,
+}
+
+impl<'c> Recorder<'c> {
+    /// A recorder; with `profile`, each dispatch is timed if the device has timestamps.
+    pub(crate) fn new(ctx: &'c GpuContext, profile: bool) -> Recorder<'c> {
+        let encoder = ctx
+            .device()
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("ballast pass"),
+            });
+        let timer = if profile && ctx.has_timestamps() {
+            ctx.buffer_with_usage(
+                u64::from(MAX_QUERIES) * 8,
+                wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+                "timestamps",
+            )
+            .ok()
+            .map(|resolve| Timer {
+                queries: ctx.device().create_query_set(&wgpu::QuerySetDescriptor {
+                    label: Some("kernel timestamps"),
+                    ty: wgpu::QueryType::Timestamp,
+                    count: MAX_QUERIES,
+                }),
+                resolve,
+                labels: Vec::new(),
+            })
+        } else {
+            None
+        };
+        let report = PassReport {
+            timestamps: ctx.has_timestamps(),
+            ..PassReport::default()
+        };
+        Recorder {
+            ctx,
+            encoder,
+            params: Vec::new(),
+            align: u64::from(ctx.limits().min_uniform_buffer_offset_alignment).max(PARAMS_SIZE),
+            kept: Vec::new(),
+            report,
+            timer,
+        }
+    }
+
+    /// Keeps `buffer` out of the pool until the pass has run.
+    pub(crate) fn keep(&mut self, buffer: GpuBuffer) {
+        self.kept.push(buffer);
+    }
+
+    /// Counts bytes of keys and values read.
+    pub(crate) fn add_kv_read(&mut self, bytes: u64) {
+        self.report.kv_bytes_read += bytes;
+    }
+
+    fn param_slot(&mut self, params: Params) -> Result<(usize, u64)> {
+        let full = self
+            .params
+            .last()
+            .is_none_or(|c| c.bytes.len() as u64 >= SLOTS_PER_CHUNK * self.align);
+        if full {
+            let buffer = self
+                .ctx
+                .buffer(SLOTS_PER_CHUNK * self.align, "kernel parameters")?;
+            self.params.push(ParamChunk {
+                buffer,
+                bytes: Vec::new(),
+            });
+        }
+        let chunk = self.params.len() - 1;
+        let bytes = &mut self.params[chunk].bytes;
+        let offset = bytes.len() as u64;
+        bytes.extend_from_slice(bytemuck::bytes_of(&params));
+        bytes.resize((offset + self.align) as usize, 0);
+        Ok((chunk, offset))
+    }
+
+    /// Records one dispatch of `entry` of `shader` (with its override `constants`):
+    /// binding 0 is `params`, bindings 1.. are `bindings` in order. `groups[0]` may
+    /// exceed the per-dimension limit when `groups[1]` is 1: it is folded into y, and
+    /// the kernels index with `wid.x + wid.y * nwg.x`. `reads`, `writes` and
+    /// `weights` are the bytes the kernel moves, for the pass's traffic figures.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn dispatch(
+        &mut self,
+        shader: &Shader,
+        entry: &'static str,
+        constants: &[(&'static str, f64)],
+        bindings: &[&wgpu::Buffer],
+        params: Params,
+        groups: [u32; 3],
+        label: &'static str,
+        reads: u64,
+        writes: u64,
+        weights: u64,
+    ) {
+        if groups.contains(&0) {
+            return;
+        }
+        let (chunk, offset) = match self.param_slot(params) {
+            Ok(s) => s,
+            Err(e) => {
+                self.report.error.get_or_insert(e.to_string());
+                return;
+            }
+        };
+        let pipeline = self.ctx.pipeline(shader, entry, constants);
+        let layout = pipeline.get_bind_group_layout(0);
+        let mut entries = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: self.params[chunk].buffer.raw(),
+                offset,
+                size: NonZeroU64::new(PARAMS_SIZE),
+            }),
+        }];
+        for (i, b) in bindings.iter().enumerate() {
+            entries.push(wgpu::BindGroupEntry {
+                binding: i as u32 + 1,
+                resource: b.as_entire_binding(),
+            });
+        }
+        let bind_group = self
+            .ctx
+            .device()
+            .create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some(label),
+                layout: &layout,
+                entries: &entries,
+            });
+        let max = self
+            .ctx
+            .limits()
+            .max_compute_workgroups_per_dimension
+            .max(1);
+        let [mut x, mut y, z] = groups;
+        if x > max && y == 1 {
+            y = x.div_ceil(max);
+            x = max;
+        }
+        let timestamp_writes = match &mut self.timer {
+            Some(t) if (t.labels.len() as u32 + 1) * 2 <= MAX_QUERIES => {
+                let i = t.labels.len() as u32;
+                t.labels.push(label);
+                Some(wgpu::ComputePassTimestampWrites {
+                    query_set: &t.queries,
+                    beginning_of_pass_write_index: Some(2 * i),
+                    end_of_pass_write_index: Some(2 * i + 1),
+                })
+            }
+            _ => None,
+        };
+        {
+            let mut pass = self
+                .encoder
+                .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some(label),
+                    timestamp_writes,
+                });
+            pass.set_pipeline(&pipeline);
+            pass.set_bind_group(0, &bind_group, &[]);
+            pass.dispatch_workgroups(x, y, z);
+        }
+        self.report.dispatches += 1;
+        self.report.weight_bytes_read += weights;
+        self.report.activation_bytes_read += reads;
+        self.report.bytes_written += writes;
+    }
+
+    /// Records a buffer-to-buffer copy (a KV-cache append, a read-back source).
+    pub(crate) fn copy(
+        &mut self,
+        src: &wgpu::Buffer,
+        src_offset: u64,
+        dst: &wgpu::Buffer,
+        dst_offset: u64,
+        bytes: u64,
+    ) {
+        self.encoder
+            .copy_buffer_to_buffer(src, src_offset, dst, dst_offset, bytes);
+        self.report.bytes_written += bytes;
+        self.report.activation_bytes_read += bytes;
+    }
+
+    /// Uploads the parameters, submits everything recorded as one submission, and reads
+    /// back `sources` (plus the timestamps, if timed) with the one read-back.
+    pub(crate) fn finish(
+        mut self,
+        sources: &[(&wgpu::Buffer, u64, u64)],
+    ) -> Result<(Vec<u8>, PassReport)> {
+        if let Some(what) = self.report.error.take() {
+            return Err(crate::Error::Gpu { what });
+        }
+        for chunk in &self.params {
+            self.ctx
+                .queue()
+                .write_buffer(chunk.buffer.raw(), 0, &chunk.bytes);
+        }
+        let mut all: Vec<(&wgpu::Buffer, u64, u64)> = sources.to_vec();
+        let n_queries = self.timer.as_ref().map_or(0, |t| 2 * t.labels.len() as u32);
+        if let Some(t) = &self.timer {
+            if n_queries > 0 {
+                self.encoder
+                    .resolve_query_set(&t.queries, 0..n_queries, t.resolve.raw(), 0);
+                all.push((t.resolve.raw(), 0, u64::from(n_queries) * 8));
+            }
+        }
+        let user_bytes: u64 = sources.iter().map(|s| s.2).sum();
+        let mut bytes = self.ctx.submit_and_read(self.encoder, &all)?;
+        self.report.submissions = 1;
+        self.report.bytes_read_back = user_bytes;
+        if let Some(t) = &self.timer {
+            if n_queries > 0 {
+                let stamps: Vec<u64> = bytemuck::pod_collect_to_vec(&bytes[user_bytes as usize..]);
+                let period = f64::from(self.ctx.timestamp_period());
+                let mut kernels: Vec<KernelTime> = Vec::new();
+                for (i, label) in t.labels.iter().enumerate() {
+                    let ns = stamps[2 * i + 1].saturating_sub(stamps[2 * i]) as f64 * period;
+                    match kernels.iter_mut().find(|k| k.name == *label) {
+                        Some(k) => {
+                            k.count += 1;
+                            k.nanos += ns;
+                        }
+                        None => kernels.push(KernelTime {
+                            name: label.to_string(),
+                            count: 1,
+                            nanos: ns,
+                        }),
+                    }
+                }
+                self.report.kernels = kernels;
+            }
+        }
+        bytes.truncate(user_bytes as usize);
+        drop(self.kept);
+        Ok((bytes, self.report))
+    }
+}

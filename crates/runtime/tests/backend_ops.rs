@@ -1,0 +1,559 @@
+//! One backend test suite, written once and instantiated per backend by
+//! `backend_suite!` (as cubecl and candle do): every op of [`Backend`] on fresh random
+//! inputs of random shapes, against the CPU backend (the numerical reference) within a
+//! tolerance stated per dtype, and against an independent f64 computation. Outputs are
+//! poisoned with NaN first (host slices, and on the GPU every scratch buffer), so an
+//! element a kernel forgets to write fails the test.
+//!
+//! The wgpu instance needs an adapter: under CI (`CI` set) a missing one fails the
+//! tests; elsewhere they are skipped with a printed reason.
+
+use std::sync::{Arc, OnceLock};
+
+use ballast_runtime::backend::{AttentionShape, MatmulJob, Rope, RopeStyle};
+use ballast_runtime::ggml_type::GgmlType;
+use ballast_runtime::gpu::GpuContext;
+use ballast_runtime::kv::{KvRows, KvSegment, KvView};
+use ballast_runtime::quant;
+use ballast_runtime::weights::{Weight, WeightBytes};
+use ballast_runtime::{Backend, CpuBackend, WgpuBackend};
+use half::f16;
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
+
+fn cpu() -> Option<Arc<dyn Backend>> {
+    static CPU: OnceLock<Arc<CpuBackend>> = OnceLock::new();
+    Some(CPU.get_or_init(|| Arc::new(CpuBackend::new(2))).clone())
+}
+
+/// The GPU context shared by every test of this binary, or `None` with a printed
+/// reason (a failure under CI).
+fn gpu_context() -> Option<Arc<GpuContext>> {
+    static CTX: OnceLock<Option<Arc<GpuContext>>> = OnceLock::new();
+    CTX.get_or_init(|| match GpuContext::new() {
+        Ok(ctx) => {
+            ctx.set_poison(true);
+            eprintln!("wgpu adapter: {}", ctx.adapter());
+            Some(ctx)
+        }
+        Err(e) if std::env::var_os("CI").is_some() => {
+            panic!("CI needs a wgpu adapter (install mesa-vulkan-drivers): {e}")
+        }
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    })
+    .clone()
+}
+
+fn wgpu() -> Option<Arc<dyn Backend>> {
+    static BACKEND: OnceLock<Option<Arc<WgpuBackend>>> = OnceLock::new();
+    BACKEND
+        .get_or_init(|| gpu_context().map(|ctx| Arc::new(WgpuBackend::new(ctx))))
+        .clone()
+        .map(|b| b as Arc<dyn Backend>)
+}
+
+/// The reference every backend is held to.
+fn reference() -> Arc<dyn Backend> {
+    cpu().expect("the CPU backend always exists")
+}
+
+/// Deterministic values in [-scale, scale) from a seed.
+fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+fn weight(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Weight {
+    let bytes = quant::quantize(ty, &values(seed, rows * cols, 1.0)).unwrap();
+    Weight {
+        name: format!("test.{}.weight", ty.name()),
+        ty,
+        dims: vec![cols, rows],
+        bytes: WeightBytes::from_vec(bytes),
+    }
+}
+
+fn dequantized(w: &Weight) -> Vec<f32> {
+    let mut out = vec![0.0; w.rows() * w.cols()];
+    quant::dequantize(w.ty, w.bytes.as_slice(), &mut out).unwrap();
+    out
+}
+
+/// Every type the backends must multiply by.
+const WEIGHT_TYPES: [GgmlType; 11] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+/// How far two correct backends may differ, relative to `sum |terms|` of the
+/// element: f32 summation order for float weights; for quantized weights both
+/// backends quantize the activations to the same integers, so only the order in which
+/// the f32 block sums are added (and fused multiply-adds) differ.
+fn backend_tolerance(ty: GgmlType) -> f64 {
+    match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1e-5,
+        _ => 2e-5,
+    }
+}
+
+fn check_close(
+    what: &str,
+    got: &[f32],
+    want: &[f32],
+    scale: &[f64],
+    rel: f64,
+) -> Result<(), TestCaseError> {
+    prop_assert_eq!(got.len(), want.len());
+    for i in 0..got.len() {
+        let tol = rel * scale[i] + 1e-6;
+        let diff = (got[i] as f64 - want[i] as f64).abs();
+        prop_assert!(
+            diff <= tol,
+            "{}: element {} is {} (reference {}), tolerance {}",
+            what,
+            i,
+            got[i],
+            want[i],
+            tol
+        );
+    }
+    Ok(())
+}
+
+fn matmul_case(
+    be: &dyn Backend,
+    ty: GgmlType,
+    other: GgmlType,
+    rows: usize,
+    blocks: usize,
+    n: usize,
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    // A shared input length both types can take.
+    let cols = 256 * blocks;
+    let w1 = weight(ty, rows, cols, seed);
+    let w2 = weight(other, rows + 3, cols, seed + 1);
+    let x = values(seed + 2, n * cols, 2.0);
+    let run = |be: &dyn Backend| {
+        let mut o1 = vec![f32::NAN; n * w1.rows()];
+        let mut o2 = vec![f32::NAN; n * w2.rows()];
+        be.matmul(
+            &x,
+            n,
+            &mut [
+                MatmulJob {
+                    weight: &w1,
+                    out: &mut o1,
+                },
+                MatmulJob {
+                    weight: &w2,
+                    out: &mut o2,
+                },
+            ],
+        )
+        .unwrap();
+        (o1, o2)
+    };
+    let (g1, g2) = run(be);
+    let (r1, r2) = run(reference().as_ref());
+    for (w, got, want) in [(&w1, &g1, &r1), (&w2, &g2, &r2)] {
+        // sum |w x| per element, and the f64 product with unquantized activations.
+        let wf = dequantized(w);
+        let mut scale = vec![0.0; n * w.rows()];
+        let mut exact = vec![0.0f64; n * w.rows()];
+        for t in 0..n {
+            for r in 0..w.rows() {
+                for j in 0..cols {
+                    let p = wf[r * cols + j] as f64 * x[t * cols + j] as f64;
+                    scale[t * w.rows() + r] += p.abs();
+                    exact[t * w.rows() + r] += p;
+                }
+            }
+        }
+        check_close(
+            &format!("{} vs the CPU backend", w.name),
+            got,
+            want,
+            &scale,
+            backend_tolerance(w.ty),
+        )?;
+        // 8-bit activations round each value by at most half a step (amax/254 of
+        // its block); |w| <= 1 and the block amax <= 2, so |error| <= cols*2/254 ...
+        // bounded far tighter by sum |w| * amax / 254. Float weights are exact.
+        let act_err = if quant::activation_type(w.ty) == GgmlType::F32 {
+            1e-5
+        } else {
+            1.0 / 200.0
+        };
+        for i in 0..got.len() {
+            let wabs: f64 = (0..cols)
+                .map(|j| wf[(i % w.rows()) * cols + j].abs() as f64)
+                .sum();
+            let tol = act_err * 2.0 * wabs + 1e-4 * scale[i] + 1e-5;
+            prop_assert!(
+                (got[i] as f64 - exact[i]).abs() <= tol,
+                "{}: element {} is {}, exact {} (tolerance {})",
+                w.name,
+                i,
+                got[i],
+                exact[i],
+                tol
+            );
+        }
+    }
+    Ok(())
+}
+
+fn embed_case(
+    be: &dyn Backend,
+    ty: GgmlType,
+    rows: usize,
+    blocks: usize,
+    n: usize,
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let cols = 256 * blocks;
+    let table = weight(ty, rows, cols, seed);
+    let ids: Vec<u32> = values(seed + 1, n, 1.0)
+        .iter()
+        .map(|v| ((v.abs() * rows as f32) as usize).min(rows - 1) as u32)
+        .collect();
+    let mut got = vec![f32::NAN; n * cols];
+    be.embed(&table, &ids, &mut got).unwrap();
+    let wf = dequantized(&table);
+    let want: Vec<f32> = ids
+        .iter()
+        .flat_map(|&id| wf[id as usize * cols..(id as usize + 1) * cols].to_vec())
+        .collect();
+    // Dequantization is exact arithmetic on both sides: bit-identical.
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        prop_assert!(
+            g.to_bits() == w.to_bits(),
+            "{}: element {} is {} not {}",
+            table.name,
+            i,
+            g,
+            w
+        );
+    }
+    let bad = [rows as u32];
+    let mut out = vec![0.0; cols];
+    prop_assert!(be.embed(&table, &bad, &mut out).is_err());
+    Ok(())
+}
+
+fn rms_norm_case(be: &dyn Backend, rows: usize, n: usize, seed: u64) -> Result<(), TestCaseError> {
+    let x = values(seed, rows * n, 3.0);
+    let scale = values(seed + 1, n, 1.5);
+    let mut got = vec![f32::NAN; rows * n];
+    let mut want = vec![f32::NAN; rows * n];
+    be.rms_norm(&x, &scale, 1e-5, &mut got);
+    reference().rms_norm(&x, &scale, 1e-5, &mut want);
+    let mag: Vec<f64> = want.iter().map(|v| v.abs() as f64 + 1e-3).collect();
+    check_close("rms_norm", &got, &want, &mag, 1e-5)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rope_case(
+    be: &dyn Backend,
+    neox: bool,
+    n: usize,
+    heads: usize,
+    half_dim: usize,
+    partial: bool,
+    start: u32,
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let head_dim = 2 * half_dim;
+    let rope = Rope {
+        style: if neox {
+            RopeStyle::Neox
+        } else {
+            RopeStyle::Normal
+        },
+        n_dims: if partial {
+            head_dim / 2 * 2 / 2
+        } else {
+            head_dim
+        },
+        freq_base: 10000.0,
+    };
+    let positions: Vec<u32> = (0..n as u32).map(|i| start + 3 * i).collect();
+    let x = values(seed, n * heads * head_dim, 2.0);
+    let mut got = x.clone();
+    let mut want = x.clone();
+    be.rope(&mut got, &positions, heads, head_dim, &rope);
+    reference().rope(&mut want, &positions, heads, head_dim, &rope);
+    // Both rotate by the same host-computed factors: only fused multiply-adds differ.
+    let mag: Vec<f64> = x.iter().map(|_| 4.0).collect();
+    check_close("rope", &got, &want, &mag, 1e-6)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_case(
+    be: &dyn Backend,
+    n_kv_heads: usize,
+    group: usize,
+    head_dim: usize,
+    cached: usize,
+    n: usize,
+    split: usize,
+    half: bool,
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let shape = AttentionShape {
+        n_heads: n_kv_heads * group,
+        n_kv_heads,
+        head_dim,
+    };
+    let total = cached + n;
+    let kv_dim = n_kv_heads * head_dim;
+    let keys = values(seed, total * kv_dim, 1.0);
+    let vals = values(seed + 1, total * kv_dim, 1.0);
+    let positions: Vec<u32> = (0..total as u32).collect();
+    let q = values(seed + 2, n * shape.n_heads * head_dim, 2.0);
+    let q_pos = &positions[cached..];
+    let keys16: Vec<f16> = keys.iter().map(|&v| f16::from_f32(v)).collect();
+    let vals16: Vec<f16> = vals.iter().map(|&v| f16::from_f32(v)).collect();
+    let rows = |f: &'static str, r: std::ops::Range<usize>| -> KvRows<'_> {
+        let (a, b) = if f == "k" {
+            (&keys, &keys16)
+        } else {
+            (&vals, &vals16)
+        };
+        if half {
+            KvRows::F16(&b[r])
+        } else {
+            KvRows::F32(&a[r])
+        }
+    };
+    // Two segments, as a ring buffer presents its live region.
+    let cut = split.min(total);
+    let view = KvView {
+        segments: vec![
+            KvSegment {
+                keys: rows("k", 0..cut * kv_dim),
+                values: rows("v", 0..cut * kv_dim),
+                positions: &positions[..cut],
+            },
+            KvSegment {
+                keys: rows("k", cut * kv_dim..total * kv_dim),
+                values: rows("v", cut * kv_dim..total * kv_dim),
+                positions: &positions[cut..],
+            },
+        ],
+    };
+    let mut got = vec![f32::NAN; q.len()];
+    let mut want = vec![f32::NAN; q.len()];
+    be.attention(&q, q_pos, &view, &shape, &mut got);
+    reference().attention(&q, q_pos, &view, &shape, &mut want);
+    // An f32 cache: float order only. An f16 cache: the CPU backend follows llama.cpp
+    // and rounds the query and its running sums to f16 at every key (the GPU keeps f32
+    // sums over the same f16 keys and values), so about 2^-11 per key, relative.
+    let tolerance = if half { 5e-3 } else { 1e-5 };
+    let mag: Vec<f64> = want.iter().map(|_| 1.0).collect();
+    check_close("attention", &got, &want, &mag, tolerance)
+}
+
+fn elementwise_case(
+    be: &dyn Backend,
+    rows: usize,
+    n: usize,
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let len = rows * n;
+    let a = values(seed, len, 4.0);
+    let b = values(seed + 1, len, 4.0);
+    let bias = values(seed + 2, n, 1.0);
+    let mag: Vec<f64> = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x * y).abs() as f64 + 1.0)
+        .collect();
+
+    let mut got = vec![f32::NAN; len];
+    let mut want = vec![f32::NAN; len];
+    be.swiglu(&a, &b, &mut got);
+    reference().swiglu(&a, &b, &mut want);
+    check_close("swiglu", &got, &want, &mag, 1e-6)?;
+
+    let mut got = a.clone();
+    be.add_assign(&mut got, &b);
+    let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+    prop_assert_eq!(&got, &want);
+
+    let mut got = a.clone();
+    be.add_bias(&mut got, &bias);
+    let want: Vec<f32> = a.iter().enumerate().map(|(i, x)| x + bias[i % n]).collect();
+    prop_assert_eq!(&got, &want);
+    Ok(())
+}
+
+fn weight_type() -> impl Strategy<Value = GgmlType> {
+    proptest::sample::select(WEIGHT_TYPES.to_vec())
+}
+
+/// The suite, for one backend: `$make` returns it, or `None` to skip.
+macro_rules! backend_suite {
+    ($name:ident, $make:expr) => {
+        mod $name {
+            use super::*;
+
+            proptest! {
+                #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+
+                #[test]
+                fn matmul_matches_the_reference(
+                    ty in weight_type(),
+                    other in weight_type(),
+                    rows in 1usize..20,
+                    blocks in 1usize..3,
+                    n in 1usize..5,
+                    seed in any::<u64>(),
+                ) {
+                    let Some(be) = $make() else { return Ok(()) };
+                    matmul_case(be.as_ref(), ty, other, rows, blocks, n, seed)?;
+                }
+
+                #[test]
+                fn embed_dequantizes_rows_exactly(
+                    ty in weight_type(),
+                    rows in 1usize..40,
+                    blocks in 1usize..3,
+                    n in 1usize..6,
+                    seed in any::<u64>(),
+                ) {
+                    let Some(be) = $make() else { return Ok(()) };
+                    embed_case(be.as_ref(), ty, rows, blocks, n, seed)?;
+                }
+
+                #[test]
+                fn rms_norm_matches_the_reference(
+                    rows in 1usize..6,
+                    n in 1usize..300,
+                    seed in any::<u64>(),
+                ) {
+                    let Some(be) = $make() else { return Ok(()) };
+                    rms_norm_case(be.as_ref(), rows, n, seed)?;
+                }
+
+                #[test]
+                fn rope_matches_the_reference(
+                    neox in any::<bool>(),
+                    n in 1usize..5,
+                    heads in 1usize..5,
+                    half_dim in 1usize..40,
+                    partial in any::<bool>(),
+                    start in 0u32..2000,
+                    seed in any::<u64>(),
+                ) {
+                    let Some(be) = $make() else { return Ok(()) };
+                    rope_case(be.as_ref(), neox, n, heads, half_dim, partial, start, seed)?;
+                }
+
+                #[test]
+                fn attention_matches_the_reference(
+                    n_kv_heads in 1usize..4,
+                    group in 1usize..4,
+                    head_dim in 1usize..80,
+                    cached in 0usize..40,
+                    n in 1usize..5,
+                    split in 0usize..50,
+                    half in any::<bool>(),
+                    seed in any::<u64>(),
+                ) {
+                    let Some(be) = $make() else { return Ok(()) };
+                    attention_case(be.as_ref(), n_kv_heads, group, head_dim, cached, n, split, half, seed)?;
+                }
+
+                #[test]
+                fn elementwise_ops_match_the_reference(
+                    rows in 1usize..5,
+                    n in 1usize..200,
+                    seed in any::<u64>(),
+                ) {
+                    let Some(be) = $make() else { return Ok(()) };
+                    elementwise_case(be.as_ref(), rows, n, seed)?;
+                }
+            }
+        }
+    };
+}
+
+backend_suite!(cpu_backend, cpu);
+backend_suite!(wgpu_backend, wgpu);
+
+/// Weights larger than one binding allows are split by rows; the split backend gives
+/// the same products and embeddings as the unsplit one.
+#[test]
+fn weights_split_across_bindings_give_the_same_results() {
+    let Some(ctx) = gpu_context() else { return };
+    let whole = WgpuBackend::new(ctx.clone());
+    // Three rows of Q4_1 (160 bytes each at 256 columns) per chunk.
+    let split = WgpuBackend::with_chunk_limit(ctx, 3 * 160 + 10);
+    let w = weight(GgmlType::Q4_1, 11, 256, 7);
+    let x = values(8, 2 * 256, 1.0);
+    let mut a = vec![f32::NAN; 22];
+    let mut b = vec![f32::NAN; 22];
+    for (be, out) in [(&whole, &mut a), (&split, &mut b)] {
+        be.matmul(
+            &x,
+            2,
+            &mut [MatmulJob {
+                weight: &w,
+                out: &mut *out,
+            }],
+        )
+        .unwrap();
+    }
+    assert_eq!(a, b);
+    let ids = [0u32, 10, 4, 3];
+    let mut ea = vec![f32::NAN; 4 * 256];
+    let mut eb = vec![f32::NAN; 4 * 256];
+    whole.embed(&w, &ids, &mut ea).unwrap();
+    split.embed(&w, &ids, &mut eb).unwrap();
+    assert_eq!(ea, eb);
+}
+
+/// A weight type without a GPU kernel is an error naming the tensor, not a panic.
+#[test]
+fn an_activation_type_as_weight_is_a_named_error() {
+    let Some(be) = wgpu() else { return };
+    let w = Weight {
+        name: "blk.0.odd.weight".into(),
+        ty: GgmlType::Q8_K,
+        dims: vec![256, 1],
+        bytes: WeightBytes::from_vec(vec![0; GgmlType::Q8_K.block_bytes()]),
+    };
+    let mut out = vec![0.0; 1];
+    let err = be
+        .matmul(
+            &[0.0; 256],
+            1,
+            &mut [MatmulJob {
+                weight: &w,
+                out: &mut out,
+            }],
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("blk.0.odd.weight"), "{err}");
+}
