@@ -5,9 +5,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use ballast_runtime::backend::OpTimesSnapshot;
+use ballast_runtime::backend::PassReport;
 use ballast_runtime::gguf::GgufFile;
+use ballast_runtime::gpu::DeviceChoice;
 use ballast_runtime::memory::peak_rss_kib;
-use ballast_runtime::{Backend, CpuBackend, Model, Session};
+use ballast_runtime::{Model, Session};
 use clap::Args;
 use serde_json::json;
 
@@ -40,6 +42,11 @@ pub struct BenchArgs {
     pub json: bool,
     #[command(flatten)]
     pub store: StoreArgs,
+    /// Where to compute: cpu, gpu or auto (see `ballast run --help`). On a GPU the
+    /// thread count only matters to the host side, and the bench also reports device
+    /// memory, bytes moved per decoded token and time per kernel.
+    #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
+    pub device: DeviceChoice,
 }
 
 struct TestResult {
@@ -122,8 +129,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
     // One spinner line on stderr while the tests run; stdout holds only the results.
     let progress = indicatif::ProgressBar::new_spinner();
     progress.enable_steady_tick(std::time::Duration::from_millis(120));
+    let mut device_report: Option<(PassReport, PassReport, u64)> = None;
     for &t in &threads {
-        let backend = Arc::new(CpuBackend::new(t));
+        let backend = common::backend(args.device, t)?;
+        let on_device = backend.device_forward().is_some();
         let ctx = args.n_prompt.max(args.n_gen) + 1;
         let built = tiered::build(
             &file,
@@ -185,7 +194,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 backend.op_times().reset();
                 let start = Instant::now();
                 for &id in &tokens {
-                    session.feed(&[id])?;
+                    if on_device {
+                        // Greedy decode reads back one id per token, as `run` does.
+                        session.feed_greedy(&[id])?;
+                    } else {
+                        session.feed(&[id])?;
+                    }
                 }
                 let elapsed = start.elapsed();
                 wall += elapsed;
@@ -244,6 +258,25 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 }),
             });
         }
+        if on_device {
+            // One more decoded token at the end of a full context of n_gen tokens, to
+            // read what the backend counted, then the same token profiled per kernel.
+            let tokens = prompt_tokens(args.n_gen.max(1), vocab);
+            session.rewind(0);
+            if tokens.len() > 1 {
+                session.feed(&tokens[..tokens.len() - 1])?;
+            }
+            let at = session.tokens().len();
+            session.feed_greedy(&tokens[tokens.len() - 1..])?;
+            let plain = backend.last_pass().unwrap_or_default();
+            session.rewind(at);
+            backend.set_profiling(true);
+            session.feed_greedy(&tokens[tokens.len() - 1..])?;
+            backend.set_profiling(false);
+            let profiled = backend.last_pass().unwrap_or_default();
+            let peak = backend.device_bytes().map_or(0, |b| b.1);
+            device_report = Some((plain, profiled, peak));
+        }
     }
     let model_name = path
         .file_name()
@@ -286,6 +319,33 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 }
             }
             println!("{obj}");
+        }
+        if let Some((plain, profiled, peak)) = &device_report {
+            let kernels: Vec<_> = profiled
+                .kernels
+                .iter()
+                .map(|k| json!({"kernel": k.name, "dispatches": k.count, "ms": k.nanos / 1e6}))
+                .collect();
+            println!(
+                "{}",
+                json!({
+                    "backend": backend_name,
+                    "peak_device_bytes": peak,
+                    "decode_token": {
+                        "context_tokens": plain.tokens + args.n_gen.max(1) - 1,
+                        "submissions": plain.submissions,
+                        "dispatches": plain.dispatches,
+                        "bytes_moved": plain.bytes_moved(),
+                        "weight_bytes_read": plain.weight_bytes_read,
+                        "kv_bytes_read": plain.kv_bytes_read,
+                        "activation_bytes_read": plain.activation_bytes_read,
+                        "bytes_written": plain.bytes_written,
+                        "bytes_read_back": plain.bytes_read_back,
+                    },
+                    "timestamps": profiled.timestamps,
+                    "kernels": kernels,
+                })
+            );
         }
         return Ok(());
     }
@@ -364,6 +424,48 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(kib) = peak_rss_kib() {
         println!("peak resident memory: {}", human_bytes(kib * 1024));
     }
+    if let Some((plain, profiled, peak)) = &device_report {
+        print_device_report(plain, profiled, *peak, args.n_gen.max(1));
+    }
     println!("backend: {backend_name}");
     Ok(())
+}
+
+fn print_device_report(plain: &PassReport, profiled: &PassReport, peak: u64, context: usize) {
+    println!(
+        "peak device memory: {} (every buffer the backend allocated)",
+        human_bytes(peak)
+    );
+    println!(
+        "one decoded token at context {context}: {} submission(s), {} dispatches, {} moved \
+         (weights {}, KV {}, activations {}, writes {}), {} read back",
+        plain.submissions,
+        plain.dispatches,
+        human_bytes(plain.bytes_moved()),
+        human_bytes(plain.weight_bytes_read),
+        human_bytes(plain.kv_bytes_read),
+        human_bytes(plain.activation_bytes_read),
+        human_bytes(plain.bytes_written),
+        human_bytes(plain.bytes_read_back),
+    );
+    if !profiled.timestamps {
+        println!("per-kernel timings: this adapter has no timestamp queries");
+        return;
+    }
+    let total: f64 = profiled.kernels.iter().map(|k| k.nanos).sum();
+    println!(
+        "device time per kernel for that token (timestamp queries, {:.3} ms in all):",
+        total / 1e6
+    );
+    let mut kernels = profiled.kernels.clone();
+    kernels.sort_by(|a, b| b.nanos.total_cmp(&a.nanos));
+    for k in kernels {
+        println!(
+            "  {:<10} {:>4} dispatches {:>9.3} ms ({:.0}%)",
+            k.name,
+            k.count,
+            k.nanos / 1e6,
+            100.0 * k.nanos / total.max(1.0)
+        );
+    }
 }

@@ -6,7 +6,10 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use ballast_runtime::gguf::GgufFile;
-use ballast_runtime::{model_cache, CpuBackend, Model, SamplerConfig, Tokenizer};
+use ballast_runtime::gpu::{DeviceChoice, GpuContext};
+use ballast_runtime::{
+    model_cache, Backend, CpuBackend, Model, SamplerConfig, Tokenizer, WgpuBackend,
+};
 use clap::Args;
 
 /// Flags that choose and load a model.
@@ -21,6 +24,10 @@ pub struct ModelArgs {
     /// Read the weights into RAM instead of memory-mapping the file.
     #[arg(long)]
     pub no_mmap: bool,
+    /// Where to compute: cpu, gpu (wgpu: Vulkan, Metal or DX12; a real GPU before a
+    /// software one) or auto (a real GPU, else a software one, else the CPU).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: DeviceChoice,
     #[command(flatten)]
     pub store: crate::tiered::StoreArgs,
 }
@@ -30,6 +37,25 @@ impl ModelArgs {
     pub fn mapped(&self) -> bool {
         !self.no_mmap && self.store.store != crate::tiered::StoreKind::Ram
     }
+}
+
+/// Parses `--device`.
+pub fn parse_device(s: &str) -> std::result::Result<DeviceChoice, String> {
+    s.parse().map_err(|e: ballast_runtime::Error| e.to_string())
+}
+
+/// The backend `device` asks for, computing with `threads` threads on the CPU. With a
+/// GPU, the adapter is named on stderr; `auto` says so when it falls back to the CPU.
+pub fn backend(device: DeviceChoice, threads: usize) -> Result<Arc<dyn Backend>> {
+    let gpu = GpuContext::choose(device, &mut |line| eprintln!("{line}"))
+        .with_context(|| format!("--device {device}"))?;
+    Ok(match gpu {
+        Some(ctx) => {
+            eprintln!("device: {} (wgpu)", ctx.adapter());
+            Arc::new(WgpuBackend::new(ctx))
+        }
+        None => Arc::new(CpuBackend::new(threads)),
+    })
 }
 
 /// Flags of the sampler (llama.cpp's names and defaults).
@@ -118,7 +144,7 @@ pub fn load(args: &ModelArgs, threads: usize, ctx: usize, batch: usize) -> Resul
     );
     let tokenizer = Tokenizer::from_gguf(&file)
         .with_context(|| format!("building the tokenizer of {}", path.display()))?;
-    let backend = Arc::new(CpuBackend::new(threads));
+    let backend = backend(args.device, threads)?;
     let built = crate::tiered::build(
         &file,
         &path,

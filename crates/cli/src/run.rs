@@ -91,9 +91,17 @@ pub fn run(args: RunArgs) -> Result<()> {
         args.ctx
     );
     let backend_name = loaded.model.backend().name();
+    let backend = loaded.model.backend().clone();
     let mut session = Session::new(loaded.model, args.ctx);
     session.set_batch(args.batch);
-    let mut sampler = Sampler::new(args.sampling.config());
+    let config = args.sampling.config();
+    // Plain greedy decoding (no penalty, no log-probabilities to print) on a device
+    // backend takes the argmax there and reads back one id per token.
+    let greedy_on_device = config.temperature <= 0.0
+        && config.repeat_penalty == 1.0
+        && !args.json
+        && session.model().backend().device_forward().is_some();
+    let mut sampler = Sampler::new(config);
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     if !args.json && !args.no_echo {
@@ -131,10 +139,15 @@ pub fn run(args: RunArgs) -> Result<()> {
         if generated == budget {
             break;
         }
-        session.feed(&[next])?;
-        let logits = session.logits();
-        next = sampler.sample(logits, session.tokens());
-        logprob = log_softmax_at(logits, next);
+        if greedy_on_device {
+            // Only the id comes back from the device: no logits, no log-probability.
+            next = session.feed_greedy(&[next])?;
+        } else {
+            session.feed(&[next])?;
+            let logits = session.logits();
+            next = sampler.sample(logits, session.tokens());
+            logprob = log_softmax_at(logits, next);
+        }
     }
     let timings = Timings {
         prompt_tokens: prompt_ids.len(),
@@ -174,6 +187,7 @@ pub fn run(args: RunArgs) -> Result<()> {
                     "stall_ms_per_token": m.stall_per_token.as_secs_f64() * 1e3,
                     "read_ms_per_token": m.read_time_per_token.as_secs_f64() * 1e3,
                 })),
+                "peak_device_bytes": backend.device_bytes().map(|b| b.1),
             }})
         )?;
     } else {
@@ -198,6 +212,9 @@ pub fn run(args: RunArgs) -> Result<()> {
                 m.stall_per_token.as_secs_f64() * 1e3,
                 m.read_time_per_token.as_secs_f64() * 1e3,
             );
+        }
+        if let Some((_, device_peak)) = backend.device_bytes() {
+            eprintln!("peak device memory: {}", common::human_bytes(device_peak));
         }
     }
     Ok(())

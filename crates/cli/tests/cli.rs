@@ -370,3 +370,64 @@ fn a_budget_too_small_for_one_layer_says_how_much_is_needed() {
     let o = ballast(&["run", "-m", model.to_str().unwrap(), "hi", "--ram", "lots"]);
     assert!(stderr(&o).contains("bad size 'lots'"), "{}", stderr(&o));
 }
+
+#[test]
+fn an_unknown_device_is_refused_with_the_choices() {
+    let o = ballast(&["run", "-m", "x.gguf", "hi", "--device", "tpu"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("cpu, gpu or auto"), "{}", stderr(&o));
+}
+
+/// `--device gpu` end to end: `run` names the adapter and device memory, `bench`
+/// reports one submission per decoded token and the bytes it moved. Needs a wgpu
+/// adapter (lavapipe in CI: a missing one fails there, and skips elsewhere).
+#[test]
+fn gpu_run_and_bench_report_the_adapter_and_traffic() {
+    if let Err(e) = ballast_runtime::gpu::GpuContext::new() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI needs a wgpu adapter (install mesa-vulkan-drivers): {e}"
+        );
+        eprintln!("skipped: {e}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let m = model.to_str().unwrap();
+    let o = ballast(&[
+        "run",
+        "-m",
+        m,
+        "Hello",
+        "-n",
+        "6",
+        "--temp",
+        "0",
+        "--ignore-eos",
+        "--device",
+        "gpu",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("device: ") && err.contains("wgpu"), "{err}");
+    assert!(err.contains("generation: 6 tokens"), "{err}");
+    assert!(err.contains("peak device memory"), "{err}");
+
+    let o = ballast(&[
+        "bench", "-m", m, "-p", "8", "-n", "4", "-r", "1", "--json", "--device", "gpu",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let device = rows.last().unwrap();
+    assert!(
+        device["peak_device_bytes"].as_u64().unwrap() > 0,
+        "{device}"
+    );
+    let token = &device["decode_token"];
+    assert_eq!(token["submissions"], 1, "{device}");
+    assert!(token["weight_bytes_read"].as_u64().unwrap() > 0, "{device}");
+    assert!(token["kv_bytes_read"].as_u64().unwrap() > 0, "{device}");
+}
