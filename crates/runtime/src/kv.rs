@@ -47,6 +47,14 @@ impl KvDtype {
     }
 }
 
+/// Elements per scale of [`KvRows::Q8`]: the rows are cut into blocks of this many
+/// consecutive elements (counted from the start of the slice), each with one scale.
+pub const Q8_BLOCK: usize = 32;
+
+/// The position of a slot that holds no token (a masked slot of a cache that reuses
+/// slots in place). Attention skips it, as it skips every position after the query's.
+pub const MASKED_POSITION: u32 = u32::MAX;
+
 /// Cached rows of keys or values, token-major, in their stored element type.
 #[derive(Clone, Copy, Debug)]
 pub enum KvRows<'a> {
@@ -54,6 +62,14 @@ pub enum KvRows<'a> {
     F32(&'a [f32]),
     /// f16 elements.
     F16(&'a [f16]),
+    /// int8 elements, element `i` worth `quants[i] * scales[i / Q8_BLOCK]` (llama.cpp's
+    /// `q8_0` geometry: 34 bytes per 32 elements). The slice starts on a block.
+    Q8 {
+        /// The quantized elements.
+        quants: &'a [i8],
+        /// One scale per [`Q8_BLOCK`] elements.
+        scales: &'a [f16],
+    },
 }
 
 impl KvRows<'_> {
@@ -62,6 +78,7 @@ impl KvRows<'_> {
         match self {
             KvRows::F32(v) => v.len(),
             KvRows::F16(v) => v.len(),
+            KvRows::Q8 { quants, .. } => quants.len(),
         }
     }
 
@@ -75,6 +92,12 @@ impl KvRows<'_> {
         match self {
             KvRows::F32(v) => out.copy_from_slice(&v[start..start + out.len()]),
             KvRows::F16(v) => v[start..start + out.len()].convert_to_f32_slice(out),
+            KvRows::Q8 { quants, scales } => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    let e = start + i;
+                    *o = quants[e] as f32 * scales[e / Q8_BLOCK].to_f32();
+                }
+            }
         }
     }
 }
@@ -87,12 +110,15 @@ pub struct KvSegment<'a> {
     pub keys: KvRows<'a>,
     /// Values, same layout as the keys.
     pub values: KvRows<'a>,
-    /// Position of each token (what RoPE rotated it with).
+    /// Position of each token (what RoPE rotated it with), or [`MASKED_POSITION`] for
+    /// a slot that holds no token.
     pub positions: &'a [u32],
 }
 
 /// The live tokens of one layer, in order, as one or more contiguous segments (a
-/// ring buffer presents its live region as at most two).
+/// ring buffer presents its live region as at most two). A cache that reuses slots in
+/// place may present masked slots ([`MASKED_POSITION`]) and tokens out of order;
+/// attention does not depend on the order beyond f32 rounding.
 #[derive(Clone, Debug, Default)]
 pub struct KvView<'a> {
     /// The segments, oldest tokens first.
@@ -100,9 +126,17 @@ pub struct KvView<'a> {
 }
 
 impl KvView<'_> {
-    /// Number of tokens in the view.
+    /// Number of tokens in the view (masked slots not counted).
     pub fn len(&self) -> usize {
-        self.segments.iter().map(|s| s.positions.len()).sum()
+        self.segments
+            .iter()
+            .map(|s| {
+                s.positions
+                    .iter()
+                    .filter(|&&p| p != MASKED_POSITION)
+                    .count()
+            })
+            .sum()
     }
 
     /// True if no token is cached.
@@ -138,11 +172,58 @@ pub trait KvCache: Send {
     ) -> Result<()>;
     /// The live tokens of `layer`.
     fn view(&self, layer: usize) -> KvView<'_>;
+    /// Appends to `positions`, `keys` and `values` the tokens of `layer` at indices
+    /// `range` (in cache order; clamped to what is cached), keys and values as f32 after
+    /// the storage rounding. The default walks [`KvCache::view`], skipping masked
+    /// slots; a cache whose view is not in cache order overrides it.
+    fn read(
+        &self,
+        layer: usize,
+        range: std::ops::Range<usize>,
+        positions: &mut Vec<u32>,
+        keys: &mut Vec<f32>,
+        values: &mut Vec<f32>,
+    ) {
+        let dim = self.shape().kv_dim();
+        let mut index = 0;
+        for seg in self.view(layer).segments {
+            for (i, &p) in seg.positions.iter().enumerate() {
+                if p == MASKED_POSITION {
+                    continue;
+                }
+                if range.contains(&index) {
+                    positions.push(p);
+                    for (rows, out) in [(&seg.keys, &mut *keys), (&seg.values, &mut *values)] {
+                        let start = out.len();
+                        out.resize(start + dim, 0.0);
+                        rows.read_f32(i * dim, &mut out[start..]);
+                    }
+                }
+                index += 1;
+            }
+        }
+    }
     /// Keep only the first `n_tokens` tokens of every layer (speculative decoding,
     /// regenerating an answer).
     fn rewind(&mut self, n_tokens: usize);
     /// Drop the tokens at indices `range` (in cache order) from every layer.
     fn evict(&mut self, range: std::ops::Range<usize>);
+    /// Replace the keys and positions of the `positions.len()` tokens of `layer` that
+    /// start at index `start` (in cache order); values stay. A policy that moves tokens
+    /// to new positions (re-rotating their keys, as llama.cpp's context shift does)
+    /// writes them back with this. Caches that cannot rewrite say so with an error.
+    fn rewrite_keys(
+        &mut self,
+        layer: usize,
+        start: usize,
+        positions: &[u32],
+        keys: &[f32],
+    ) -> Result<()> {
+        let _ = (layer, start, positions, keys);
+        Err(Error::InvalidArgument {
+            what: "this KV cache cannot rewrite keys in place".into(),
+        })
+    }
     /// Drop everything.
     fn clear(&mut self) {
         self.rewind(0);
@@ -161,6 +242,13 @@ pub trait KvCache: Send {
 /// StreamingLLM (attention sinks plus a recent window) is one such policy. With no
 /// policy the cache only grows until it is full.
 pub trait KvPolicy: Send {
+    /// Runs once at the start of each forward pass, before `n_new` tokens are appended
+    /// to every layer; may evict so that they fit (a bounded cache never grows past its
+    /// capacity). Does nothing by default.
+    fn before_pass(&mut self, cache: &mut dyn KvCache, n_new: usize) -> Result<()> {
+        let _ = (cache, n_new);
+        Ok(())
+    }
     /// Runs after the new tokens of `layer` were appended and before attention reads
     /// `cache`.
     fn before_attention(&mut self, layer: usize, cache: &mut dyn KvCache) -> Result<()>;

@@ -69,7 +69,10 @@ pub mod weights;
 pub use backend::{Backend, CpuBackend, WgpuBackend};
 pub use error::{Error, Result};
 pub use ffn::{DenseFfn, FeedForward};
-pub use kv::{DenseKv, KvCache, KvDtype, KvPolicy};
+pub use kv::{
+    DenseKv, KvCache, KvDtype, KvPolicy, KvRows, KvSegment, KvShape, KvView, MASKED_POSITION,
+    Q8_BLOCK,
+};
 pub use model::{Model, ModelConfig};
 pub use sampler::{Sampler, SamplerConfig};
 pub use session::Session;

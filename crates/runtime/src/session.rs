@@ -153,10 +153,26 @@ impl Session {
         greedy.ok_or(Error::EmptyInput)
     }
 
-    /// Forgets everything after the first `n_tokens` tokens.
+    /// Forgets everything after the first `n_tokens` tokens. The cache drops as many
+    /// of its newest tokens (after an eviction it holds fewer than the history).
     pub fn rewind(&mut self, n_tokens: usize) {
-        self.kv.rewind(n_tokens);
+        let dropped = self.tokens.len().saturating_sub(n_tokens);
+        self.kv.rewind(self.kv.len().saturating_sub(dropped));
         self.tokens.truncate(n_tokens);
+        self.logits.clear();
+    }
+
+    /// The cache, to save or load it. The token history must keep matching it: see
+    /// [`Session::restore`].
+    pub fn kv_mut(&mut self) -> &mut dyn KvCache {
+        self.kv.as_mut()
+    }
+
+    /// Sets the token history and the logits after its last token, after the cache was
+    /// loaded with what a saved session held (resuming without recomputing the prompt).
+    pub fn restore(&mut self, tokens: Vec<u32>, logits: Vec<f32>) {
+        self.tokens = tokens;
+        self.logits = logits;
     }
 }
 

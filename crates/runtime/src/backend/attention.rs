@@ -152,7 +152,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{HeadSlot, STEP};
-    use crate::kv::{KvRows, KvView};
+    use crate::kv::{KvRows, KvView, Q8_BLOCK};
 
     /// Most 16-lane vectors a head holds on this path (head size up to 256).
     pub(super) const MAX_VECS: usize = 16;
@@ -166,6 +166,15 @@ mod x86 {
                 KvRows::F32(v) => _mm512_loadu_ps(v.as_ptr().add(at)),
                 KvRows::F16(v) => {
                     _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at) as *const __m256i))
+                }
+                // Sixteen elements never straddle two scales: heads start on multiples
+                // of 64 on this path, and blocks are 32 long.
+                KvRows::Q8 { quants, scales } => {
+                    let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                        quants.as_ptr().add(at) as *const __m128i
+                    ));
+                    let d = _mm512_set1_ps(scales[at / Q8_BLOCK].to_f32());
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(q), d)
                 }
             }
         }
@@ -261,7 +270,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::KvSegment;
+    use crate::kv::{KvSegment, Q8_BLOCK};
 
     fn lcg(seed: &mut u64) -> f32 {
         *seed = seed
@@ -270,13 +279,41 @@ mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
     }
 
-    /// The dispatched kernel equals the reference bit for bit, for f16 and f32 caches,
+    #[derive(Clone, Copy, Debug)]
+    enum KvDtype {
+        F16,
+        F32,
+        Q8,
+    }
+
+    /// Blocks of 32: scale `amax / 127`, quants rounded to nearest.
+    fn quantize_q8(x: &[f32]) -> (Vec<i8>, Vec<f16>) {
+        let mut q = Vec::with_capacity(x.len());
+        let mut s = Vec::new();
+        for b in x.chunks(Q8_BLOCK) {
+            let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = f16::from_f32(amax / 127.0);
+            let inv = if d.to_f32() == 0.0 {
+                0.0
+            } else {
+                1.0 / d.to_f32()
+            };
+            q.extend(
+                b.iter()
+                    .map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8),
+            );
+            s.push(d);
+        }
+        (q, s)
+    }
+
+    /// The dispatched kernel equals the reference bit for bit, for f16, f32 and int8 caches,
     /// several head sizes, grouped heads and masked (future) positions.
     #[test]
     fn dispatched_kernel_equals_reference() {
         let mut seed = 7u64;
         for hd in [64usize, 128, 48] {
-            for half in [true, false] {
+            for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Q8] {
                 let (n_tok, n_kv) = (37usize, 2usize);
                 let row_len = n_kv * hd;
                 let k: Vec<f32> = (0..n_tok * row_len).map(|_| lcg(&mut seed)).collect();
@@ -287,10 +324,21 @@ mod tests {
                     v.iter().map(|&x| f16::from_f32(x)).collect(),
                 );
                 let positions: Vec<u32> = (0..n_tok as u32).collect();
-                let (keys, values) = if half {
-                    (KvRows::F16(&k16), KvRows::F16(&v16))
-                } else {
-                    (KvRows::F32(&k), KvRows::F32(&v))
+                let (kq, ks) = quantize_q8(&k);
+                let (vq, vs) = quantize_q8(&v);
+                let (keys, values) = match dtype {
+                    KvDtype::F16 => (KvRows::F16(&k16), KvRows::F16(&v16)),
+                    KvDtype::F32 => (KvRows::F32(&k), KvRows::F32(&v)),
+                    KvDtype::Q8 => (
+                        KvRows::Q8 {
+                            quants: &kq,
+                            scales: &ks,
+                        },
+                        KvRows::Q8 {
+                            quants: &vq,
+                            scales: &vs,
+                        },
+                    ),
                 };
                 let view = KvView {
                     segments: vec![KvSegment {
@@ -313,7 +361,7 @@ mod tests {
                     assert_eq!(
                         a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                         b.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                        "head_dim {hd}, f16 {half}"
+                        "head_dim {hd}, {dtype:?}"
                     );
                     assert!(a.iter().all(|x| x.is_finite()));
                 }

@@ -292,6 +292,9 @@ impl Model {
                 why: "the cache's shape is not this model's".into(),
             });
         }
+        if let Some(p) = policy.as_deref_mut() {
+            p.before_pass(kv, n)?;
+        }
         if kv.len() + n > kv.capacity() {
             return Err(Error::ContextFull {
                 needed: kv.len() + n,

@@ -1,0 +1,198 @@
+//! Policies ([`KvPolicy`]): StreamingLLM (attention sinks plus a recent window) and the
+//! plain sliding window (no sinks) it is compared against. No policy at all (`None`)
+//! is the third baseline: the cache grows until it is full, then a clear error.
+
+use std::sync::Arc;
+
+use ballast_runtime::backend::Rope;
+use ballast_runtime::{Backend, Error, KvCache, KvPolicy, Result};
+
+/// Which tokens a bounded cache keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PolicyKind {
+    /// Nothing is evicted; past the capacity the forward pass fails with
+    /// [`Error::ContextFull`].
+    None,
+    /// The most recent `window` tokens.
+    Window {
+        /// Tokens kept.
+        window: usize,
+    },
+    /// StreamingLLM: the first `n_sink` tokens and the most recent `window`.
+    Streaming {
+        /// Attention sinks (the paper uses 4).
+        n_sink: usize,
+        /// Recent tokens (252 for a 256-token cache).
+        window: usize,
+    },
+}
+
+impl PolicyKind {
+    /// Tokens the cache must hold: sinks plus window (`None`: unbounded).
+    pub fn budget(self) -> Option<usize> {
+        match self {
+            PolicyKind::None => None,
+            PolicyKind::Window { window } => Some(window),
+            PolicyKind::Streaming { n_sink, window } => Some(n_sink + window),
+        }
+    }
+}
+
+/// Keeps the first `n_sink` tokens and the most recent `window`, evicting the oldest
+/// tokens after the sinks before each forward pass so that the new ones fit: the cache
+/// never holds more than `n_sink + window` tokens (with `n_sink == 0` this is the plain
+/// sliding window).
+///
+/// **Positions.** As in the paper, attention sees positions inside the cache, not in
+/// the text. Keys are stored after RoPE (the model rotates them with their absolute
+/// position), and RoPE scores depend only on the distance between query and key. The
+/// window is contiguous, so its distances to the query are already the in-cache ones;
+/// only the sinks are wrong after an eviction. This policy re-rotates the sinks'
+/// keys so that they sit just before the window (`w0 - n_sink + i`, where `w0` is the
+/// position of the oldest window token), which gives every query-key pair exactly the
+/// paper's in-cache distance. Cost: `n_sink` key rows per layer per eviction (a
+/// constant, unlike llama.cpp's context shift, which re-rotates the whole window).
+/// Each rotation starts from the sinks' keys as first seen, so rounding does not
+/// accumulate over a long stream. Approximate like every eviction: measured by
+/// perplexity (`ballast perplexity --stream`).
+pub struct StreamingLlm {
+    n_sink: usize,
+    window: usize,
+    rope: Option<(Arc<dyn Backend>, Rope)>,
+    anchors: Vec<Option<SinkAnchor>>,
+    scratch: (Vec<u32>, Vec<f32>, Vec<f32>),
+}
+
+/// The sinks' keys of one layer as first seen, and the positions last written.
+#[derive(Clone, Debug)]
+struct SinkAnchor {
+    positions: Vec<u32>,
+    keys: Vec<f32>,
+    written: Vec<u32>,
+}
+
+impl StreamingLlm {
+    /// Sinks and window. With sinks, [`StreamingLlm::with_rope`] must be given too
+    /// (to re-rotate them).
+    pub fn new(n_sink: usize, window: usize) -> Result<StreamingLlm> {
+        if window == 0 {
+            return Err(Error::InvalidArgument {
+                what: "a KV window must hold at least one token".into(),
+            });
+        }
+        Ok(StreamingLlm {
+            n_sink,
+            window,
+            rope: None,
+            anchors: Vec::new(),
+            scratch: Default::default(),
+        })
+    }
+
+    /// The policy `kind` describes (`None` for [`PolicyKind::None`]), re-rotating
+    /// sinks with `backend` and the model's `rope`.
+    pub fn from_kind(
+        kind: PolicyKind,
+        backend: Arc<dyn Backend>,
+        rope: Rope,
+    ) -> Result<Option<StreamingLlm>> {
+        Ok(match kind {
+            PolicyKind::None => None,
+            PolicyKind::Window { window } => Some(StreamingLlm::new(0, window)?),
+            PolicyKind::Streaming { n_sink, window } => {
+                Some(StreamingLlm::new(n_sink, window)?.with_rope(backend, rope))
+            }
+        })
+    }
+
+    /// Re-rotates the sinks with `backend`'s RoPE and the model's `rope` settings.
+    pub fn with_rope(mut self, backend: Arc<dyn Backend>, rope: Rope) -> StreamingLlm {
+        self.rope = Some((backend, rope));
+        self
+    }
+
+    /// Moves the sinks of every layer next to the window (see the type's docs).
+    fn reanchor_sinks(&mut self, cache: &mut dyn KvCache) -> Result<()> {
+        let shape = cache.shape();
+        let dim = shape.kv_dim();
+        let Some((backend, rope)) = &self.rope else {
+            return Err(Error::InvalidArgument {
+                what: "StreamingLLM with attention sinks needs the model's RoPE to re-rotate them (StreamingLlm::with_rope)".into(),
+            });
+        };
+        self.anchors.resize(shape.n_layers, None);
+        let (positions, keys, values) = &mut self.scratch;
+        for layer in 0..shape.n_layers {
+            positions.clear();
+            keys.clear();
+            values.clear();
+            cache.read(layer, 0..self.n_sink + 1, positions, keys, values);
+            if positions.len() <= self.n_sink {
+                continue;
+            }
+            let w0 = positions[self.n_sink];
+            let Some(base) = w0.checked_sub(self.n_sink as u32) else {
+                continue;
+            };
+            let target: Vec<u32> = (0..self.n_sink as u32).map(|i| base + i).collect();
+            if positions[..self.n_sink] == target[..] {
+                continue;
+            }
+            let anchor = match &self.anchors[layer] {
+                Some(a) if a.written[..] == positions[..self.n_sink] => a.clone(),
+                _ => SinkAnchor {
+                    positions: positions[..self.n_sink].to_vec(),
+                    keys: keys[..self.n_sink * dim].to_vec(),
+                    written: positions[..self.n_sink].to_vec(),
+                },
+            };
+            let mut rotated = anchor.keys.clone();
+            for (i, row) in rotated.chunks_exact_mut(dim).enumerate() {
+                let delta = target[i].checked_sub(anchor.positions[i]).ok_or_else(|| {
+                    Error::InvalidArgument {
+                        what: format!(
+                            "attention sink {i} of layer {layer} would move back from position {} to {}",
+                            anchor.positions[i], target[i]
+                        ),
+                    }
+                })?;
+                backend.rope(row, &[delta], shape.n_kv_heads, shape.head_dim, rope);
+            }
+            cache.rewrite_keys(layer, 0, &target, &rotated)?;
+            self.anchors[layer] = Some(SinkAnchor {
+                written: target,
+                ..anchor
+            });
+        }
+        Ok(())
+    }
+}
+
+impl KvPolicy for StreamingLlm {
+    fn before_pass(&mut self, cache: &mut dyn KvCache, n_new: usize) -> Result<()> {
+        let budget = self.n_sink + self.window;
+        let len = cache.len();
+        if len + n_new <= budget {
+            return Ok(());
+        }
+        if n_new > self.window {
+            return Err(Error::InvalidArgument {
+                what: format!(
+                    "a forward pass of {n_new} tokens does not fit a KV window of {} tokens (lower the batch size)",
+                    self.window
+                ),
+            });
+        }
+        let excess = len + n_new - budget;
+        let sinks = self.n_sink.min(len);
+        cache.evict(sinks..sinks + excess);
+        if self.n_sink > 0 {
+            self.reanchor_sinks(cache)?;
+        }
+        Ok(())
+    }
+
+    fn before_attention(&mut self, _layer: usize, _cache: &mut dyn KvCache) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,128 @@
+//! StreamingLLM's positions: after any number of evictions, attention over the
+//! streamed cache equals attention over the same tokens placed at in-cache positions
+//! `0..n` from scratch (the paper's definition), for sinks and for the plain window.
+
+use std::sync::Arc;
+
+use ballast_kv_cache::{new_cache, Precision, StreamingLlm, UpdateMode};
+use ballast_runtime::backend::{AttentionShape, Rope, RopeStyle};
+use ballast_runtime::{Backend, CpuBackend, DenseKv, KvCache, KvDtype, KvPolicy, KvShape};
+
+const SHAPE: KvShape = KvShape {
+    n_layers: 2,
+    n_kv_heads: 1,
+    head_dim: 32,
+};
+
+fn rope() -> Rope {
+    Rope {
+        style: RopeStyle::Normal,
+        n_dims: 32,
+        freq_base: 10000.0,
+    }
+}
+
+fn raw(t: usize, salt: usize) -> Vec<f32> {
+    (0..32)
+        .map(|e| (((t * 131 + e * 17 + salt * 7) % 101) as f32 / 29.0 - 1.7).sin())
+        .collect()
+}
+
+fn rotated(backend: &CpuBackend, x: &[f32], pos: u32) -> Vec<f32> {
+    let mut y = x.to_vec();
+    backend.rope(&mut y, &[pos], 1, 32, &rope());
+    y
+}
+
+fn attend(
+    backend: &CpuBackend,
+    cache: &dyn KvCache,
+    layer: usize,
+    q: &[f32],
+    pos: u32,
+) -> Vec<f32> {
+    let shape = AttentionShape {
+        n_heads: 1,
+        n_kv_heads: 1,
+        head_dim: 32,
+    };
+    let mut out = vec![0f32; 32];
+    backend.attention(q, &[pos], &cache.view(layer), &shape, &mut out);
+    out
+}
+
+#[test]
+fn streamed_attention_equals_in_cache_positions() {
+    let backend = Arc::new(CpuBackend::new(1));
+    let n_tokens = 40;
+    for (n_sink, window) in [(2usize, 6usize), (0, 8), (4, 5)] {
+        for mode in UpdateMode::ALL {
+            let mut cache = new_cache(mode, SHAPE, n_sink + window, Precision::F32).unwrap();
+            let mut policy = StreamingLlm::new(n_sink, window)
+                .unwrap()
+                .with_rope(backend.clone(), rope());
+            for t in 0..n_tokens {
+                policy.before_pass(cache.as_mut(), 1).unwrap();
+                for layer in 0..SHAPE.n_layers {
+                    let k = rotated(&backend, &raw(t, layer), t as u32);
+                    cache
+                        .append(layer, &[t as u32], &k, &raw(t, layer + 9))
+                        .unwrap();
+                }
+            }
+            assert_eq!(cache.len(), n_sink + window);
+            // The paper's cache: sinks then the window, at positions 0..n from scratch.
+            let kept: Vec<usize> = (0..n_sink).chain(n_tokens - window..n_tokens).collect();
+            let mut fresh = DenseKv::with_dtype(SHAPE, kept.len(), KvDtype::F32);
+            for layer in 0..SHAPE.n_layers {
+                for (i, &t) in kept.iter().enumerate() {
+                    let k = rotated(&backend, &raw(t, layer), i as u32);
+                    fresh
+                        .append(layer, &[i as u32], &k, &raw(t, layer + 9))
+                        .unwrap();
+                }
+            }
+            let q = raw(999, 3);
+            for layer in 0..SHAPE.n_layers {
+                let last = (n_tokens - 1) as u32;
+                let got = attend(
+                    &backend,
+                    cache.as_ref(),
+                    layer,
+                    &rotated(&backend, &q, last),
+                    last,
+                );
+                let in_cache = (kept.len() - 1) as u32;
+                let want = attend(
+                    &backend,
+                    &fresh,
+                    layer,
+                    &rotated(&backend, &q, in_cache),
+                    in_cache,
+                );
+                for (a, b) in got.iter().zip(&want) {
+                    assert!(
+                        (a - b).abs() < 1e-4,
+                        "sinks {n_sink}, window {window}, {mode:?}, layer {layer}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Without a policy a bounded cache fills, then the forward pass gets a clear error;
+/// a pass bigger than the window is refused with a message naming the batch.
+#[test]
+fn no_policy_fills_then_errors_and_big_chunks_are_refused() {
+    let mut cache = new_cache(UpdateMode::PointerShift, SHAPE, 4, Precision::F16).unwrap();
+    let row = vec![0.5f32; 32];
+    for t in 0..4u32 {
+        cache.append(0, &[t], &row, &row).unwrap();
+    }
+    let err = cache.append(0, &[4], &row, &row).unwrap_err();
+    assert!(err.to_string().contains("4"), "{err}");
+    let mut policy = StreamingLlm::new(4, 8).unwrap();
+    let err = policy.before_pass(cache.as_mut(), 64).unwrap_err();
+    assert!(err.to_string().contains("batch"), "{err}");
+}
