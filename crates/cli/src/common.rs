@@ -5,10 +5,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use ballast_kv_cache::{new_cache, PolicyKind, Precision, StreamingLlm, UpdateMode};
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::gpu::{DeviceChoice, GpuContext};
 use ballast_runtime::{
-    model_cache, Backend, CpuBackend, Model, SamplerConfig, Tokenizer, WgpuBackend,
+    model_cache, Backend, CpuBackend, KvCache, KvPolicy, Model, SamplerConfig, Tokenizer,
+    WgpuBackend,
 };
 use clap::Args;
 
@@ -176,5 +178,61 @@ pub fn human_bytes(n: u64) -> String {
         format!("{n} B")
     } else {
         format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// A KV cache and the policy that may evict from it.
+pub type CacheAndPolicy = (Box<dyn KvCache>, Option<Box<dyn KvPolicy>>);
+
+/// Flags that choose the KV cache: update mode, precision, eviction policy.
+#[derive(Args, Clone, Debug)]
+pub struct KvArgs {
+    /// How the cache updates: `ring` (pointer shift: eviction moves an offset),
+    /// `shift` (shift-concat: eviction memmoves the kept tokens), `mask` (smart mask:
+    /// evicted slots are masked and reused).
+    #[arg(long = "kv-mode", default_value = "ring")]
+    pub mode: UpdateMode,
+    /// Element type of cached keys and values: f32, f16 (llama.cpp's default) or q8
+    /// (int8 with an f16 scale per 32 values; approximate).
+    #[arg(long = "kv-dtype", default_value = "f16")]
+    pub dtype: Precision,
+    /// What to evict: `none` (the cache grows to the context, then an error),
+    /// `window` (the most recent --window tokens), `streaming` (StreamingLLM: --sink
+    /// first tokens plus the most recent --window).
+    #[arg(long = "kv-policy", default_value = "none", value_parser = ["none", "window", "streaming"])]
+    pub policy: String,
+    /// Attention sinks kept by `--kv-policy streaming`.
+    #[arg(long, default_value_t = 4)]
+    pub sink: usize,
+    /// Recent tokens kept by `--kv-policy window|streaming`. Default: the context
+    /// minus the sinks.
+    #[arg(long)]
+    pub window: Option<usize>,
+}
+
+impl KvArgs {
+    /// The policy these flags describe, for a context of `ctx` tokens.
+    pub fn kind(&self, ctx: usize) -> PolicyKind {
+        match self.policy.as_str() {
+            "window" => PolicyKind::Window {
+                window: self.window.unwrap_or(ctx),
+            },
+            "streaming" => PolicyKind::Streaming {
+                n_sink: self.sink,
+                window: self.window.unwrap_or(ctx.saturating_sub(self.sink)),
+            },
+            _ => PolicyKind::None,
+        }
+    }
+
+    /// A cache and a policy for `model`: with a policy the cache holds exactly its
+    /// budget (sinks plus window), without one `ctx` tokens.
+    pub fn build(&self, model: &Model, ctx: usize) -> Result<CacheAndPolicy> {
+        let kind = self.kind(ctx);
+        let capacity = kind.budget().unwrap_or(ctx);
+        let cache = new_cache(self.mode, model.kv_shape(), capacity, self.dtype)?;
+        let policy = StreamingLlm::from_kind(kind, model.backend().clone(), model.config().rope)?
+            .map(|p| Box::new(p) as Box<dyn KvPolicy>);
+        Ok((cache, policy))
     }
 }

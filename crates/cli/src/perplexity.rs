@@ -7,7 +7,7 @@ use ballast_runtime::session::perplexity;
 use clap::Args;
 use serde_json::json;
 
-use crate::common::{self, ModelArgs};
+use crate::common::{self, human_bytes, KvArgs, ModelArgs};
 
 /// Flags of `ballast perplexity`.
 #[derive(Args, Debug)]
@@ -26,6 +26,132 @@ pub struct PerplexityArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Read the text as one stream, token by token, through the KV cache and policy
+    /// of the --kv-* flags (StreamingLLM's evaluation), instead of llama-perplexity's
+    /// independent windows. Without a policy the cache holds -c tokens.
+    #[arg(long)]
+    pub stream: bool,
+    /// With --stream: the paper's slow oracle instead of a cache, a sliding window of
+    /// --window tokens (plus --sink, to compare with StreamingLLM's budget) recomputed
+    /// from scratch for every scored token.
+    #[arg(long, requires = "stream")]
+    pub recompute: bool,
+    /// With --stream: use only the first N tokens of the text.
+    #[arg(long, requires = "stream")]
+    pub limit: Option<usize>,
+    /// With --stream: score predictions from this token index on (default 0).
+    #[arg(long, requires = "stream", default_value_t = 0)]
+    pub score_from: usize,
+    /// With --stream: score predictions before this token index (default: all).
+    #[arg(long, requires = "stream")]
+    pub score_to: Option<usize>,
+    #[command(flatten)]
+    pub kv: KvArgs,
+}
+
+fn run_stream(args: &PerplexityArgs, loaded: &mut common::Loaded, text: &str) -> Result<()> {
+    let mut tokens = loaded.tokenizer.encode(text, true, false)?;
+    if let Some(limit) = args.limit {
+        tokens.truncate(limit);
+    }
+    anyhow::ensure!(tokens.len() >= 2, "the text has fewer than two tokens");
+    let predictions = tokens.len() - 1;
+    let to = args.score_to.unwrap_or(predictions).min(predictions);
+    anyhow::ensure!(
+        args.score_from < to,
+        "nothing to score: --score-from {} is not below {to}",
+        args.score_from
+    );
+    let bar = indicatif::ProgressBar::new(predictions as u64);
+    if args.json {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let kind = args.kv.kind(args.ctx);
+    let label;
+    let (nll, held, moved, seconds);
+    if args.recompute {
+        let window = kind.budget().unwrap_or(args.ctx);
+        label = format!("sliding window of {window} with re-computation");
+        bar.set_length((to - args.score_from) as u64);
+        let start = std::time::Instant::now();
+        let scored = ballast_kv_cache::recompute_perplexity(
+            &mut loaded.model,
+            &tokens,
+            window,
+            args.score_from..to,
+            args.batch,
+            |done, _| bar.set_position(done as u64),
+        )?;
+        seconds = start.elapsed().as_secs_f64();
+        nll = {
+            let mut v = vec![0.0; args.score_from];
+            v.extend(scored);
+            v
+        };
+        held = Vec::new();
+        moved = Vec::new();
+    } else {
+        let (mut cache, mut policy) = args.kv.build(&loaded.model, args.ctx)?;
+        label = format!(
+            "{} policy, {} cache, {} keys and values, capacity {}",
+            args.kv.policy,
+            args.kv.mode.name(),
+            args.kv.dtype.name(),
+            cache.capacity()
+        );
+        let report = ballast_kv_cache::stream_perplexity(
+            &mut loaded.model,
+            &tokens,
+            cache.as_mut(),
+            policy
+                .as_deref_mut()
+                .map(|p| p as &mut dyn ballast_runtime::KvPolicy),
+            |done, _| bar.set_position(done as u64),
+        )
+        .with_context(|| format!("streaming the text through a {label}"))?;
+        seconds = report.elapsed.as_secs_f64();
+        nll = report.nll;
+        held = report.held_bytes;
+        moved = report.moved_bytes;
+    }
+    bar.finish_and_clear();
+    let ppl = ballast_kv_cache::perplexity_of(&nll, args.score_from..to);
+    // KV bytes held after 1x, 2x, 4x ... the cache size, to show they stop growing.
+    let cap = kind.budget().unwrap_or(args.ctx);
+    let marks: Vec<(usize, u64)> = (0..)
+        .map(|i| cap << i)
+        .take_while(|&n| n <= held.len())
+        .map(|n| (n, held[n - 1]))
+        .chain(held.last().map(|&b| (held.len(), b)))
+        .collect();
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "file": args.file, "mode": "stream", "setup": label,
+                "perplexity": ppl, "score_from": args.score_from, "score_to": to,
+                "text_tokens": tokens.len(), "seconds": seconds,
+                "kv_bytes_held": marks, "kv_bytes_moved": moved.last(),
+            })
+        );
+    } else {
+        println!(
+            "perplexity {ppl:.4} over predictions {}..{to} of {} tokens read as one stream ({label}), {seconds:.1} s",
+            args.score_from,
+            tokens.len(),
+        );
+        if !marks.is_empty() {
+            let shown: Vec<String> = marks
+                .iter()
+                .map(|(n, b)| format!("{} after {n} tokens", human_bytes(*b)))
+                .collect();
+            println!("KV bytes held: {}", shown.join(", "));
+        }
+        if let Some(m) = moved.last() {
+            println!("KV bytes moved in all: {}", human_bytes(*m));
+        }
+    }
+    Ok(())
 }
 
 pub fn run(args: PerplexityArgs) -> Result<()> {
@@ -33,6 +159,9 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;
     let mut loaded = common::load(&args.model, threads, args.ctx, args.batch)?;
+    if args.stream {
+        return run_stream(&args, &mut loaded, &text);
+    }
     let mut tokens = loaded.tokenizer.encode(&text, false, false)?;
     // llama-perplexity starts every window with BOS when the model adds one.
     let bos = loaded

@@ -4,6 +4,7 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use ballast_kv_cache::{load_session, model_fingerprint, save_session, SessionMeta};
 use ballast_runtime::memory::peak_rss_kib;
 use ballast_runtime::sampler::log_softmax_at;
 use ballast_runtime::tokenizer::StreamDecoder;
@@ -11,7 +12,7 @@ use ballast_runtime::{Sampler, Session};
 use clap::Args;
 use serde_json::json;
 
-use crate::common::{self, ModelArgs, SamplingArgs};
+use crate::common::{self, KvArgs, ModelArgs, SamplingArgs};
 
 /// Flags of `ballast run`.
 #[derive(Args, Debug)]
@@ -42,6 +43,15 @@ pub struct RunArgs {
     /// logprob), then one with the timings.
     #[arg(long)]
     pub json: bool,
+    /// Session file: if it exists, resume from it (its cache, tokens and logits; the
+    /// prompt, which may then be empty, is appended without recomputing what came
+    /// before), and save the whole conversation to it at the end (atomically). A file
+    /// from another model, a corrupted or truncated one, or one with another
+    /// --kv-dtype is refused with an error naming the cause.
+    #[arg(long)]
+    pub session: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub kv: KvArgs,
 }
 
 /// Speeds and memory of one generation.
@@ -80,26 +90,44 @@ pub fn run(args: RunArgs) -> Result<()> {
     let loaded = common::load(&args.model, threads, args.ctx, args.batch)?;
     let tiered = loaded.tiered;
     let tokenizer = loaded.tokenizer;
+    let meta = SessionMeta {
+        fingerprint: model_fingerprint(&loaded.file),
+        precision: args.kv.dtype,
+        mode: args.kv.mode,
+    };
+    let backend_name = loaded.model.backend().name();
+    let (cache, policy) = args.kv.build(&loaded.model, args.ctx)?;
+    let mut session = Session::with_cache(loaded.model, cache, policy);
+    session.set_batch(args.batch);
+    if let Some(path) = args.session.as_deref().filter(|p| p.exists()) {
+        let saved = load_session(path, meta, session.kv_mut())
+            .with_context(|| format!("resuming the session {}", path.display()))?;
+        session.restore(saved.tokens, saved.logits);
+    }
+    let resumed = !session.tokens().is_empty();
     let prompt_ids = tokenizer
-        .encode(&args.prompt, true, true)
+        .encode(&args.prompt, !resumed, true)
         .context("tokenizing the prompt")?;
-    anyhow::ensure!(!prompt_ids.is_empty(), "the prompt is empty");
+    anyhow::ensure!(!prompt_ids.is_empty() || resumed, "the prompt is empty");
+    let has_policy = args.kv.policy != "none";
+    let used = session.kv().len() + prompt_ids.len();
     anyhow::ensure!(
-        prompt_ids.len() < args.ctx,
-        "the prompt is {} tokens, which does not fit the context of {} (raise -c)",
+        has_policy || used < args.ctx,
+        "the prompt is {} tokens, which with the {} cached does not fit the context of {} (raise -c, or evict with --kv-policy)",
         prompt_ids.len(),
+        session.kv().len(),
         args.ctx
     );
-    let backend_name = loaded.model.backend().name();
-    let backend = loaded.model.backend().clone();
-    let mut session = Session::new(loaded.model, args.ctx);
-    session.set_batch(args.batch);
+    let backend = session.model().backend().clone();
     let config = args.sampling.config();
     // Plain greedy decoding (no penalty, no log-probabilities to print) on a device
-    // backend takes the argmax there and reads back one id per token.
+    // backend takes the argmax there and reads back one id per token. Not with the
+    // KV-cache lever's flags (a policy or a session file), which the host cache serves.
     let greedy_on_device = config.temperature <= 0.0
         && config.repeat_penalty == 1.0
         && !args.json
+        && !has_policy
+        && args.session.is_none()
         && session.model().backend().device_forward().is_some();
     let mut sampler = Sampler::new(config);
     let stdout = std::io::stdout();
@@ -109,7 +137,9 @@ pub fn run(args: RunArgs) -> Result<()> {
         out.flush()?;
     }
     let start = Instant::now();
-    session.feed(&prompt_ids)?;
+    if !prompt_ids.is_empty() {
+        session.feed(&prompt_ids)?;
+    }
     let logits = session.logits();
     let prompt_time = start.elapsed();
     let mut next = sampler.sample(logits, session.tokens());
@@ -118,7 +148,12 @@ pub fn run(args: RunArgs) -> Result<()> {
     let mut generated = 0;
     let stream_before = tiered.as_ref().map(|t| t.stats.get());
     let gen_start = Instant::now();
-    let budget = args.n_predict.min(args.ctx - prompt_ids.len());
+    let mut shown_not_fed = false;
+    let budget = if has_policy {
+        args.n_predict
+    } else {
+        args.n_predict.min(args.ctx - used)
+    };
     while generated < budget {
         if !args.ignore_eos && tokenizer.is_end_of_generation(next) {
             break;
@@ -137,6 +172,7 @@ pub fn run(args: RunArgs) -> Result<()> {
             out.flush()?;
         }
         if generated == budget {
+            shown_not_fed = true;
             break;
         }
         if greedy_on_device {
@@ -148,6 +184,15 @@ pub fn run(args: RunArgs) -> Result<()> {
             next = sampler.sample(logits, session.tokens());
             logprob = log_softmax_at(logits, next);
         }
+    }
+    if let Some(path) = &args.session {
+        // The last token shown was sampled but not fed: feed it, so the file holds the
+        // whole conversation and a resumed run continues right after it.
+        if shown_not_fed {
+            session.feed(&[next])?;
+        }
+        save_session(path, meta, session.kv(), session.tokens(), session.logits())
+            .with_context(|| format!("saving the session {}", path.display()))?;
     }
     let timings = Timings {
         prompt_tokens: prompt_ids.len(),

@@ -347,6 +347,91 @@ fn plan_reports_split_speed_and_bottleneck_for_a_machine_given_by_flags() {
     );
 }
 
+/// Save, new process, load, continue: the same tokens as one uninterrupted run, for
+/// every update mode and with a StreamingLLM policy evicting across the break. Then
+/// the session file's errors: another model, another dtype, truncation, a flipped
+/// byte; each refused with its cause, the file left as it was.
+#[test]
+fn a_resumed_session_continues_like_an_uninterrupted_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let m = model.to_str().unwrap();
+    for extra in [
+        vec!["--kv-mode", "ring"],
+        vec!["--kv-mode", "shift"],
+        vec!["--kv-mode", "mask", "--kv-dtype", "f32"],
+        vec!["--kv-policy", "window", "--window", "12", "-b", "4"],
+    ] {
+        let whole = generated_tokens(m, "Hello", 16, &[&["--temp", "0"], &extra[..]].concat());
+        let file = dir.path().join("s.session");
+        let _ = std::fs::remove_file(&file);
+        let f = file.to_str().unwrap();
+        let with_session = [&["--temp", "0", "--session", f], &extra[..]].concat();
+        let first = generated_tokens(m, "Hello", 7, &with_session);
+        let second = generated_tokens(m, "", 9, &with_session);
+        assert_eq!(format!("{first}{second}"), whole, "{extra:?}");
+    }
+
+    let file = dir.path().join("s.session");
+    let f = file.to_str().unwrap();
+    let good = std::fs::read(&file).unwrap();
+    let resume = |extra: &[&str]| {
+        let mut args = vec!["run", "-m", m, "", "-n", "2", "--session", f];
+        args.extend_from_slice(extra);
+        ballast(&args)
+    };
+    let mut other = TinyModelSpec::default();
+    other.seed += 1;
+    let other_path = dir.path().join("other.gguf");
+    std::fs::write(&other_path, other.to_gguf_bytes().unwrap()).unwrap();
+    let o = ballast(&[
+        "run",
+        "-m",
+        other_path.to_str().unwrap(),
+        "",
+        "--session",
+        f,
+    ]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("another model"),
+        "{}",
+        stderr(&o)
+    );
+    let o = resume(&[
+        "--kv-dtype",
+        "q8",
+        "--kv-policy",
+        "window",
+        "--window",
+        "12",
+    ]);
+    assert!(
+        stderr(&o).contains("stores keys and values as f16"),
+        "{}",
+        stderr(&o)
+    );
+    std::fs::write(&file, &good[..good.len() - 100]).unwrap();
+    let o = resume(&["--kv-policy", "window", "--window", "12"]);
+    assert!(stderr(&o).contains("truncated"), "{}", stderr(&o));
+    let mut flipped = good.clone();
+    flipped[good.len() / 2] ^= 0x10;
+    std::fs::write(&file, &flipped).unwrap();
+    let o = resume(&["--kv-policy", "window", "--window", "12"]);
+    assert!(stderr(&o).contains("corrupted"), "{}", stderr(&o));
+    assert_eq!(
+        std::fs::read(&file).unwrap(),
+        flipped,
+        "a failed load rewrote the file"
+    );
+    std::fs::write(&file, b"not a session").unwrap();
+    let o = resume(&[]);
+    assert!(
+        stderr(&o).contains("not a Ballast session"),
+        "{}",
+        stderr(&o)
+    );
+}
+
 #[test]
 fn a_budget_too_small_for_one_layer_says_how_much_is_needed() {
     let dir = tempfile::tempdir().unwrap();

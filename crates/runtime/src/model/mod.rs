@@ -208,7 +208,7 @@ impl Model {
         ids: &[u32],
         positions: &[u32],
         kv: &mut dyn KvCache,
-        policy: Option<&mut dyn KvPolicy>,
+        mut policy: Option<&mut dyn KvPolicy>,
         logits: Logits,
     ) -> Result<&[f32]> {
         let logits = if logits == Logits::Greedy {
@@ -216,6 +216,10 @@ impl Model {
         } else {
             logits
         };
+        // A bounded cache makes room before anything is appended.
+        if let Some(p) = policy.as_deref_mut() {
+            p.before_pass(kv, ids.len())?;
+        }
         self.check_input(ids, positions, kv)?;
         if policy.is_none() && self.ffn.is_exact() && self.backend.device_forward().is_some() {
             self.device_pass(ids, positions, kv, logits)?;
@@ -236,8 +240,11 @@ impl Model {
         ids: &[u32],
         positions: &[u32],
         kv: &mut dyn KvCache,
-        policy: Option<&mut dyn KvPolicy>,
+        mut policy: Option<&mut dyn KvPolicy>,
     ) -> Result<u32> {
+        if let Some(p) = policy.as_deref_mut() {
+            p.before_pass(kv, ids.len())?;
+        }
         self.check_input(ids, positions, kv)?;
         if policy.is_none() && self.ffn.is_exact() && self.backend.device_forward().is_some() {
             return self
@@ -291,9 +298,6 @@ impl Model {
             return Err(Error::KvFormat {
                 why: "the cache's shape is not this model's".into(),
             });
-        }
-        if let Some(p) = policy.as_deref_mut() {
-            p.before_pass(kv, n)?;
         }
         if kv.len() + n > kv.capacity() {
             return Err(Error::ContextFull {
