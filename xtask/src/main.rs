@@ -26,7 +26,10 @@ const USAGE: &str =
   bench-tiered  tiered streaming vs plain mmap under a memory limit smaller than the default
                 model (a cgroup it creates when it may: root and a writable memory controller),
                 a synthetic 2 GB model (written to the temp folder) under a 1 GiB limit, and
-                ballast plan for the 70B machine of the tier-stream seed.";
+                ballast plan for the 70B machine of the tier-stream seed.
+  bench-kv      per KV update mode: bytes moved and time per decode step (StreamingLLM
+                eviction, append, attention of every layer) at 256, 1k and 4k cached
+                tokens, on the default model's cache shape (30 layers, 3 KV heads of 64)";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -35,6 +38,7 @@ fn main() -> Result<()> {
         Some("test") => test(),
         Some("bench") => bench(args.iter().any(|a| a == "--quick")),
         Some("bench-tiered") => bench_tiered(args.iter().any(|a| a == "--quick")),
+        Some("bench-kv") => bench_kv(),
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
             Ok(())
@@ -119,11 +123,72 @@ fn bench(quick: bool) -> Result<()> {
             .arg(&model)
             .args(flags),
     )?;
+    bench_kv()?;
     if !quick {
         step(
             "criterion kernel benches",
             cargo().args(["bench", "-p", "ballast-runtime"]),
         )?;
+    }
+    Ok(())
+}
+
+/// One decode step as the cache sees it, per mode and cache size: evict the token after
+/// 4 sinks, append one token to each of 30 layers, attend with 9 query heads per layer.
+/// Prints the median time per step and the KV bytes moved per step.
+fn bench_kv() -> Result<()> {
+    use ballast_kv_cache::{new_cache, Precision, UpdateMode};
+    use ballast_runtime::backend::AttentionShape;
+    use ballast_runtime::{Backend, CpuBackend, KvShape};
+    use std::time::Instant;
+
+    let shape = KvShape {
+        n_layers: 30,
+        n_kv_heads: 3,
+        head_dim: 64,
+    };
+    let attn = AttentionShape {
+        n_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 64,
+    };
+    let backend = CpuBackend::new(1);
+    let dim = shape.kv_dim();
+    let row: Vec<f32> = (0..dim).map(|i| (i as f32 * 0.37).sin()).collect();
+    let q: Vec<f32> = (0..9 * 64).map(|i| (i as f32 * 0.11).cos()).collect();
+    let mut out = vec![0f32; q.len()];
+    println!("\n== KV update modes: one decode step at a full cache (f16, 30 layers x 3 x 64), 1 thread, median of 32 steps");
+    println!("| mode | cached tokens | KV bytes moved / step | time / step (ms) |");
+    println!("| --- | ---: | ---: | ---: |");
+    for n in [256usize, 1024, 4096] {
+        for mode in UpdateMode::ALL {
+            let mut cache = new_cache(mode, shape, n, Precision::F16)?;
+            let fill: Vec<f32> = row.iter().cycle().take(n * dim).copied().collect();
+            let positions: Vec<u32> = (0..n as u32).collect();
+            for l in 0..shape.n_layers {
+                cache.append(l, &positions, &fill, &fill)?;
+            }
+            let mut times = Vec::new();
+            let moved_before = cache.moved_bytes();
+            let steps = 32;
+            for s in 0..steps {
+                let t = Instant::now();
+                cache.evict(4..5);
+                let pos = (n + s) as u32;
+                for l in 0..shape.n_layers {
+                    cache.append(l, &[pos], &row, &row)?;
+                    backend.attention(&q, &[pos], &cache.view(l), &attn, &mut out);
+                }
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            times.sort_by(f64::total_cmp);
+            let moved = (cache.moved_bytes() - moved_before) / steps as u64;
+            println!(
+                "| {} | {n} | {moved} | {:.3} |",
+                mode.name(),
+                times[steps / 2]
+            );
+        }
     }
     Ok(())
 }

@@ -15,6 +15,7 @@ use serde_json::json;
 
 use crate::common::{self, human_bytes};
 use crate::tiered::{self, StoreArgs, StoreKind};
+use ballast_kv_cache::Precision;
 
 /// Flags of `ballast bench` (as llama-bench's).
 #[derive(Args, Debug)]
@@ -278,6 +279,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
             device_report = Some((plain, profiled, peak));
         }
     }
+    // KV-cache memory per cached token (keys and values of every layer) per precision.
+    let config = ballast_runtime::ModelConfig::from_gguf(&file)?;
+    let kv_dim = config.n_kv_heads * config.head_dim;
+    let kv_per_token: Vec<(&str, usize)> = [Precision::F32, Precision::F16, Precision::Q8]
+        .into_iter()
+        .map(|p| (p.name(), 2 * config.n_layers * p.row_bytes(kv_dim)))
+        .collect();
     let model_name = path
         .file_name()
         .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
@@ -347,6 +355,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 })
             );
         }
+        let kv: serde_json::Map<String, serde_json::Value> = kv_per_token
+            .iter()
+            .map(|(name, b)| (name.to_string(), json!(b)))
+            .collect();
+        println!("{}", json!({ "kv_bytes_per_token": kv }));
         return Ok(());
     }
     println!(
@@ -427,6 +440,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if let Some((plain, profiled, peak)) = &device_report {
         print_device_report(plain, profiled, *peak, args.n_gen.max(1));
     }
+    let shown: Vec<String> = kv_per_token
+        .iter()
+        .map(|(name, b)| format!("{name} {}", human_bytes(*b as u64)))
+        .collect();
+    println!("KV cache per token (--kv-dtype): {}", shown.join(", "));
     println!("backend: {backend_name}");
     Ok(())
 }

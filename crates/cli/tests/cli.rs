@@ -172,7 +172,19 @@ fn bench_and_perplexity_report_figures() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(rows.len(), 4, "pp and tg at two thread counts");
+    assert_eq!(
+        rows.len(),
+        5,
+        "pp and tg at two thread counts, then KV bytes"
+    );
+    // Two layers, two KV heads of 16: keys and values of 32 values per layer.
+    let kv = &rows[4]["kv_bytes_per_token"];
+    assert_eq!(
+        (kv["f32"].as_u64(), kv["f16"].as_u64()),
+        (Some(512), Some(256))
+    );
+    assert_eq!(kv["q8"].as_u64(), Some(2 * 2 * 34));
+    let rows = &rows[..4];
     assert!(rows
         .iter()
         .all(|r| r["tokens_per_s_median"].as_f64().unwrap() > 0.0));
@@ -200,6 +212,38 @@ fn bench_and_perplexity_report_figures() {
     // A random model over 257 tokens: finite and in the ballpark of the vocabulary.
     assert!(ppl.is_finite() && ppl > 1.0 && ppl < 10_000.0, "{ppl}");
     assert_eq!(r["scored_tokens"], r["chunks"].as_u64().unwrap() * 31);
+
+    // One stream through a StreamingLLM cache of 32: bytes held stop growing.
+    let o = ballast(&[
+        "perplexity",
+        "-m",
+        m,
+        "-f",
+        text.to_str().unwrap(),
+        "--stream",
+        "--limit",
+        "200",
+        "--kv-policy",
+        "streaming",
+        "--sink",
+        "4",
+        "--window",
+        "28",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert!(r["perplexity"].as_f64().unwrap().is_finite());
+    let held: Vec<u64> = r["kv_bytes_held"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m[1].as_u64().unwrap())
+        .collect();
+    assert!(
+        held.len() >= 3 && held.iter().all(|&b| b == held[0]),
+        "{held:?}"
+    );
 }
 
 #[test]
