@@ -328,6 +328,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
             }
             println!("{obj}");
         }
+        let kv: serde_json::Map<String, serde_json::Value> = kv_per_token
+            .iter()
+            .map(|(name, b)| (name.to_string(), json!(b)))
+            .collect();
+        // Before the device report, which stays the last line.
+        println!("{}", json!({ "kv_bytes_per_token": kv }));
         if let Some((plain, profiled, peak)) = &device_report {
             let kernels: Vec<_> = profiled
                 .kernels
@@ -355,11 +361,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 })
             );
         }
-        let kv: serde_json::Map<String, serde_json::Value> = kv_per_token
-            .iter()
-            .map(|(name, b)| (name.to_string(), json!(b)))
-            .collect();
-        println!("{}", json!({ "kv_bytes_per_token": kv }));
         return Ok(());
     }
     println!(
