@@ -43,7 +43,8 @@ pub struct StoreArgs {
     /// probed RAM (MemAvailable, or the cgroup limit when one is set).
     #[arg(long)]
     pub ram: Option<String>,
-    /// Device memory budget (needs a GPU backend; the CPU backend computes from RAM).
+    /// Device memory budget (for the GPU tier, not implemented yet; the CPU backend
+    /// computes from RAM).
     #[arg(long)]
     pub vram: Option<String>,
     /// Prefetch depth of tiered streaming: slots in the ring (2 = double buffering).
@@ -118,7 +119,7 @@ pub fn build(
     quiet: bool,
 ) -> Result<Built> {
     if args.vram.is_some() {
-        bail!("--vram needs a GPU backend, and this build computes on the CPU, where device memory is RAM: use --ram");
+        bail!("--vram needs tiered streaming's GPU tier, which is not implemented yet (on the CPU backend device memory is RAM): use --ram");
     }
     let config =
         ModelConfig::from_gguf(file).with_context(|| format!("loading {}", path.display()))?;
