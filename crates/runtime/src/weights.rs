@@ -11,6 +11,15 @@ use crate::ggml_type::GgmlType;
 pub trait ByteSource: Send + Sync {
     /// All the bytes of the source.
     fn bytes(&self) -> &[u8];
+
+    /// Whether a backend with its own memory may keep a device copy of these bytes for
+    /// as long as the source lives (uploaded once, found again by address). A store
+    /// returns `false` for bytes it lends for one use (a streaming slot, reused for
+    /// another layer afterwards) and for bytes it keeps in host RAM on purpose (a RAM
+    /// tier): the backend then uploads them per use into slots of its own.
+    fn cache_on_device(&self) -> bool {
+        true
+    }
 }
 
 impl ByteSource for Vec<u8> {
@@ -53,6 +62,11 @@ impl WeightBytes {
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
         &self.source.bytes()[self.range.clone()]
+    }
+
+    /// See [`ByteSource::cache_on_device`].
+    pub fn cache_on_device(&self) -> bool {
+        self.source.cache_on_device()
     }
 
     /// Number of bytes.

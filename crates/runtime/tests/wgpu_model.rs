@@ -5,15 +5,21 @@
 //! Needs a wgpu adapter: under CI (`CI` set) a missing one fails; elsewhere the tests
 //! are skipped with a printed reason.
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::gpu::GpuContext;
+use ballast_runtime::kv::KvPolicy;
 use ballast_runtime::kv::{DenseKv, KvCache};
-use ballast_runtime::model::Logits;
+use ballast_runtime::model::{load_weights, Logits};
+use ballast_runtime::store::PassId;
 use ballast_runtime::testing::{TinyModelSpec, TINY_VOCAB};
-use ballast_runtime::{Backend, CpuBackend, Model, Session, WgpuBackend};
+use ballast_runtime::weights::{ByteSource, GlobalWeights, LayerWeights, WeightBytes};
+use ballast_runtime::{
+    Backend, CpuBackend, DenseFfn, Model, ModelConfig, Session, TierBytes, WeightStore, WgpuBackend,
+};
 
 fn gpu() -> Option<Arc<GpuContext>> {
     static CTX: OnceLock<Option<Arc<GpuContext>>> = OnceLock::new();
@@ -245,4 +251,188 @@ fn device_memory_counts_weights_kv_and_scratch() {
         weights,
         "the weights were freed"
     );
+}
+
+/// Bytes lent for one use, as a streaming store's slot: a device backend may not cache
+/// them. Counts how many lent layers are alive at once.
+struct Lent {
+    bytes: Vec<u8>,
+    live: Arc<LiveCount>,
+}
+
+#[derive(Default)]
+struct LiveCount {
+    now: std::sync::atomic::AtomicUsize,
+    max: std::sync::atomic::AtomicUsize,
+}
+
+impl ByteSource for Lent {
+    fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+    fn cache_on_device(&self) -> bool {
+        false
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        self.live.now.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A store that copies the layers in `lent` into fresh bytes at every request (as a
+/// tiered store's slot holds a different layer each time) and keeps the others
+/// resident.
+struct LendingStore {
+    globals: GlobalWeights,
+    layers: Vec<Arc<LayerWeights>>,
+    lent: Vec<bool>,
+    live: Arc<LiveCount>,
+}
+
+impl WeightStore for LendingStore {
+    fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+    fn globals(&self) -> &GlobalWeights {
+        &self.globals
+    }
+    fn layer(&self, _pass: PassId, index: usize) -> ballast_runtime::Result<Arc<LayerWeights>> {
+        let l = &self.layers[index];
+        if !self.lent[index] {
+            return Ok(l.clone());
+        }
+        let now = self.live.now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.live.max.fetch_max(now, Ordering::SeqCst);
+        let mats = [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down];
+        let mut bytes = Vec::new();
+        let mut ranges = Vec::new();
+        for w in mats {
+            ranges.push(bytes.len()..bytes.len() + w.bytes.len());
+            bytes.extend_from_slice(w.bytes.as_slice());
+        }
+        let source: Arc<dyn ByteSource> = Arc::new(Lent {
+            bytes,
+            live: self.live.clone(),
+        });
+        let mut out = (**l).clone();
+        let outs = [
+            &mut out.wq,
+            &mut out.wk,
+            &mut out.wv,
+            &mut out.wo,
+            &mut out.w_gate,
+            &mut out.w_up,
+            &mut out.w_down,
+        ];
+        for (w, r) in outs.into_iter().zip(ranges) {
+            w.bytes = WeightBytes::new(source.clone(), r)?;
+        }
+        Ok(Arc::new(out))
+    }
+    fn held_bytes(&self) -> TierBytes {
+        TierBytes::default()
+    }
+}
+
+/// A policy that never evicts: it only sends the model down the op-by-op path.
+struct KeepAll;
+
+impl KvPolicy for KeepAll {
+    fn before_pass(&mut self, _: &mut dyn KvCache, _: usize) -> ballast_runtime::Result<()> {
+        Ok(())
+    }
+    fn before_attention(&mut self, _: usize, _: &mut dyn KvCache) -> ballast_runtime::Result<()> {
+        Ok(())
+    }
+}
+
+fn lending_model(
+    spec: &TinyModelSpec,
+    backend: Arc<dyn Backend>,
+    lent: Vec<bool>,
+) -> (Model, Arc<LiveCount>) {
+    let file = Arc::new(GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap());
+    let config = ModelConfig::from_gguf(&file).unwrap();
+    let (globals, layers) = load_weights(&file, &config).unwrap();
+    let live = Arc::new(LiveCount::default());
+    let store = LendingStore {
+        globals,
+        layers: layers.into_iter().map(Arc::new).collect(),
+        lent,
+        live: live.clone(),
+    };
+    let model = Model::from_parts(config, Box::new(store), backend, Box::new(DenseFfn::new()));
+    (model, live)
+}
+
+/// Layers whose bytes may not be cached on the device are uploaded into stream slots
+/// per pass: the logits equal the all-resident device pass bit for bit at every slot
+/// count, all lent, some lent, and op by op; one submission per `slots` streamed layers;
+/// the uploaded bytes are the lent layers' bytes; the backend keeps no lent layer
+/// alive (the store gets each slot back before it lends the next).
+#[test]
+fn streamed_layers_go_through_stream_slots() {
+    let Some(ctx) = gpu() else { return };
+    let spec = TinyModelSpec {
+        n_layers: 5,
+        weight_type: GgmlType::Q4_0,
+        ..Default::default()
+    };
+    let resident_backend = Arc::new(WgpuBackend::new(ctx.clone()));
+    let want = all_logits(&mut load(&spec, resident_backend), &IDS);
+    let layer_bytes: u64 = {
+        let file = GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap();
+        file.tensors()
+            .iter()
+            .filter(|t| t.name.starts_with("blk.") && t.dims.len() == 2)
+            .map(|t| t.n_bytes)
+            .sum()
+    };
+    for (slots, lent) in [
+        (1, vec![true; 5]),
+        (2, vec![true; 5]),
+        (3, vec![true; 5]),
+        (1, vec![false, true, false, true, true]),
+    ] {
+        let backend = Arc::new(WgpuBackend::new(ctx.clone()));
+        backend.set_stream_slots(slots);
+        let n_lent = lent.iter().filter(|&&l| l).count();
+        let (mut model, live) = lending_model(&spec, backend.clone(), lent.clone());
+        let got = all_logits(&mut model, &IDS);
+        assert!(got == want, "{slots} slots, lent {lent:?}: logits differ");
+        let report = backend.last_pass().unwrap();
+        assert_eq!(
+            report.submissions,
+            n_lent.div_ceil(slots),
+            "{slots} slots, lent {lent:?}"
+        );
+        assert_eq!(report.bytes_uploaded, layer_bytes / 5 * n_lent as u64);
+        assert_eq!(
+            live.max.load(Ordering::SeqCst),
+            1,
+            "one lent layer alive at a time"
+        );
+        assert_eq!(
+            live.now.load(Ordering::SeqCst),
+            0,
+            "the backend kept no lent layer"
+        );
+    }
+
+    // Op by op (a policy sends the model down the host path): the same as resident.
+    let op_logits = |model: &mut Model| {
+        let mut kv = DenseKv::new(model.kv_shape(), 64);
+        let positions: Vec<u32> = (0..IDS.len() as u32).collect();
+        let mut policy = KeepAll;
+        model
+            .forward(&IDS, &positions, &mut kv, Some(&mut policy), Logits::All)
+            .unwrap()
+            .to_vec()
+    };
+    let want_ops = op_logits(&mut load(&spec, Arc::new(WgpuBackend::new(ctx.clone()))));
+    let (mut model, live) = lending_model(&spec, Arc::new(WgpuBackend::new(ctx)), vec![true; 5]);
+    assert!(op_logits(&mut model) == want_ops, "op by op: logits differ");
+    assert_eq!(live.now.load(Ordering::SeqCst), 0);
 }

@@ -182,15 +182,19 @@ pub trait Backend: Send + Sync {
     }
 }
 
-/// What a device forward pass needs: the model's hyper-parameters, its weights for
-/// this pass, the tokens and which logits to return.
+/// Hands a device pass layer `i`'s weights for this pass (the model asks its
+/// [`crate::WeightStore`]). The pass drops each layer's `Arc` before asking for the
+/// next, so a streaming store gets its slot back.
+pub type LayerSource<'a> = dyn FnMut(usize) -> Result<std::sync::Arc<LayerWeights>> + 'a;
+
+/// What a device forward pass needs: the model's hyper-parameters, its global weights,
+/// the tokens and which logits to return. Layers come one at a time from a
+/// [`LayerSource`].
 pub struct DeviceForwardInput<'a> {
     /// Hyper-parameters.
     pub config: &'a ModelConfig,
     /// Embedding table, final norm, output head.
     pub globals: &'a GlobalWeights,
-    /// Every layer's weights, from the store, for this pass.
-    pub layers: &'a [std::sync::Arc<LayerWeights>],
     /// Token ids.
     pub ids: &'a [u32],
     /// Their positions.
@@ -201,12 +205,15 @@ pub struct DeviceForwardInput<'a> {
 
 /// A whole forward pass recorded and submitted at once on a device.
 pub trait DeviceForward: Send + Sync {
-    /// Runs `input` with the cache `kv`: appends the new keys and values to `kv`, and
-    /// puts the requested logits in `out` (or returns the greedy id for
-    /// [`Logits::Greedy`]).
+    /// Runs `input` with the cache `kv`, taking layer `0..n_layers` in order from
+    /// `layers`: appends the new keys and values to `kv`, and puts the requested logits
+    /// in `out` (or returns the greedy id for [`Logits::Greedy`]). Weights whose bytes
+    /// may not be cached on the device ([`crate::weights::ByteSource::cache_on_device`])
+    /// are uploaded into the backend's stream slots for this pass only.
     fn forward(
         &self,
         input: &DeviceForwardInput<'_>,
+        layers: &mut LayerSource<'_>,
         kv: &mut dyn KvCache,
         out: &mut Vec<f32>,
     ) -> Result<Option<u32>>;
@@ -245,6 +252,9 @@ pub struct PassReport {
     pub bytes_written: u64,
     /// Bytes copied back to the host.
     pub bytes_read_back: u64,
+    /// Weight bytes uploaded from the host for this pass (streamed layers: a store's RAM
+    /// tier or disk slots); zero when every weight is resident on the device.
+    pub bytes_uploaded: u64,
     /// True if the device has timestamp queries.
     pub timestamps: bool,
     /// Time per kernel (empty unless profiling on a device with timestamps).

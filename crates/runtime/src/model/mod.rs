@@ -271,18 +271,20 @@ impl Model {
             .device_forward()
             .expect("checked by the caller");
         let pass = self.passes.next();
-        let layers = (0..self.config.n_layers)
-            .map(|l| self.store.layer(pass, l))
-            .collect::<Result<Vec<_>>>()?;
+        let store = &self.store;
         let input = DeviceForwardInput {
             config: &self.config,
-            globals: self.store.globals(),
-            layers: &layers,
+            globals: store.globals(),
             ids,
             positions,
             logits,
         };
-        device.forward(&input, kv, &mut self.scratch.logits)
+        device.forward(
+            &input,
+            &mut |l| store.layer(pass, l),
+            kv,
+            &mut self.scratch.logits,
+        )
     }
 
     fn check_input(&self, ids: &[u32], positions: &[u32], kv: &dyn KvCache) -> Result<()> {

@@ -11,6 +11,11 @@
 //!   is one submission with one read-back (the logits, or the greedy id, plus the new
 //!   keys and values so the host [`KvCache`] stays the complete record).
 //!
+//! Layers a store streams (their bytes may not be cached on the device) are uploaded
+//! into a ring of stream slots as the pass reaches them; before a slot is overwritten
+//! the commands recorded so far are submitted, so a pass over streamed layers is one
+//! submission per slot-ring turn, still with one read-back.
+//!
 //! Matrix products read the GGUF blocks directly; activations are quantized on the
 //! device exactly as the CPU backend quantizes them (Q8_0, Q8_1, Q8_K), so the integer
 //! block sums are identical and only float summation order differs.
@@ -22,8 +27,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::{
-    AttentionShape, Backend, DeviceForward, DeviceForwardInput, MatmulJob, OpKind, OpTimes,
-    PassReport, Rope, RopeStyle,
+    AttentionShape, Backend, DeviceForward, DeviceForwardInput, LayerSource, MatmulJob, OpKind,
+    OpTimes, PassReport, Rope, RopeStyle,
 };
 use crate::error::{Error, Result};
 use crate::ggml_type::GgmlType;
@@ -93,15 +98,31 @@ pub(crate) struct DeviceWeight {
     cols: usize,
     row_bytes: usize,
     chunks: Vec<WeightChunk>,
-    /// Keeps the host bytes alive, so the address that keys the cache is never reused.
-    _host: WeightBytes,
+    /// For a cached weight, keeps the host bytes alive, so the address that keys the
+    /// cache is never reused.
+    _host: Option<WeightBytes>,
 }
 
 struct WeightChunk {
-    buffer: GpuBuffer,
+    /// A buffer of its own (cached or one-off weights) or a stream slot's buffer, which
+    /// may be larger than the chunk.
+    buffer: Arc<GpuBuffer>,
     first_row: usize,
     rows: usize,
 }
+
+/// The device buffers of the stream slots: weights that may not be cached on the device
+/// are uploaded into one of `depth` slots per use, round robin. A slot is a list of
+/// buffers, one per weight chunk in upload order, grown when a layer needs more.
+struct StreamRing {
+    depth: usize,
+    slots: Vec<Vec<Arc<GpuBuffer>>>,
+    next: usize,
+}
+
+/// Stream slots a new backend uses: double buffering (upload one layer while the
+/// previous one computes).
+pub const DEFAULT_STREAM_SLOTS: usize = 2;
 
 /// A host vector and its device copy.
 type CachedVector = (Arc<[f32]>, Arc<GpuBuffer>);
@@ -122,7 +143,10 @@ struct KvMirror {
     host_positions: Vec<u32>,
 }
 
-/// The wgpu backend. Weights are uploaded once, on first use, and kept on the device.
+/// The wgpu backend. Weights are uploaded once, on first use, and kept on the device,
+/// unless their bytes say they may not be cached
+/// ([`crate::weights::ByteSource::cache_on_device`]: a tiered store's RAM tier and disk
+/// slots): those are uploaded per use into a ring of stream slots.
 pub struct WgpuBackend {
     ctx: Arc<GpuContext>,
     times: OpTimes,
@@ -131,6 +155,7 @@ pub struct WgpuBackend {
     /// address (the key) cannot be reused by another vector while cached.
     vectors: Mutex<HashMap<(usize, usize), CachedVector>>,
     kv: Mutex<Option<KvMirror>>,
+    stream: Mutex<StreamRing>,
     /// An error from an op whose trait method cannot return one; the next fallible call
     /// returns it.
     deferred: Mutex<Option<Error>>,
@@ -157,6 +182,11 @@ impl WgpuBackend {
             weights: Mutex::default(),
             vectors: Mutex::default(),
             kv: Mutex::default(),
+            stream: Mutex::new(StreamRing {
+                depth: DEFAULT_STREAM_SLOTS,
+                slots: Vec::new(),
+                next: 0,
+            }),
             deferred: Mutex::default(),
             max_chunk_bytes,
             profile: Default::default(),
@@ -167,6 +197,24 @@ impl WgpuBackend {
     /// The GPU context.
     pub fn context(&self) -> &Arc<GpuContext> {
         &self.ctx
+    }
+
+    /// Sets the number of stream slots (at least 1): device buffers that layers whose
+    /// weights may not be cached on the device (a tiered store's RAM and disk tiers) are
+    /// uploaded into, one layer per slot. A device pass submits its commands so far
+    /// before it reuses a slot, so `n` slots mean one submission per `n` streamed
+    /// layers. Device memory: `n` times the largest streamed layer.
+    pub fn set_stream_slots(&self, n: usize) {
+        let mut ring = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        let depth = n.max(1);
+        ring.depth = depth;
+        ring.slots.truncate(depth);
+        ring.next = 0;
+    }
+
+    /// Stream slots in use (see [`WgpuBackend::set_stream_slots`]).
+    pub fn stream_slots(&self) -> usize {
+        self.stream.lock().unwrap_or_else(|p| p.into_inner()).depth
     }
 
     fn defer(&self, e: Error) {
@@ -188,18 +236,46 @@ impl WgpuBackend {
         }
     }
 
-    /// The device copy of `w`, uploaded on first use.
+    /// The device copy of `w`: uploaded on first use and cached when its bytes allow
+    /// ([`WeightBytes::cache_on_device`]), else uploaded for this one use.
     pub(crate) fn weight(&self, w: &Weight) -> Result<Arc<DeviceWeight>> {
         let bytes = w.bytes.as_slice();
+        let cache = w.bytes.cache_on_device();
         let key = (bytes.as_ptr() as usize, bytes.len());
-        if let Some(d) = self
-            .weights
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&key)
-        {
-            return Ok(d.clone());
+        if cache {
+            if let Some(d) = self
+                .weights
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&key)
+            {
+                return Ok(d.clone());
+            }
         }
+        let d = Arc::new(self.split_weight(w, |_, piece| {
+            Ok(Arc::new(self.ctx.weight_buffer(piece, &w.name)?))
+        })?);
+        if cache {
+            let mut d = Arc::into_inner(d).expect("not shared yet");
+            d._host = Some(w.bytes.clone());
+            let d = Arc::new(d);
+            self.weights
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(key, d.clone());
+            return Ok(d);
+        }
+        Ok(d)
+    }
+
+    /// `w` checked and split by rows into chunks that each fit one binding; `place`
+    /// puts the `k`-th chunk's bytes in a device buffer.
+    fn split_weight(
+        &self,
+        w: &Weight,
+        mut place: impl FnMut(usize, &[u8]) -> Result<Arc<GpuBuffer>>,
+    ) -> Result<DeviceWeight> {
+        let bytes = w.bytes.as_slice();
         if !gpu_supports(w.ty) {
             return Err(Error::GpuUnsupportedType {
                 tensor: w.name.clone(),
@@ -227,9 +303,9 @@ impl WgpuBackend {
         let mut first_row = 0;
         while first_row < rows {
             let n = rows_per_chunk.min(rows - first_row);
-            let buffer = self.ctx.weight_buffer(
+            let buffer = place(
+                chunks.len(),
                 &bytes[first_row * row_bytes..(first_row + n) * row_bytes],
-                &w.name,
             )?;
             chunks.push(WeightChunk {
                 buffer,
@@ -238,20 +314,95 @@ impl WgpuBackend {
             });
             first_row += n;
         }
-        let d = Arc::new(DeviceWeight {
+        Ok(DeviceWeight {
             name: w.name.clone(),
             ty: w.ty,
             rows,
             cols,
             row_bytes,
             chunks,
-            _host: w.bytes.clone(),
-        });
-        self.weights
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, d.clone());
-        Ok(d)
+            _host: None,
+        })
+    }
+
+    /// The device weights of `layer`'s matrices (wq, wk, wv, wo, gate, up, down) for one
+    /// device pass. Cacheable ones come from the cache; the others are uploaded into the
+    /// next stream slot, after submitting what `rec` holds if that slot is still in use
+    /// by recorded commands (`in_use`: slots written since the last submission).
+    fn layer_weights(
+        &self,
+        rec: &mut Recorder<'_>,
+        layer: &crate::weights::LayerWeights,
+        in_use: &mut Vec<bool>,
+    ) -> Result<[Arc<DeviceWeight>; 7]> {
+        let mats = [
+            &layer.wq,
+            &layer.wk,
+            &layer.wv,
+            &layer.wo,
+            &layer.w_gate,
+            &layer.w_up,
+            &layer.w_down,
+        ];
+        let streamed = mats.iter().any(|w| !w.bytes.cache_on_device());
+        let mut ring = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        let slot = if streamed {
+            let slot = ring.next;
+            ring.next = (ring.next + 1) % ring.depth;
+            in_use.resize(ring.depth, false);
+            if in_use[slot] {
+                rec.flush()?;
+                in_use.iter_mut().for_each(|u| *u = false);
+            }
+            in_use[slot] = true;
+            if ring.slots.len() <= slot {
+                ring.slots.resize_with(slot + 1, Vec::new);
+            }
+            Some(slot)
+        } else {
+            None
+        };
+        let mut next_buffer = 0usize;
+        let mut out = Vec::with_capacity(7);
+        for w in mats {
+            let d = match slot {
+                Some(slot) if !w.bytes.cache_on_device() => {
+                    let buffers = &mut ring.slots[slot];
+                    Arc::new(self.split_weight(w, |_, piece| {
+                        let size = (piece.len() as u64).div_ceil(4).max(1) * 4;
+                        let j = next_buffer;
+                        next_buffer += 1;
+                        if buffers.len() <= j || buffers[j].size() < size {
+                            let b = Arc::new(self.ctx.buffer_with_usage(
+                                size,
+                                wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+                                "stream slot",
+                            )?);
+                            if buffers.len() <= j {
+                                buffers.push(b);
+                            } else {
+                                buffers[j] = b;
+                            }
+                        }
+                        // Copies must be whole 4-byte words (Q4_0 rows are 18 bytes).
+                        if piece.len() as u64 == size {
+                            self.ctx.queue().write_buffer(buffers[j].raw(), 0, piece);
+                        } else {
+                            let mut padded = piece.to_vec();
+                            padded.resize(size as usize, 0);
+                            self.ctx.queue().write_buffer(buffers[j].raw(), 0, &padded);
+                        }
+                        rec.add_upload(piece.len() as u64);
+                        Ok(buffers[j].clone())
+                    })?)
+                }
+                _ => self.weight(w)?,
+            };
+            out.push(d);
+        }
+        Ok(out
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("seven matrices")))
     }
 
     /// The device copy of a small f32 vector (a norm scale, a bias), uploaded once.
@@ -922,6 +1073,7 @@ impl DeviceForward for WgpuBackend {
     fn forward(
         &self,
         input: &DeviceForwardInput<'_>,
+        layers: &mut LayerSource<'_>,
         kv: &mut dyn KvCache,
         out: &mut Vec<f32>,
     ) -> Result<Option<u32>> {
@@ -980,7 +1132,12 @@ impl DeviceForward for WgpuBackend {
         let mut rec = self.recorder();
         let embd = self.weight(&g.token_embd)?;
         self.record_embed(&mut rec, &embd, idb.raw(), n, x.raw());
-        for (l, w) in input.layers.iter().enumerate() {
+        // Stream slots written since the last submission.
+        let mut slots_in_use = Vec::new();
+        for l in 0..c.n_layers {
+            let w = layers(l)?;
+            let [wq, wk, wv, wo, wg, wu, wd] =
+                self.layer_weights(&mut rec, &w, &mut slots_in_use)?;
             let attn_norm = self.vector(&w.attn_norm)?;
             self.record_rms_norm(
                 &mut rec,
@@ -991,11 +1148,6 @@ impl DeviceForward for WgpuBackend {
                 d,
                 c.rms_eps,
                 h.raw(),
-            );
-            let (wq, wk, wv) = (
-                self.weight(&w.wq)?,
-                self.weight(&w.wk)?,
-                self.weight(&w.wv)?,
             );
             self.record_matmul(
                 &mut rec,
@@ -1052,7 +1204,6 @@ impl DeviceForward for WgpuBackend {
                 &shape,
                 attn.raw(),
             )?;
-            let wo = self.weight(&w.wo)?;
             self.record_matmul(&mut rec, attn.raw(), n, qd, &[(&wo, o.raw())])?;
             self.record_elementwise(&mut rec, "add", &[x.raw(), o.raw()], n * d, 1);
             let ffn_norm = self.vector(&w.ffn_norm)?;
@@ -1065,11 +1216,6 @@ impl DeviceForward for WgpuBackend {
                 d,
                 c.rms_eps,
                 h.raw(),
-            );
-            let (wg, wu, wd) = (
-                self.weight(&w.w_gate)?,
-                self.weight(&w.w_up)?,
-                self.weight(&w.w_down)?,
             );
             self.record_matmul(
                 &mut rec,
@@ -1087,6 +1233,8 @@ impl DeviceForward for WgpuBackend {
             );
             self.record_matmul(&mut rec, hidden.raw(), n, ff, &[(&wd, o.raw())])?;
             self.record_elementwise(&mut rec, "add", &[x.raw(), o.raw()], n * d, 1);
+            // The store gets a streamed layer's slot back: its bytes are on the device.
+            drop(w);
         }
         let (rows, first) = match input.logits {
             Logits::None => (0, 0),

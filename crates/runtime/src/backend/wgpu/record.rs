@@ -98,6 +98,35 @@ impl<'c> Recorder<'c> {
         self.kept.push(buffer);
     }
 
+    /// Counts weight bytes uploaded from the host for this pass.
+    pub(crate) fn add_upload(&mut self, bytes: u64) {
+        self.report.bytes_uploaded += bytes;
+    }
+
+    /// Submits what is recorded so far and goes on in a new encoder: a pass that must
+    /// overwrite a buffer its earlier commands read (a stream slot) does this first,
+    /// since queue writes land before the next submission's commands.
+    pub(crate) fn flush(&mut self) -> Result<()> {
+        if let Some(what) = self.report.error.take() {
+            return Err(crate::Error::Gpu { what });
+        }
+        for chunk in &self.params {
+            self.ctx
+                .queue()
+                .write_buffer(chunk.buffer.raw(), 0, &chunk.bytes);
+        }
+        let next = self
+            .ctx
+            .device()
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("ballast pass"),
+            });
+        let done = std::mem::replace(&mut self.encoder, next);
+        self.ctx.queue().submit([done.finish()]);
+        self.report.submissions += 1;
+        self.ctx.check()
+    }
+
     /// Counts bytes of keys and values read.
     pub(crate) fn add_kv_read(&mut self, bytes: u64) {
         self.report.kv_bytes_read += bytes;
@@ -257,7 +286,7 @@ impl<'c> Recorder<'c> {
         }
         let user_bytes: u64 = sources.iter().map(|s| s.2).sum();
         let mut bytes = self.ctx.submit_and_read(self.encoder, &all)?;
-        self.report.submissions = 1;
+        self.report.submissions += 1;
         self.report.bytes_read_back = user_bytes;
         if let Some(t) = &self.timer {
             if n_queries > 0 {
