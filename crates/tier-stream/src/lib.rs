@@ -21,11 +21,15 @@
 //!
 //! **Backends.** On the CPU backend tiers A and B are the same RAM: a plan made with
 //! `Budgets { device: None, .. }` has only [`Tier::Device`] (resident in RAM) and
-//! [`Tier::Disk`] layers, and slots are RAM buffers the CPU computes from. The planner
-//! and the predictor already handle a separate device (tier B, PCIe uploads, staging
-//! buffers) so `ballast plan` can size a GPU machine; [`TieredStore`] refuses such a
-//! plan until the wgpu backend can upload a slot (its slots would then be device
-//! buffers filled from the RAM tier or from staging buffers).
+//! [`Tier::Disk`] layers, and slots are RAM buffers the CPU computes from. With a
+//! separate device (`Budgets { device: Some(..), .. }`, the wgpu backend), tier A
+//! layers and the head are uploaded once by the backend and kept; tier B layers are
+//! read once into RAM and tier C layers into RAM staging slots, and both are uploaded
+//! per use into the backend's ring of device slots (their bytes say they may not be
+//! cached on the device: `ByteSource::cache_on_device`; the slot count comes from
+//! `plan.device_slots` through `WgpuBackend::set_stream_slots`). The device pass
+//! submits its work so far before it overwrites a slot, so uploads and compute
+//! alternate within a pass.
 //!
 //! # Example
 //!

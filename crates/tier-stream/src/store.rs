@@ -166,12 +166,21 @@ fn read_extents(
     Ok(())
 }
 
-/// Bytes that stay in memory for the life of the store.
-struct Resident(AlignedBuf);
+/// Bytes that stay in memory for the life of the store: where the CPU backend computes
+/// (`on_device`), or a GPU plan's RAM tier, which a device backend uploads per use and
+/// must not cache on the device.
+struct Resident {
+    buf: AlignedBuf,
+    on_device: bool,
+}
 
 impl ByteSource for Resident {
     fn bytes(&self) -> &[u8] {
-        self.0.as_slice()
+        self.buf.as_slice()
+    }
+
+    fn cache_on_device(&self) -> bool {
+        self.on_device
     }
 }
 
@@ -185,6 +194,11 @@ struct Slot {
 impl ByteSource for Slot {
     fn bytes(&self) -> &[u8] {
         self.buf.as_ref().map_or(&[], |b| b.as_slice())
+    }
+
+    /// Lent for one use: the slot holds another layer next time.
+    fn cache_on_device(&self) -> bool {
+        false
     }
 }
 
@@ -299,9 +313,16 @@ impl Default for TieredOptions {
 /// access order is answered: a layer that was not prefetched is read on demand, and
 /// prefetched layers nobody asked for are evicted when a slot is needed.
 ///
-/// On the CPU backend device and RAM are the same memory ([`Tier::Device`] means
-/// "resident in RAM"); a plan with [`Tier::Ram`] layers needs a device backend that
-/// uploads slots, which this store does not do yet, and is refused.
+/// On the CPU backend (a unified plan) device and RAM are the same memory:
+/// [`Tier::Device`] layers are read once into RAM, and the slots are what the CPU
+/// computes from.
+///
+/// With a separate device (the wgpu backend), [`Tier::Device`] layers and the head are
+/// handed out as loaded (memory-mapped): the backend uploads them once and keeps them.
+/// [`Tier::Ram`] layers are read once into RAM and [`Tier::Disk`] layers stream through
+/// `plan.staging_slots` RAM slots; the bytes of both say they may not be cached on the
+/// device (`ByteSource::cache_on_device`), so the backend uploads them per use into its
+/// own `plan.device_slots` stream slots (`WgpuBackend::set_stream_slots`).
 pub struct TieredStore {
     globals: GlobalWeights,
     layouts: Arc<Vec<LayerLayout>>,
@@ -311,8 +332,13 @@ pub struct TieredStore {
     streamed: Vec<usize>,
     slots: usize,
     slot_len: u64,
+    /// Bytes held where the backend computes: resident layers (RAM on the CPU) and the
+    /// head.
     resident_bytes: u64,
     head_bytes: u64,
+    /// A GPU plan's RAM tier.
+    ram_bytes: u64,
+    unified: bool,
     path: PathBuf,
     ring: Mutex<Ring>,
     jobs: Option<Sender<Job>>,
@@ -364,10 +390,9 @@ impl TieredStore {
                 ),
             });
         }
-        if plan.tiers.contains(&Tier::Ram) || !plan.unified {
+        if plan.unified && plan.tiers.contains(&Tier::Ram) {
             return Err(Error::PlanMismatch {
-                why: "the plan has a separate device; this store computes from RAM (CPU backend)"
-                    .into(),
+                why: "a plan without a separate device has no RAM tier".into(),
             });
         }
         let layouts: Vec<LayerLayout> = layers
@@ -382,13 +407,58 @@ impl TieredStore {
             .map(|&i| layouts[i].slot_len)
             .max()
             .unwrap_or(0);
-        if slot_len > plan.device_slot_bytes {
+        // Disk reads land in the slots the backend computes from (CPU), or in RAM
+        // staging slots that a device backend uploads from.
+        let (ring_slots, ring_slot_bytes) = if plan.unified {
+            (plan.device_slots, plan.device_slot_bytes)
+        } else {
+            (plan.staging_slots, plan.staging_slot_bytes)
+        };
+        if !streamed.is_empty() && slot_len > ring_slot_bytes {
             return Err(Error::PlanMismatch {
                 why: format!(
-                    "a streamed layer's tensors span {slot_len} bytes of the file, more than the plan's slot of {} bytes",
-                    plan.device_slot_bytes
+                    "a streamed layer's tensors span {slot_len} bytes of the file, more than the plan's slot of {ring_slot_bytes} bytes"
                 ),
             });
+        }
+        let mut resident = Vec::with_capacity(layouts.len());
+        let (mut resident_bytes, mut ram_bytes) = (0u64, 0u64);
+        if !plan.unified {
+            // A separate device: the backend uploads the head and the device tier once
+            // and keeps them, so they stay as loaded (mapped) here; the RAM tier is read
+            // into RAM once and uploaded per use.
+            for (i, layout) in layouts.iter().enumerate() {
+                match plan.tiers[i] {
+                    Tier::Device => {
+                        resident_bytes += layout.bytes;
+                        resident.push(Some(Arc::new(layout.template.clone())));
+                    }
+                    Tier::Ram => {
+                        let mut buf = AlignedBuf::new(layout.slot_len as usize);
+                        read_extents(reader.as_ref(), Part::Layer(i), &layout.extents, &mut buf)?;
+                        ram_bytes += buf.len() as u64;
+                        let source: Arc<dyn ByteSource> = Arc::new(Resident {
+                            buf,
+                            on_device: false,
+                        });
+                        resident.push(Some(Arc::new(layout.weights(source)?)));
+                    }
+                    Tier::Disk => resident.push(None),
+                }
+            }
+            let head_bytes =
+                globals.output.bytes.len() as u64 + globals.output_norm.len() as u64 * 4;
+            return TieredStore::start(
+                globals,
+                layouts,
+                resident,
+                plan,
+                streamed,
+                (ring_slots, slot_len),
+                (resident_bytes, head_bytes, ram_bytes),
+                reader,
+                options,
+            );
         }
         // The head is read whole by every token: read it once into RAM. A tied
         // embedding is the same tensor; an untied one stays memory-mapped (a token
@@ -403,7 +473,10 @@ impl TieredStore {
             buf_offset: 0,
         };
         read_extents(reader.as_ref(), Part::Head, &[head_layout], &mut head_buf)?;
-        let head_source: Arc<dyn ByteSource> = Arc::new(Resident(head_buf));
+        let head_source: Arc<dyn ByteSource> = Arc::new(Resident {
+            buf: head_buf,
+            on_device: true,
+        });
         let at = (head_info.offset % IO_ALIGN) as usize;
         globals.output.bytes = WeightBytes::new(head_source, at..at + head_info.n_bytes as usize)?;
         if tied {
@@ -411,25 +484,53 @@ impl TieredStore {
         }
         let head_bytes = head_info.n_bytes + globals.output_norm.len() as u64 * 4;
 
-        let mut resident = Vec::with_capacity(layouts.len());
-        let mut resident_bytes = 0u64;
         for (i, layout) in layouts.iter().enumerate() {
             if plan.tiers[i] == Tier::Device {
                 let mut buf = AlignedBuf::new(layout.slot_len as usize);
                 read_extents(reader.as_ref(), Part::Layer(i), &layout.extents, &mut buf)?;
                 // What is allocated (aligned reads), not only the tensors' bytes.
                 resident_bytes += buf.len() as u64;
-                let source: Arc<dyn ByteSource> = Arc::new(Resident(buf));
+                let source: Arc<dyn ByteSource> = Arc::new(Resident {
+                    buf,
+                    on_device: true,
+                });
                 resident.push(Some(Arc::new(layout.weights(source)?)));
             } else {
                 resident.push(None);
             }
         }
+        TieredStore::start(
+            globals,
+            layouts,
+            resident,
+            plan,
+            streamed,
+            (ring_slots, slot_len),
+            (resident_bytes, head_bytes, ram_bytes),
+            reader,
+            options,
+        )
+    }
+
+    /// Starts the reader threads and the ring of `slots.0` slots of `slots.1` bytes for
+    /// the `streamed` layers.
+    #[allow(clippy::too_many_arguments)] // the parts `new` assembled, in one place
+    fn start(
+        globals: GlobalWeights,
+        layouts: Vec<LayerLayout>,
+        resident: Vec<Option<Arc<LayerWeights>>>,
+        plan: &Plan,
+        streamed: Vec<usize>,
+        (ring_slots, slot_len): (usize, u64),
+        (resident_bytes, head_bytes, ram_bytes): (u64, u64, u64),
+        reader: Arc<dyn ReadAt>,
+        options: TieredOptions,
+    ) -> Result<TieredStore> {
         let layouts = Arc::new(layouts);
         let slots = if streamed.is_empty() {
             0
         } else {
-            plan.device_slots.max(1)
+            ring_slots.max(1)
         };
         let ring = Ring {
             free: (0..slots)
@@ -491,6 +592,8 @@ impl TieredStore {
             slot_len,
             resident_bytes,
             head_bytes,
+            ram_bytes,
+            unified: plan.unified,
             path: reader.path().to_path_buf(),
             ring: Mutex::new(ring),
             jobs: Some(jobs_tx),
@@ -684,14 +787,13 @@ impl WeightStore for TieredStore {
     }
 
     fn layer(&self, _pass: PassId, index: usize) -> ballast_runtime::Result<Arc<LayerWeights>> {
-        let Some(tier) = self.tiers.get(index) else {
+        if index >= self.tiers.len() {
             return Err(ballast_runtime::Error::LayerIndex {
                 index,
                 n_layers: self.tiers.len(),
             });
-        };
-        if *tier == Tier::Device {
-            let l = self.resident[index].clone().expect("resident layer");
+        }
+        if let Some(l) = self.resident[index].clone() {
             self.counters
                 .resident_served
                 .fetch_add(self.layouts[index].bytes, Ordering::Relaxed);
@@ -713,10 +815,21 @@ impl WeightStore for TieredStore {
 
     fn held_bytes(&self) -> TierBytes {
         let streamed: u64 = self.streamed.iter().map(|&i| self.layouts[i].bytes).sum();
-        TierBytes {
-            device: self.resident_bytes + self.head_bytes + self.slot_len * self.slots as u64,
-            ram: 0,
-            disk: streamed,
+        let slots = self.slot_len * self.slots as u64;
+        if self.unified {
+            TierBytes {
+                device: self.resident_bytes + self.head_bytes + slots,
+                ram: 0,
+                disk: streamed,
+            }
+        } else {
+            // The device tier and head are counted where they end up: the backend
+            // uploads them once (their mapped pages are the file's).
+            TierBytes {
+                device: self.resident_bytes + self.head_bytes,
+                ram: self.ram_bytes + slots,
+                disk: streamed,
+            }
         }
     }
 

@@ -1,6 +1,7 @@
 //! The streaming store: exact bytes in any access order under random read delays and
-//! split reads; the same logits as the resident store; read errors and short reads
-//! that name the layer and the file.
+//! split reads (with and without a separate device); the same logits as the resident
+//! store on the CPU and on wgpu (device, RAM and disk tiers); read errors and short
+//! reads that name the layer and the file.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -8,12 +9,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ballast_runtime::gguf::GgufFile;
+use ballast_runtime::gpu::GpuContext;
 use ballast_runtime::kv::DenseKv;
 use ballast_runtime::model::{load_weights, Logits};
 use ballast_runtime::store::PassId;
 use ballast_runtime::testing::TinyModelSpec;
 use ballast_runtime::weights::LayerWeights;
-use ballast_runtime::{CpuBackend, DenseFfn, Model, ModelConfig, ResidentStore, WeightStore};
+use ballast_runtime::{
+    Backend, CpuBackend, DenseFfn, Model, ModelConfig, ResidentStore, WeightStore, WgpuBackend,
+};
 use ballast_tier_stream::io::ReadAt;
 use ballast_tier_stream::{
     model_shape, plan, Budgets, Plan, PlanRequest, Tier, TieredOptions, TieredStore,
@@ -149,6 +153,17 @@ fn plan_with(fx: &Fixture, tiers: Vec<Tier>, slots: usize) -> Plan {
     p
 }
 
+/// Like [`plan_with`], for a separate device: `tiers` may hold [`Tier::Ram`], disk reads
+/// go through `slots` staging slots.
+fn plan_with_device(fx: &Fixture, tiers: Vec<Tier>, slots: usize) -> Plan {
+    let mut p = plan_with(fx, tiers, slots);
+    p.unified = false;
+    p.budgets.device = Some(1 << 40);
+    p.staging_slots = slots;
+    p.staging_slot_bytes = p.device_slot_bytes;
+    p
+}
+
 fn store(fx: &Fixture, p: &Plan, reader: FlakyReader, io_threads: usize) -> TieredStore {
     let (g, l) = load_weights(&fx.file, &fx.config).unwrap();
     TieredStore::new(
@@ -168,7 +183,8 @@ proptest! {
     #[test]
     fn exact_bytes_in_any_order_under_random_delays(
         n_layers in 1usize..7,
-        streamed_mask in 0u32..128,
+        tier_picks in prop::collection::vec(0u8..3, 7),
+        separate_device in any::<bool>(),
         slots in 1usize..4,
         io_threads in 1usize..3,
         order in prop::collection::vec(0usize..7, 1..40),
@@ -176,10 +192,20 @@ proptest! {
         seed in 0u64..1000,
     ) {
         let fx = fixture(n_layers, 7);
-        let tiers: Vec<Tier> = (0..n_layers)
-            .map(|i| if streamed_mask >> i & 1 == 1 { Tier::Disk } else { Tier::Device })
+        // Without a separate device there is no RAM tier.
+        let tiers: Vec<Tier> = tier_picks[..n_layers]
+            .iter()
+            .map(|t| match t {
+                0 => Tier::Device,
+                1 if separate_device => Tier::Ram,
+                _ => Tier::Disk,
+            })
             .collect();
-        let p = plan_with(&fx, tiers, slots);
+        let p = if separate_device {
+            plan_with_device(&fx, tiers, slots)
+        } else {
+            plan_with(&fx, tiers, slots)
+        };
         let s = store(&fx, &p, FlakyReader::new(fx.bytes.clone(), seed, 400), io_threads);
         let (_, expected) = load_weights(&fx.file, &fx.config).unwrap();
         let expected: Vec<u64> = expected.iter().map(layer_checksum).collect();
@@ -194,6 +220,15 @@ proptest! {
             let l = s.layer(PassId(k as u64), i).unwrap();
             prop_assert_eq!(l.index, i);
             prop_assert_eq!(layer_checksum(&l), expected[i], "layer {}", i);
+            // A device backend may cache only what stays put on the device tier.
+            let cacheable = l.wq.bytes.cache_on_device();
+            prop_assert_eq!(
+                cacheable,
+                p.tiers[i] == Tier::Device,
+                "layer {} on {:?}",
+                i,
+                p.tiers[i]
+            );
             held.push(l);
         }
         drop(held);
@@ -203,17 +238,12 @@ proptest! {
     }
 }
 
-#[test]
-fn same_logits_as_the_resident_store_in_every_mode() {
-    let fx = fixture(6, 3);
+/// Prefill, then three decode steps (several passes through the ring): the logits.
+fn run_passes(fx: &Fixture, store: Box<dyn WeightStore>, backend: Arc<dyn Backend>) -> Vec<f32> {
     let ids = [10u32, 200, 33, 7, 99];
-    let run = |store: Box<dyn WeightStore>| -> Vec<f32> {
-        let mut model = Model::from_parts(
-            fx.config.clone(),
-            store,
-            Arc::new(CpuBackend::new(1)),
-            Box::new(DenseFfn::new()),
-        );
+    {
+        let mut model =
+            Model::from_parts(fx.config.clone(), store, backend, Box::new(DenseFfn::new()));
         let mut kv = DenseKv::new(model.kv_shape(), 64);
         let mut out = Vec::new();
         // Prefill, then three decode steps: several passes through the ring.
@@ -232,7 +262,13 @@ fn same_logits_as_the_resident_store_in_every_mode() {
             );
         }
         out
-    };
+    }
+}
+
+#[test]
+fn same_logits_as_the_resident_store_in_every_mode() {
+    let fx = fixture(6, 3);
+    let run = |store: Box<dyn WeightStore>| run_passes(&fx, store, Arc::new(CpuBackend::new(1)));
     let (g, l) = load_weights(&fx.file, &fx.config).unwrap();
     let reference = run(Box::new(ResidentStore::new(g, l, false)));
     let modes: [(&str, Vec<Tier>, usize); 3] = [
@@ -258,6 +294,65 @@ fn same_logits_as_the_resident_store_in_every_mode() {
         assert_eq!(
             got, reference,
             "{name}: logits differ from the resident store"
+        );
+    }
+}
+
+/// The wgpu adapter, or `None` with a printed reason; under CI a missing one fails.
+fn gpu() -> Option<Arc<GpuContext>> {
+    match GpuContext::new() {
+        Ok(ctx) => Some(ctx),
+        Err(e) if std::env::var_os("CI").is_some() => {
+            panic!("CI needs a wgpu adapter (install mesa-vulkan-drivers): {e}")
+        }
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+/// With a separate device (wgpu), layers on the device tier are uploaded once, RAM-tier
+/// and disk-tier layers are uploaded per use through the backend's stream slots: the
+/// logits equal the resident store's on the same backend bit for bit, in every mix,
+/// and the backend uploads exactly the RAM and disk tiers' bytes per pass.
+#[test]
+fn same_logits_on_wgpu_with_device_ram_and_disk_tiers() {
+    let Some(ctx) = gpu() else { return };
+    let fx = fixture(6, 3);
+    let (g, l) = load_weights(&fx.file, &fx.config).unwrap();
+    let reference = run_passes(
+        &fx,
+        Box::new(ResidentStore::new(g, l, true)),
+        Arc::new(WgpuBackend::new(ctx.clone())),
+    );
+    use Tier::{Device as A, Disk as C, Ram as B};
+    let modes: [(&str, Vec<Tier>, usize, usize); 4] = [
+        ("all on the device", vec![A; 6], 2, 2),
+        ("all in RAM", vec![B; 6], 1, 2),
+        ("all streamed from disk", vec![C; 6], 2, 1),
+        ("mixed", vec![A, C, B, C, B, A], 2, 3),
+    ];
+    for (name, tiers, staging, device_slots) in modes {
+        let p = plan_with_device(&fx, tiers.clone(), staging);
+        let s = store(&fx, &p, FlakyReader::new(fx.bytes.clone(), 5, 200), 1);
+        let backend = Arc::new(WgpuBackend::new(ctx.clone()));
+        backend.set_stream_slots(device_slots);
+        let got = run_passes(&fx, Box::new(s), backend.clone());
+        assert!(
+            got == reference,
+            "{name}: logits differ from the resident store"
+        );
+        let uploaded: u64 = tiers
+            .iter()
+            .zip(&p.layer_bytes)
+            .filter(|(t, _)| **t != A)
+            .map(|(_, b)| b - 2 * 4 * fx.config.d_model as u64)
+            .sum();
+        let report = backend.last_pass().unwrap();
+        assert_eq!(
+            report.bytes_uploaded, uploaded,
+            "{name}: bytes uploaded per pass"
         );
     }
 }
