@@ -355,6 +355,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                         "activation_bytes_read": plain.activation_bytes_read,
                         "bytes_written": plain.bytes_written,
                         "bytes_read_back": plain.bytes_read_back,
+                        "bytes_uploaded": plain.bytes_uploaded,
                     },
                     "timestamps": profiled.timestamps,
                     "kernels": kernels,
@@ -457,7 +458,8 @@ fn print_device_report(plain: &PassReport, profiled: &PassReport, peak: u64, con
     );
     println!(
         "one decoded token at context {context}: {} submission(s), {} dispatches, {} moved \
-         (weights {}, KV {}, activations {}, writes {}), {} read back",
+         (weights {}, KV {}, activations {}, writes {}), {} read back, {} of streamed \
+         weights uploaded",
         plain.submissions,
         plain.dispatches,
         human_bytes(plain.bytes_moved()),
@@ -466,6 +468,7 @@ fn print_device_report(plain: &PassReport, profiled: &PassReport, peak: u64, con
         human_bytes(plain.activation_bytes_read),
         human_bytes(plain.bytes_written),
         human_bytes(plain.bytes_read_back),
+        human_bytes(plain.bytes_uploaded),
     );
     if !profiled.timestamps {
         println!("per-kernel timings: this adapter has no timestamp queries");

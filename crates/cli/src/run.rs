@@ -205,10 +205,15 @@ pub fn run(args: RunArgs) -> Result<()> {
     // forward pass).
     let streaming = tiered.as_ref().zip(stream_before).map(|(t, before)| {
         let m = crate::tiered::measured(before, t.stats.get(), generated.saturating_sub(1));
+        // With a separate device, the last decode pass's uploads (tiers B and C).
+        let uploaded = (!t.plan.unified)
+            .then(|| backend.last_pass().map(|r| r.bytes_uploaded))
+            .flatten();
         (
             m,
             t.non_resident_bytes(),
             t.plan.tier_bytes(ballast_tier_stream::Tier::Device),
+            uploaded,
         )
     });
     if args.json {
@@ -225,8 +230,9 @@ pub fn run(args: RunArgs) -> Result<()> {
                 "peak_rss_kib": peak,
                 "threads": threads,
                 "backend": backend_name,
-                "streaming": streaming.as_ref().map(|(m, non_resident, resident)| json!({
+                "streaming": streaming.as_ref().map(|(m, non_resident, resident, uploaded)| json!({
                     "disk_bytes_per_token": m.disk_bytes_per_token,
+                    "uploaded_bytes_per_token": uploaded,
                     "non_resident_bytes": non_resident,
                     "resident_bytes_per_token": resident,
                     "stall_ms_per_token": m.stall_per_token.as_secs_f64() * 1e3,
@@ -248,12 +254,19 @@ pub fn run(args: RunArgs) -> Result<()> {
             peak.map_or("unknown".into(), |k| common::human_bytes(k * 1024)),
             backend_name,
         );
-        if let Some((m, non_resident, resident)) = &streaming {
+        if let Some((m, non_resident, resident, uploaded)) = &streaming {
+            let in_place = match uploaded {
+                Some(u) => format!(
+                    "{} uploaded to the GPU (tiers B and C), {} read in place from GPU memory",
+                    common::human_bytes(*u),
+                    common::human_bytes(*resident)
+                ),
+                None => format!("{} read in place from RAM", common::human_bytes(*resident)),
+            };
             eprintln!(
-                "streaming per generated token: {} read from disk (non-resident layers: {}), {} read in place from RAM, stalled {:.2} ms, disk busy {:.2} ms",
+                "streaming per generated token: {} read from disk (non-resident layers: {}), {in_place}, stalled {:.2} ms, disk busy {:.2} ms",
                 common::human_bytes(m.disk_bytes_per_token as u64),
                 common::human_bytes(*non_resident),
-                common::human_bytes(*resident),
                 m.stall_per_token.as_secs_f64() * 1e3,
                 m.read_time_per_token.as_secs_f64() * 1e3,
             );

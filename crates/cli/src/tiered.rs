@@ -43,8 +43,11 @@ pub struct StoreArgs {
     /// probed RAM (MemAvailable, or the cgroup limit when one is set).
     #[arg(long)]
     pub ram: Option<String>,
-    /// Device memory budget (for the GPU tier, not implemented yet; the CPU backend
-    /// computes from RAM).
+    /// GPU memory budget for weights, KV cache and activations (e.g. 8G), with
+    /// --device gpu: layers that fit stay on the GPU, the others are uploaded per use
+    /// from RAM (--ram) or from disk. Needed for tiered streaming on the GPU (wgpu
+    /// cannot tell how much memory a GPU has). The CPU backend computes from RAM: use
+    /// --ram there.
     #[arg(long)]
     pub vram: Option<String>,
     /// Prefetch depth of tiered streaming: slots in the ring (2 = double buffering).
@@ -118,16 +121,22 @@ pub fn build(
     batch: usize,
     quiet: bool,
 ) -> Result<Built> {
-    if args.vram.is_some() {
-        bail!("--vram needs tiered streaming's GPU tier, which is not implemented yet (on the CPU backend device memory is RAM): use --ram");
+    // A backend with its own device (wgpu) gets a plan with a device tier.
+    let separate_device = backend.device_forward().is_some();
+    if args.vram.is_some() && !separate_device {
+        bail!("--vram is GPU memory, and this run computes on the CPU, from RAM: use --ram, or --device gpu");
     }
     let config =
         ModelConfig::from_gguf(file).with_context(|| format!("loading {}", path.display()))?;
     let (globals, layers) =
         load_weights(file, &config).with_context(|| format!("loading {}", path.display()))?;
-    let shape = model_shape(&config, &globals, &layers);
+    let mut shape = model_shape(&config, &globals, &layers);
+    if separate_device {
+        // The wgpu backend's device copy of the cache holds f32 (see its KvMirror).
+        shape.kv_value_bytes = 4;
+    }
     let kind = match args.store {
-        StoreKind::Auto if args.ram.is_some() => StoreKind::Tiered,
+        StoreKind::Auto if args.ram.is_some() || args.vram.is_some() => StoreKind::Tiered,
         StoreKind::Auto => {
             let (budget, _) = ram_budget(None)?;
             let need = shape.total_layer_bytes() + shape.head_bytes;
@@ -150,9 +159,17 @@ pub fn build(
         });
     }
     let (ram, source) = ram_budget(args.ram.as_deref())?;
+    let device = if separate_device {
+        let vram = args.vram.as_deref().context(
+            "tiered streaming on the GPU needs --vram (wgpu cannot tell how much memory the GPU has)",
+        )?;
+        Some(probe::parse_size(vram)?)
+    } else {
+        None
+    };
     let p = plan(&PlanRequest {
         shape: shape.clone(),
-        budgets: Budgets { device: None, ram },
+        budgets: Budgets { device, ram },
         ctx: ctx as u64,
         batch: batch as u64,
         depth: args.depth.max(1),
@@ -169,6 +186,10 @@ pub fn build(
             io_threads: args.io_threads.max(1),
         },
     )?;
+    if !p.unified {
+        // Tiers B and C are uploaded per use into the device slots the plan sized.
+        backend.set_stream_slots(p.device_slots.max(1));
+    }
     // Loading touched each layer's norms through the memory map: let those pages go.
     io::release_mapped_pages(file.as_bytes());
     let _ = io::drop_file_cache(path);
@@ -179,6 +200,9 @@ pub fn build(
         shape,
     };
     if !quiet {
+        if let Some(d) = device {
+            eprintln!("GPU budget {} (given)", human_bytes(d));
+        }
         eprintln!("RAM budget {} ({source})", human_bytes(ram));
         eprint!("{}", describe(&info.plan, None, None));
         eprintln!("disk reads: {}", info.read_mode);
@@ -256,8 +280,9 @@ pub fn describe(p: &Plan, speeds: Option<(&Speeds, u64)>, notes: Option<&str>) -
     if !p.unified {
         let _ = writeln!(
             s,
-            "RAM budget {}: margin {}, {} staging buffer(s) of {}, tier B {} = {} used",
+            "RAM budget {}: KV cache {}, margin {}, {} staging buffer(s) of {}, tier B {} = {} used",
             human_bytes(p.budgets.ram),
+            human_bytes(p.ram_reserve.kv),
             human_bytes(p.ram_reserve.margin),
             p.staging_slots,
             human_bytes(p.staging_slot_bytes),

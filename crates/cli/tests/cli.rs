@@ -560,3 +560,91 @@ fn gpu_run_and_bench_report_the_adapter_and_traffic() {
     assert!(token["weight_bytes_read"].as_u64().unwrap() > 0, "{device}");
     assert!(token["kv_bytes_read"].as_u64().unwrap() > 0, "{device}");
 }
+
+/// The `ballast plan --json` split (device, RAM, disk) of `model` on a GPU of `vram`
+/// with `ram` of RAM.
+fn gpu_split(model: &str, vram: &str, ram: &str) -> Option<(u64, u64, u64)> {
+    let o = ballast(&[
+        "plan",
+        "-m",
+        model,
+        "--vram",
+        vram,
+        "--ram",
+        ram,
+        "-c",
+        "64",
+        "-b",
+        "64",
+        "--compute",
+        "1GB/s",
+        "--json",
+    ]);
+    if !o.status.success() {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let n = |k: &str| v["split"][k].as_u64().unwrap();
+    Some((n("device"), n("ram"), n("disk")))
+}
+
+/// Tiered streaming on the GPU: with a device budget that holds some layers and a RAM
+/// budget that holds some of the rest, the tokens equal the all-resident GPU run's,
+/// the device never holds more than `--vram`, the RAM and disk tiers are uploaded per
+/// token and the disk tier is read per token. Needs a wgpu adapter (as above).
+#[test]
+fn gpu_tiered_streaming_keeps_the_device_budget_and_the_tokens() {
+    if let Err(e) = ballast_runtime::gpu::GpuContext::new() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI needs a wgpu adapter (install mesa-vulkan-drivers): {e}"
+        );
+        eprintln!("skipped: {e}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = layered_model(dir.path());
+    let m = model.to_str().unwrap();
+    // Budgets that put layers in all three tiers (in KiB steps: the reserve's margin
+    // of 8 MiB dominates a model this small).
+    let (vram, ram) = (9000..16000)
+        .step_by(250)
+        .flat_map(|v| {
+            (9000..16000)
+                .step_by(500)
+                .map(move |r| (format!("{v}K"), format!("{r}K")))
+        })
+        .find(|(v, r)| matches!(gpu_split(m, v, r), Some((a, b, c)) if a > 0 && b > 0 && c > 0))
+        .expect("some budgets split the layers three ways");
+    let greedy = ["--temp", "0", "-c", "64", "-b", "64", "--device", "gpu"];
+    let resident = generated_tokens(m, "xyz", 8, &greedy);
+    let tiered = [&greedy[..], &["--vram", &vram, "--ram", &ram]].concat();
+    assert_eq!(resident, generated_tokens(m, "xyz", 8, &tiered));
+
+    let mut args = vec!["run", "-m", m, "xyz", "-n", "8", "--ignore-eos", "--json"];
+    args.extend_from_slice(&tiered);
+    let o = ballast(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("| B RAM |"), "{}", stderr(&o));
+    let last: serde_json::Value = serde_json::from_str(stdout(&o).lines().last().unwrap()).unwrap();
+    let t = &last["timings"];
+    let vram_bytes = vram.trim_end_matches('K').parse::<u64>().unwrap() << 10;
+    let peak = t["peak_device_bytes"].as_u64().unwrap();
+    assert!(
+        peak <= vram_bytes,
+        "{peak} device bytes held, budget {vram_bytes}"
+    );
+    let s = &t["streaming"];
+    let non_resident = s["non_resident_bytes"].as_f64().unwrap();
+    let read = s["disk_bytes_per_token"].as_f64().unwrap();
+    assert!(
+        read >= non_resident && read <= non_resident * 1.05 + 8192.0,
+        "{read} bytes read per token, {non_resident} on disk: {s}"
+    );
+    assert!(s["uploaded_bytes_per_token"].as_u64().unwrap() > 0, "{s}");
+
+    // --vram is GPU memory: on the CPU backend it is refused with what to use instead.
+    let o = ballast(&["run", "-m", m, "xyz", "--vram", "1G"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--ram"), "{}", stderr(&o));
+}

@@ -213,7 +213,8 @@ fn successive_models_on_one_backend_use_their_own_weights() {
 
 /// Every buffer is counted: after a pass the context holds at least the weights (as
 /// packed, padded to 4 bytes) plus the KV mirror, and dropping the backend frees
-/// exactly the weights (scratch and the KV mirror go back to the pool, still held).
+/// exactly the weights and the mirror's keys and values (scratch and the mirror's
+/// positions go back to the pool, still held).
 #[test]
 fn device_memory_counts_weights_kv_and_scratch() {
     if gpu().is_none() {
@@ -236,8 +237,9 @@ fn device_memory_counts_weights_kv_and_scratch() {
         .forward(&IDS[..4], &[0, 1, 2, 3], &mut kv, None, Logits::Last)
         .unwrap();
     let kv_dim = (spec.n_kv_heads * spec.head_dim()) as u64;
-    let mirror = 2 * spec.n_layers as u64 * (capacity as u64 * kv_dim * 4).next_power_of_two()
-        + (capacity as u64 * 4).next_power_of_two().max(256);
+    // Keys and values at their exact size; positions come from the pool.
+    let mirror_kv = 2 * spec.n_layers as u64 * capacity as u64 * kv_dim * 4;
+    let mirror = mirror_kv + (capacity as u64 * 4).next_power_of_two().max(256);
     let held = ctx.memory().current();
     assert!(
         held >= weights + mirror,
@@ -248,8 +250,8 @@ fn device_memory_counts_weights_kv_and_scratch() {
     drop(backend);
     assert_eq!(
         held - ctx.memory().current(),
-        weights,
-        "the weights were freed"
+        weights + mirror_kv,
+        "the weights and the KV mirror were freed"
     );
 }
 

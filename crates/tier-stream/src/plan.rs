@@ -173,10 +173,12 @@ impl Reserve {
         (8u64 << 20).saturating_add(budget / 50)
     }
 
-    /// A reserve of only a margin (the RAM pool when the device is separate: the KV
-    /// cache and activations live on the device).
-    pub fn margin_only(budget: u64) -> Reserve {
+    /// The reserve of the RAM pool when the device is separate: the activations live on
+    /// the device, the KV cache on both (`kv`: the host keeps the complete record of the
+    /// cache, which the device mirrors), and a margin.
+    pub fn host_of_device(kv: u64, budget: u64) -> Reserve {
         Reserve {
+            kv,
             margin: Reserve::margin_for(budget),
             ..Reserve::default()
         }
@@ -363,7 +365,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
         }
         Some(_) => {
             let ram = req.budgets.ram;
-            ram_reserve = Reserve::margin_only(ram);
+            ram_reserve = Reserve::host_of_device(device_reserve.kv, ram);
             let ram_avail = ram.saturating_sub(ram_reserve.total());
             let max_staging = off_device
                 .iter()
@@ -379,8 +381,8 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
                     budget: ram,
                     needed: ram_reserve.total().saturating_add(max_staging),
                     what: format!(
-                        "margin {} + one staging buffer of {}",
-                        ram_reserve.margin, max_staging
+                        "KV cache {} + margin {} + one staging buffer of {}",
+                        ram_reserve.kv, ram_reserve.margin, max_staging
                     ),
                 });
             };

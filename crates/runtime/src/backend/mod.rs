@@ -176,6 +176,13 @@ pub trait Backend: Send + Sync {
     fn last_pass(&self) -> Option<PassReport> {
         None
     }
+    /// Sets how many streamed layers a backend with its own memory holds at once: the
+    /// device slots that layers whose bytes may not be cached on the device are
+    /// uploaded into (a tiered store's plan sizes them). Backends that compute from host
+    /// memory have no slots and ignore it.
+    fn set_stream_slots(&self, n: usize) {
+        let _ = n;
+    }
     /// Device bytes held now and at the peak, for backends with their own memory.
     fn device_bytes(&self) -> Option<(u64, u64)> {
         None

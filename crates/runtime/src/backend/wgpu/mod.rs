@@ -987,6 +987,10 @@ impl Backend for WgpuBackend {
     fn device_bytes(&self) -> Option<(u64, u64)> {
         Some((self.ctx.memory().current(), self.ctx.memory().peak()))
     }
+
+    fn set_stream_slots(&self, n: usize) {
+        WgpuBackend::set_stream_slots(self, n);
+    }
 }
 
 impl WgpuBackend {
@@ -1000,12 +1004,17 @@ impl WgpuBackend {
         });
         if !fits {
             *slot = None;
-            let bytes = capacity.max(1) * kv_dim * 4;
+            // Exact sizes, not the pool's powers of two: the mirror is the largest
+            // buffer set after the weights, and a plan reserves what it needs.
+            let bytes = (capacity.max(1) * kv_dim * 4) as u64;
+            let usage = wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_DST
+                | wgpu::BufferUsages::COPY_SRC;
             let mut keys = Vec::with_capacity(n_layers);
             let mut values = Vec::with_capacity(n_layers);
             for _ in 0..n_layers {
-                keys.push(self.ctx.buffer(bytes as u64, "kv keys")?);
-                values.push(self.ctx.buffer(bytes as u64, "kv values")?);
+                keys.push(self.ctx.buffer_with_usage(bytes, usage, "kv keys")?);
+                values.push(self.ctx.buffer_with_usage(bytes, usage, "kv values")?);
             }
             *slot = Some(KvMirror {
                 capacity,
