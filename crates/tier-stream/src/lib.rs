@@ -18,6 +18,10 @@
 //!   read once, streamed ones are read per use by reader threads into a ring of slots
 //!   (prefetch depth = slots), through [`io::DirectFile`] (`O_DIRECT`, or reads plus
 //!   `posix_fadvise(DONTNEED)`), so the page cache does not silently spend the budget.
+//!   [`TieredStore::over_store`] stacks the same tiers over another `WeightStore`
+//!   instead of the file (a store that decompresses on demand, say): the layers it
+//!   streams are fetched from the store beneath by the same reader threads, ahead of
+//!   the forward pass.
 //!
 //! **Backends.** On the CPU backend tiers A and B are the same RAM: a plan made with
 //! `Budgets { device: None, .. }` has only [`Tier::Device`] (resident in RAM) and

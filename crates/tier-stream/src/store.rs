@@ -102,6 +102,30 @@ impl LayerLayout {
         })
     }
 
+    /// A layout for a layer fetched from another store: the seven matrices packed one
+    /// after another (each on a 64-byte boundary) in a slot. The template keeps the
+    /// names, types, shapes, norms and biases, not the bytes.
+    fn packed(layer: &LayerWeights) -> LayerLayout {
+        let mut ranges: [std::ops::Range<usize>; 7] = Default::default();
+        let mut end = 0usize;
+        for (k, w) in matrices(layer).iter().enumerate() {
+            let at = end.div_ceil(64) * 64;
+            ranges[k] = at..at + w.bytes.len();
+            end = ranges[k].end;
+        }
+        let mut template = layer.clone();
+        for w in matrices_mut(&mut template) {
+            w.bytes = WeightBytes::from_vec(Vec::new());
+        }
+        LayerLayout {
+            bytes: layer.byte_size() as u64,
+            template,
+            extents: Vec::new(),
+            ranges,
+            slot_len: (end as u64).div_ceil(IO_ALIGN) * IO_ALIGN,
+        }
+    }
+
     /// The layer's weights pointing into `source`, a buffer this layout was read into.
     fn weights(&self, source: Arc<dyn ByteSource>) -> Result<LayerWeights> {
         let mut l = self.template.clone();
@@ -164,6 +188,65 @@ fn read_extents(
         }
     }
     Ok(())
+}
+
+/// Where a [`TieredStore`] gets the layers it does not keep: the model file (aligned
+/// reads that bypass the page cache) or another [`WeightStore`] beneath it (a store that
+/// decompresses on demand, say), whose layers are copied into the slots.
+enum Beneath {
+    File(Arc<dyn ReadAt>),
+    Store {
+        inner: Arc<dyn WeightStore>,
+        passes: ballast_runtime::store::PassCounter,
+    },
+}
+
+impl Beneath {
+    /// Fills `buf` with layer `index`'s bytes where `layout` puts them; returns the
+    /// bytes moved.
+    fn fetch(&self, index: usize, layout: &LayerLayout, buf: &mut AlignedBuf) -> Result<u64> {
+        match self {
+            Beneath::File(reader) => {
+                read_extents(reader.as_ref(), Part::Layer(index), &layout.extents, buf)?;
+                Ok(layout.extents.iter().map(|e| e.len).sum())
+            }
+            Beneath::Store { inner, passes } => {
+                let layer = inner.layer(passes.next(), index)?;
+                let mut moved = 0u64;
+                for (w, r) in matrices(&layer).iter().zip(&layout.ranges) {
+                    let bytes = w.bytes.as_slice();
+                    if bytes.len() != r.len() {
+                        return Err(Error::PlanMismatch {
+                            why: format!(
+                                "the store beneath gave {} bytes for {}, {} when the store was made",
+                                bytes.len(),
+                                w.name,
+                                r.len()
+                            ),
+                        });
+                    }
+                    buf.as_mut_slice()[r.clone()].copy_from_slice(bytes);
+                    moved += bytes.len() as u64;
+                }
+                Ok(moved)
+            }
+        }
+    }
+
+    /// The file read, for error messages (the store beneath has none).
+    fn path(&self) -> PathBuf {
+        match self {
+            Beneath::File(reader) => reader.path().to_path_buf(),
+            Beneath::Store { .. } => PathBuf::from("<the store beneath>"),
+        }
+    }
+
+    fn mode(&self) -> &'static str {
+        match self {
+            Beneath::File(reader) => reader.mode(),
+            Beneath::Store { .. } => "copied from the store beneath",
+        }
+    }
 }
 
 /// Bytes that stay in memory for the life of the store: where the CPU backend computes
@@ -369,6 +452,70 @@ pub fn model_shape(
     }
 }
 
+/// Checks that `plan` places `n_layers` layers and has a RAM tier only with a separate
+/// device.
+fn check_plan(plan: &Plan, n_layers: usize) -> Result<()> {
+    if plan.tiers.len() != n_layers {
+        return Err(Error::PlanMismatch {
+            why: format!(
+                "the plan places {} layers, the model has {n_layers}",
+                plan.tiers.len()
+            ),
+        });
+    }
+    if plan.unified && plan.tiers.contains(&Tier::Ram) {
+        return Err(Error::PlanMismatch {
+            why: "a plan without a separate device has no RAM tier".into(),
+        });
+    }
+    Ok(())
+}
+
+/// The layers `plan` keeps, as this store holds them: on the CPU (a unified plan) the
+/// device tier is fetched once into RAM the CPU computes from; with a separate device
+/// it is handed out `as_loaded` (the backend uploads it once and keeps it); a RAM tier
+/// is fetched once into RAM that the backend uploads per use. Returns them with the
+/// bytes held for the device tier and for the RAM tier.
+#[allow(clippy::type_complexity)]
+fn place_layers(
+    layouts: &[LayerLayout],
+    plan: &Plan,
+    fetch: impl Fn(usize, &LayerLayout, &mut AlignedBuf) -> Result<()>,
+    as_loaded: impl Fn(usize) -> Result<Arc<LayerWeights>>,
+) -> Result<(Vec<Option<Arc<LayerWeights>>>, u64, u64)> {
+    let mut resident = Vec::with_capacity(layouts.len());
+    let (mut device_bytes, mut ram_bytes) = (0u64, 0u64);
+    for (i, layout) in layouts.iter().enumerate() {
+        let in_ram = match (plan.tiers[i], plan.unified) {
+            (Tier::Disk, _) => {
+                resident.push(None);
+                continue;
+            }
+            (Tier::Device, false) => {
+                device_bytes += layout.bytes;
+                resident.push(Some(as_loaded(i)?));
+                continue;
+            }
+            (Tier::Device, true) => false,
+            (Tier::Ram, _) => true,
+        };
+        let mut buf = AlignedBuf::new(layout.slot_len as usize);
+        fetch(i, layout, &mut buf)?;
+        // What is allocated (aligned reads), not only the tensors' bytes.
+        if in_ram {
+            ram_bytes += buf.len() as u64;
+        } else {
+            device_bytes += buf.len() as u64;
+        }
+        let source: Arc<dyn ByteSource> = Arc::new(Resident {
+            buf,
+            on_device: !in_ram,
+        });
+        resident.push(Some(Arc::new(layout.weights(source)?)));
+    }
+    Ok((resident, device_bytes, ram_bytes))
+}
+
 impl TieredStore {
     /// A store for the weights `globals` and `layers` of `file` (as
     /// `ballast_runtime::model::load_weights` returns them), placed by `plan`, reading
@@ -381,24 +528,111 @@ impl TieredStore {
         reader: Arc<dyn ReadAt>,
         options: TieredOptions,
     ) -> Result<TieredStore> {
-        if plan.tiers.len() != layers.len() {
-            return Err(Error::PlanMismatch {
-                why: format!(
-                    "the plan places {} layers, the model has {}",
-                    plan.tiers.len(),
-                    layers.len()
-                ),
-            });
-        }
-        if plan.unified && plan.tiers.contains(&Tier::Ram) {
-            return Err(Error::PlanMismatch {
-                why: "a plan without a separate device has no RAM tier".into(),
-            });
-        }
+        check_plan(plan, layers.len())?;
         let layouts: Vec<LayerLayout> = layers
             .into_iter()
             .map(|l| LayerLayout::new(file, l))
             .collect::<Result<_>>()?;
+        let mut head_bytes =
+            globals.output.bytes.len() as u64 + globals.output_norm.len() as u64 * 4;
+        if plan.unified {
+            // The head is read whole by every token: read it once into RAM. A tied
+            // embedding is the same tensor; an untied one stays memory-mapped (a token
+            // reads one row of it).
+            let head_info = file.tensor(&globals.output.name)?.clone();
+            let tied = globals.output.name == globals.token_embd.name;
+            let mut head_buf = AlignedBuf::new((head_info.n_bytes + 2 * IO_ALIGN) as usize);
+            let head_layout = Extent {
+                file_offset: head_info.offset / IO_ALIGN * IO_ALIGN,
+                needed: head_info.offset % IO_ALIGN + head_info.n_bytes,
+                len: (head_info.offset % IO_ALIGN + head_info.n_bytes).div_ceil(IO_ALIGN)
+                    * IO_ALIGN,
+                buf_offset: 0,
+            };
+            read_extents(reader.as_ref(), Part::Head, &[head_layout], &mut head_buf)?;
+            let head_source: Arc<dyn ByteSource> = Arc::new(Resident {
+                buf: head_buf,
+                on_device: true,
+            });
+            let at = (head_info.offset % IO_ALIGN) as usize;
+            globals.output.bytes =
+                WeightBytes::new(head_source, at..at + head_info.n_bytes as usize)?;
+            if tied {
+                globals.token_embd.bytes = globals.output.bytes.clone();
+            }
+            head_bytes = head_info.n_bytes + globals.output_norm.len() as u64 * 4;
+        }
+        // A separate device uploads the device tier once and keeps it: those layers stay
+        // as loaded (mapped) here.
+        let as_loaded = |i: usize| Ok(Arc::new(layouts[i].template.clone()));
+        let (resident, resident_bytes, ram_bytes) = place_layers(
+            &layouts,
+            plan,
+            |i, l, b| read_extents(reader.as_ref(), Part::Layer(i), &l.extents, b),
+            as_loaded,
+        )?;
+        TieredStore::start(
+            globals,
+            layouts,
+            resident,
+            plan,
+            (resident_bytes, head_bytes, ram_bytes),
+            Arc::new(Beneath::File(reader)),
+            options,
+        )
+    }
+
+    /// A store over another store `inner` (one that decompresses layers on demand, say),
+    /// placed by `plan` (made from `inner`'s layer sizes): the layers the plan keeps are
+    /// fetched from `inner` once, the streamed ones are fetched from it per use by the
+    /// reader threads into the ring of slots, ahead of the forward pass, exactly as
+    /// they would be read from a file. `inner` is asked for each layer with pass ids of
+    /// its own, and sees only this store's reads. The counters' "disk" figures are
+    /// then bytes fetched from `inner`.
+    pub fn over_store(
+        inner: Arc<dyn WeightStore>,
+        plan: &Plan,
+        options: TieredOptions,
+    ) -> Result<TieredStore> {
+        check_plan(plan, inner.n_layers())?;
+        let passes = ballast_runtime::store::PassCounter::default();
+        let layouts: Vec<LayerLayout> = (0..inner.n_layers())
+            .map(|i| Ok(LayerLayout::packed(&*inner.layer(passes.next(), i)?)))
+            .collect::<Result<_>>()?;
+        let globals = inner.globals().clone();
+        let head_bytes = globals.output.bytes.len() as u64 + globals.output_norm.len() as u64 * 4;
+        let beneath = Beneath::Store { inner, passes };
+        let as_loaded = |i: usize| match &beneath {
+            Beneath::Store { inner, passes } => Ok(inner.layer(passes.next(), i)?),
+            Beneath::File(_) => unreachable!("a store beneath"),
+        };
+        let (resident, resident_bytes, ram_bytes) = place_layers(
+            &layouts,
+            plan,
+            |i, l, b| beneath.fetch(i, l, b).map(|_| ()),
+            as_loaded,
+        )?;
+        TieredStore::start(
+            globals,
+            layouts,
+            resident,
+            plan,
+            (resident_bytes, head_bytes, ram_bytes),
+            Arc::new(beneath),
+            options,
+        )
+    }
+
+    /// Starts the reader threads and the ring of slots for the streamed layers.
+    fn start(
+        globals: GlobalWeights,
+        layouts: Vec<LayerLayout>,
+        resident: Vec<Option<Arc<LayerWeights>>>,
+        plan: &Plan,
+        (resident_bytes, head_bytes, ram_bytes): (u64, u64, u64),
+        beneath: Arc<Beneath>,
+        options: TieredOptions,
+    ) -> Result<TieredStore> {
         let streamed: Vec<usize> = (0..layouts.len())
             .filter(|&i| plan.tiers[i] == Tier::Disk)
             .collect();
@@ -407,8 +641,8 @@ impl TieredStore {
             .map(|&i| layouts[i].slot_len)
             .max()
             .unwrap_or(0);
-        // Disk reads land in the slots the backend computes from (CPU), or in RAM
-        // staging slots that a device backend uploads from.
+        // Reads land in the slots the backend computes from (CPU), or in RAM staging
+        // slots that a device backend uploads from.
         let (ring_slots, ring_slot_bytes) = if plan.unified {
             (plan.device_slots, plan.device_slot_bytes)
         } else {
@@ -417,115 +651,10 @@ impl TieredStore {
         if !streamed.is_empty() && slot_len > ring_slot_bytes {
             return Err(Error::PlanMismatch {
                 why: format!(
-                    "a streamed layer's tensors span {slot_len} bytes of the file, more than the plan's slot of {ring_slot_bytes} bytes"
+                    "a streamed layer's tensors span {slot_len} bytes, more than the plan's slot of {ring_slot_bytes} bytes"
                 ),
             });
         }
-        let mut resident = Vec::with_capacity(layouts.len());
-        let (mut resident_bytes, mut ram_bytes) = (0u64, 0u64);
-        if !plan.unified {
-            // A separate device: the backend uploads the head and the device tier once
-            // and keeps them, so they stay as loaded (mapped) here; the RAM tier is read
-            // into RAM once and uploaded per use.
-            for (i, layout) in layouts.iter().enumerate() {
-                match plan.tiers[i] {
-                    Tier::Device => {
-                        resident_bytes += layout.bytes;
-                        resident.push(Some(Arc::new(layout.template.clone())));
-                    }
-                    Tier::Ram => {
-                        let mut buf = AlignedBuf::new(layout.slot_len as usize);
-                        read_extents(reader.as_ref(), Part::Layer(i), &layout.extents, &mut buf)?;
-                        ram_bytes += buf.len() as u64;
-                        let source: Arc<dyn ByteSource> = Arc::new(Resident {
-                            buf,
-                            on_device: false,
-                        });
-                        resident.push(Some(Arc::new(layout.weights(source)?)));
-                    }
-                    Tier::Disk => resident.push(None),
-                }
-            }
-            let head_bytes =
-                globals.output.bytes.len() as u64 + globals.output_norm.len() as u64 * 4;
-            return TieredStore::start(
-                globals,
-                layouts,
-                resident,
-                plan,
-                streamed,
-                (ring_slots, slot_len),
-                (resident_bytes, head_bytes, ram_bytes),
-                reader,
-                options,
-            );
-        }
-        // The head is read whole by every token: read it once into RAM. A tied
-        // embedding is the same tensor; an untied one stays memory-mapped (a token
-        // reads one row of it).
-        let head_info = file.tensor(&globals.output.name)?.clone();
-        let tied = globals.output.name == globals.token_embd.name;
-        let mut head_buf = AlignedBuf::new((head_info.n_bytes + 2 * IO_ALIGN) as usize);
-        let head_layout = Extent {
-            file_offset: head_info.offset / IO_ALIGN * IO_ALIGN,
-            needed: head_info.offset % IO_ALIGN + head_info.n_bytes,
-            len: (head_info.offset % IO_ALIGN + head_info.n_bytes).div_ceil(IO_ALIGN) * IO_ALIGN,
-            buf_offset: 0,
-        };
-        read_extents(reader.as_ref(), Part::Head, &[head_layout], &mut head_buf)?;
-        let head_source: Arc<dyn ByteSource> = Arc::new(Resident {
-            buf: head_buf,
-            on_device: true,
-        });
-        let at = (head_info.offset % IO_ALIGN) as usize;
-        globals.output.bytes = WeightBytes::new(head_source, at..at + head_info.n_bytes as usize)?;
-        if tied {
-            globals.token_embd.bytes = globals.output.bytes.clone();
-        }
-        let head_bytes = head_info.n_bytes + globals.output_norm.len() as u64 * 4;
-
-        for (i, layout) in layouts.iter().enumerate() {
-            if plan.tiers[i] == Tier::Device {
-                let mut buf = AlignedBuf::new(layout.slot_len as usize);
-                read_extents(reader.as_ref(), Part::Layer(i), &layout.extents, &mut buf)?;
-                // What is allocated (aligned reads), not only the tensors' bytes.
-                resident_bytes += buf.len() as u64;
-                let source: Arc<dyn ByteSource> = Arc::new(Resident {
-                    buf,
-                    on_device: true,
-                });
-                resident.push(Some(Arc::new(layout.weights(source)?)));
-            } else {
-                resident.push(None);
-            }
-        }
-        TieredStore::start(
-            globals,
-            layouts,
-            resident,
-            plan,
-            streamed,
-            (ring_slots, slot_len),
-            (resident_bytes, head_bytes, ram_bytes),
-            reader,
-            options,
-        )
-    }
-
-    /// Starts the reader threads and the ring of `slots.0` slots of `slots.1` bytes for
-    /// the `streamed` layers.
-    #[allow(clippy::too_many_arguments)] // the parts `new` assembled, in one place
-    fn start(
-        globals: GlobalWeights,
-        layouts: Vec<LayerLayout>,
-        resident: Vec<Option<Arc<LayerWeights>>>,
-        plan: &Plan,
-        streamed: Vec<usize>,
-        (ring_slots, slot_len): (usize, u64),
-        (resident_bytes, head_bytes, ram_bytes): (u64, u64, u64),
-        reader: Arc<dyn ReadAt>,
-        options: TieredOptions,
-    ) -> Result<TieredStore> {
         let layouts = Arc::new(layouts);
         let slots = if streamed.is_empty() {
             0
@@ -546,26 +675,20 @@ impl TieredStore {
         if slots > 0 {
             for t in 0..options.io_threads.max(1) {
                 let (jobs_rx, done_tx) = (jobs_rx.clone(), done_tx.clone());
-                let (reader, layouts, counters) =
-                    (reader.clone(), layouts.clone(), counters.clone());
+                let (beneath, layouts, counters) =
+                    (beneath.clone(), layouts.clone(), counters.clone());
                 let handle = std::thread::Builder::new()
                     .name(format!("ballast-read-{t}"))
                     .spawn(move || {
                         for mut job in jobs_rx {
                             counters.link_start();
                             let layout = &layouts[job.layer];
-                            let result = read_extents(
-                                reader.as_ref(),
-                                Part::Layer(job.layer),
-                                &layout.extents,
-                                &mut job.buf,
-                            );
+                            let result = beneath.fetch(job.layer, layout, &mut job.buf);
                             counters.link_end();
-                            if result.is_ok() {
-                                let n: u64 = layout.extents.iter().map(|e| e.len).sum();
+                            let result = result.map(|n| {
                                 counters.disk_bytes.fetch_add(n, Ordering::Relaxed);
                                 counters.disk_reads.fetch_add(1, Ordering::Relaxed);
-                            }
+                            });
                             if done_tx
                                 .send(Done {
                                     layer: job.layer,
@@ -594,7 +717,7 @@ impl TieredStore {
             head_bytes,
             ram_bytes,
             unified: plan.unified,
-            path: reader.path().to_path_buf(),
+            path: beneath.path(),
             ring: Mutex::new(ring),
             jobs: Some(jobs_tx),
             done: done_rx,
@@ -602,7 +725,7 @@ impl TieredStore {
             home_rx,
             counters,
             threads,
-            mode: reader.mode(),
+            mode: beneath.mode(),
         })
     }
 

@@ -491,3 +491,92 @@ fn held_bytes_fit_the_planned_budget() {
         .sum();
     assert_eq!(held.disk, streamed);
 }
+
+/// A store that fails for one layer once it has been asked `ok_asks` times.
+struct FailingStore {
+    inner: ResidentStore,
+    layer: usize,
+    ok_asks: usize,
+    asks: std::sync::atomic::AtomicUsize,
+}
+
+impl WeightStore for FailingStore {
+    fn n_layers(&self) -> usize {
+        self.inner.n_layers()
+    }
+    fn globals(&self) -> &ballast_runtime::weights::GlobalWeights {
+        self.inner.globals()
+    }
+    fn layer(&self, pass: PassId, index: usize) -> ballast_runtime::Result<Arc<LayerWeights>> {
+        if index == self.layer && self.asks.fetch_add(1, Ordering::SeqCst) >= self.ok_asks {
+            return Err(ballast_runtime::Error::InvalidArgument {
+                what: format!("layer {index} is gone"),
+            });
+        }
+        self.inner.layer(pass, index)
+    }
+    fn held_bytes(&self) -> ballast_runtime::TierBytes {
+        self.inner.held_bytes()
+    }
+}
+
+/// Stacked over another store (here the resident store of the same model): the same
+/// logits as that store alone, with layers kept and streamed, the streamed ones fetched
+/// from the store beneath per use (and a little ahead); an error of the store beneath
+/// reaches the forward pass as an error, not a hang.
+#[test]
+fn over_another_store_gives_that_stores_logits() {
+    let fx = fixture(6, 3);
+    let resident = || {
+        let (g, l) = load_weights(&fx.file, &fx.config).unwrap();
+        ResidentStore::new(g, l, false)
+    };
+    let cpu = || -> Arc<dyn Backend> { Arc::new(CpuBackend::new(1)) };
+    let reference = run_passes(&fx, Box::new(resident()), cpu());
+    use Tier::{Device as A, Disk as C};
+    for (tiers, slots) in [
+        (vec![A; 6], 2),
+        (vec![C; 6], 2),
+        (vec![A, C, A, C, C, A], 1),
+    ] {
+        let p = plan_with(&fx, tiers.clone(), slots);
+        let s = TieredStore::over_store(Arc::new(resident()), &p, TieredOptions { io_threads: 2 })
+            .unwrap();
+        let stats = s.stats_handle();
+        let got = run_passes(&fx, Box::new(s), cpu());
+        assert!(
+            got == reference,
+            "{tiers:?}: logits differ from the store beneath"
+        );
+        let streamed: u64 = (0..6)
+            .filter(|&i| tiers[i] == C)
+            .map(|i| p.layer_bytes[i] - 2 * 4 * fx.config.d_model as u64)
+            .sum();
+        let fetched = stats.get().disk_bytes;
+        let ahead = slots as u64 * p.layer_bytes.iter().max().unwrap();
+        assert!(
+            fetched >= 4 * streamed && fetched <= 4 * streamed + ahead,
+            "{tiers:?}: {fetched} bytes fetched for 4 passes over {streamed} streamed bytes"
+        );
+    }
+
+    let failing = FailingStore {
+        inner: resident(),
+        layer: 4,
+        ok_asks: 2,
+        asks: Default::default(),
+    };
+    let p = plan_with(&fx, vec![C; 6], 2);
+    let s = TieredStore::over_store(Arc::new(failing), &p, TieredOptions::default()).unwrap();
+    let mut model = Model::from_parts(
+        fx.config.clone(),
+        Box::new(s),
+        cpu(),
+        Box::new(DenseFfn::new()),
+    );
+    let mut kv = DenseKv::new(model.kv_shape(), 64);
+    let err = (0..4u32)
+        .find_map(|t| model.forward(&[t], &[t], &mut kv, None, Logits::Last).err())
+        .expect("the store beneath fails for layer 4");
+    assert!(err.to_string().contains("layer 4 is gone"), "{err}");
+}
