@@ -72,6 +72,13 @@ struct StreamingFigures {
     stall_ms: f64,
     read_ms: f64,
     disk_bytes_per_s: f64,
+    /// The plan's bound, from the compute and disk speeds measured in the run: `None`
+    /// on a device backend, whose whole-pass submissions time no op on the host (and
+    /// whose host-to-device speed is not measured).
+    bound: Option<PlanBound>,
+}
+
+struct PlanBound {
     compute_bytes_per_s: f64,
     predicted_ms: f64,
     bottleneck: &'static str,
@@ -224,23 +231,28 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     let busy_s =
                         (busy.matmul + busy.attention + busy.other).as_secs_f64() / n as f64;
                     let weights = info.shape.total_layer_bytes() + info.shape.head_bytes;
-                    let compute = weights as f64 / busy_s.max(1e-12);
-                    let speeds = ballast_tier_stream::Speeds {
-                        compute_bytes_per_s: compute,
-                        h2d_bytes_per_s: 0.0,
-                        disk_bytes_per_s: m.disk_bytes_per_s,
-                    };
-                    // Attention is in the measured compute already: no extra KV bytes.
-                    let pr = info.plan.predict(&speeds, 0);
+                    let bound = (info.plan.unified && busy_s > 0.0).then(|| {
+                        let compute = weights as f64 / busy_s;
+                        let speeds = ballast_tier_stream::Speeds {
+                            compute_bytes_per_s: compute,
+                            h2d_bytes_per_s: 0.0,
+                            disk_bytes_per_s: m.disk_bytes_per_s,
+                        };
+                        // Attention is in the measured compute already: no extra KV bytes.
+                        let pr = info.plan.predict(&speeds, 0);
+                        PlanBound {
+                            compute_bytes_per_s: compute,
+                            predicted_ms: pr.seconds_per_token * 1e3,
+                            bottleneck: pr.bottleneck.name(),
+                        }
+                    });
                     StreamingFigures {
                         disk_bytes_per_token: m.disk_bytes_per_token,
                         non_resident_bytes: info.non_resident_bytes(),
                         stall_ms: m.stall_per_token.as_secs_f64() * 1e3,
                         read_ms: m.read_time_per_token.as_secs_f64() * 1e3,
                         disk_bytes_per_s: m.disk_bytes_per_s,
-                        compute_bytes_per_s: compute,
-                        predicted_ms: pr.seconds_per_token * 1e3,
-                        bottleneck: pr.bottleneck.name(),
+                        bound,
                     }
                 });
             let mut pt = per_token(busy, n);
@@ -319,10 +331,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
                         "stall_ms_per_token": s.stall_ms,
                         "read_ms_per_token": s.read_ms,
                         "disk_bytes_per_s": s.disk_bytes_per_s,
-                        "compute_bytes_per_s": s.compute_bytes_per_s,
-                        "predicted_ms_per_token": s.predicted_ms,
+                        "compute_bytes_per_s": s.bound.as_ref().map(|b| b.compute_bytes_per_s),
+                        "predicted_ms_per_token": s.bound.as_ref().map(|b| b.predicted_ms),
                         "measured_ms_per_token": 1e3 / median(&r.tokens_per_s),
-                        "bottleneck": s.bottleneck,
+                        "bottleneck": s.bound.as_ref().map(|b| b.bottleneck),
                     });
                 }
             }
@@ -413,7 +425,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         if let Some(s) = &io.streaming {
             let measured_ms = 1e3 / median(&r.tokens_per_s);
             println!(
-                "  {} threads, streaming per token: {} read from disk (non-resident layers {}, {:+.1}%), stalled {:.2} ms, disk busy {:.2} ms; disk {}/s, compute {}/s measured",
+                "  {} threads, streaming per token: {} read from disk (non-resident layers {}, {:+.1}%), stalled {:.2} ms, disk busy {:.2} ms; disk {}/s measured",
                 r.threads,
                 human_bytes(s.disk_bytes_per_token as u64),
                 human_bytes(s.non_resident_bytes),
@@ -421,16 +433,22 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 s.stall_ms,
                 s.read_ms,
                 tiered::human_rate(s.disk_bytes_per_s),
-                tiered::human_rate(s.compute_bytes_per_s),
             );
-            println!(
-                "  {} threads: {:.2} ms per token measured (median) vs {:.2} ms the plan predicts from those speeds ({:.2}x); bottleneck {}",
-                r.threads,
-                measured_ms,
-                s.predicted_ms,
-                measured_ms / s.predicted_ms.max(1e-9),
-                s.bottleneck
-            );
+            match &s.bound {
+                Some(b) => println!(
+                    "  {} threads: {:.2} ms per token measured (median) vs {:.2} ms the plan predicts from the disk speed and compute {}/s measured ({:.2}x); bottleneck {}",
+                    r.threads,
+                    measured_ms,
+                    b.predicted_ms,
+                    tiered::human_rate(b.compute_bytes_per_s),
+                    measured_ms / b.predicted_ms.max(1e-9),
+                    b.bottleneck
+                ),
+                None => println!(
+                    "  {} threads: {:.2} ms per token measured (median); no plan bound on a device backend (its compute and upload speeds are not measured here)",
+                    r.threads, measured_ms
+                ),
+            }
         }
     }
     if let Some(text) = &plan_text {

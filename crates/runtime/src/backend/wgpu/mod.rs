@@ -447,7 +447,7 @@ impl WgpuBackend {
         k: usize,
         jobs: &[(&DeviceWeight, &wgpu::Buffer)],
     ) -> Result<()> {
-        let mut acts: Vec<(GgmlType, GpuBuffer, GpuBuffer)> = Vec::new();
+        let mut acts: Vec<(GgmlType, wgpu::Buffer, wgpu::Buffer)> = Vec::new();
         for &(w, out) in jobs {
             if w.cols != k {
                 return Err(Error::ShapeMismatch {
@@ -468,13 +468,19 @@ impl WgpuBackend {
                     });
                 }
                 let nb = n * k / bl;
-                let aq = self.scratch(n * k * 4, "quantized activations")?;
-                let asc = self.scratch(nb * scales_per_block(at) * 4, "activation scales")?;
+                // One pair per activation type: a batch may need two at once.
+                let tag = at.id();
+                let aq = rec.scratch("quantized activations", tag, (n * k * 4) as u64)?;
+                let asc = rec.scratch(
+                    "activation scales",
+                    tag,
+                    (nb * scales_per_block(at) * 4) as u64,
+                )?;
                 rec.dispatch(
                     &QUANTIZE,
                     "quantize",
                     &[("ATYPE", at.id() as f64)],
-                    &[x, aq.raw(), asc.raw()],
+                    &[x, &aq, &asc],
                     Params::new([n as u32, k as u32, 0, 0], [0; 4], [0.0; 4]),
                     [nb.div_ceil(64) as u32, 1, 1],
                     "quantize",
@@ -513,7 +519,7 @@ impl WgpuBackend {
                         &MATMUL,
                         "matmul_q",
                         &[("WTYPE", w.ty.id() as f64)],
-                        &[chunk.buffer.raw(), aq.raw(), asc.raw(), out],
+                        &[chunk.buffer.raw(), aq, asc, out],
                         params,
                         groups,
                         "matmul",
@@ -523,10 +529,6 @@ impl WgpuBackend {
                     );
                 }
             }
-        }
-        for (_, aq, asc) in acts {
-            rec.keep(aq);
-            rec.keep(asc);
         }
         Ok(())
     }
@@ -668,13 +670,17 @@ impl WgpuBackend {
         out: &wgpu::Buffer,
     ) -> Result<()> {
         let stride = n_cached.max(1);
-        let scores = self.scratch(n_tokens * shape.n_heads * stride * 4, "attention scores")?;
+        let scores = rec.scratch(
+            "attention scores",
+            0,
+            (n_tokens * shape.n_heads * stride * 4) as u64,
+        )?;
         let kv_read = (n_tokens * shape.n_heads * n_cached * shape.head_dim * 2 * 4) as u64;
         rec.dispatch(
             &ATTENTION,
             "attention",
             &[],
-            &[q, keys, values, kpos, qpos, scores.raw(), out],
+            &[q, keys, values, kpos, qpos, &scores, out],
             Params::new(
                 [
                     n_tokens as u32,
@@ -692,7 +698,6 @@ impl WgpuBackend {
             0,
         );
         rec.add_kv_read(kv_read);
-        rec.keep(scores);
         Ok(())
     }
 

@@ -47,6 +47,11 @@ pub(crate) struct Recorder<'c> {
     params: Vec<ParamChunk>,
     align: u64,
     kept: Vec<GpuBuffer>,
+    /// Scratch buffers reused by every dispatch of the pass that asks for the same
+    /// purpose and size (quantized activations, attention scores): dispatches run in
+    /// order, so one buffer per purpose is enough, where one per dispatch would hold
+    /// a pass's worth of them at once.
+    scratch: Vec<((&'static str, u32, u64), GpuBuffer)>,
     report: PassReport,
     timer: Option<Timer>,
 }
@@ -88,6 +93,7 @@ impl<'c> Recorder<'c> {
             params: Vec::new(),
             align: u64::from(ctx.limits().min_uniform_buffer_offset_alignment).max(PARAMS_SIZE),
             kept: Vec::new(),
+            scratch: Vec::new(),
             report,
             timer,
         }
@@ -96,6 +102,25 @@ impl<'c> Recorder<'c> {
     /// Keeps `buffer` out of the pool until the pass has run.
     pub(crate) fn keep(&mut self, buffer: GpuBuffer) {
         self.kept.push(buffer);
+    }
+
+    /// A scratch buffer of at least `bytes` for `purpose` (told apart further by
+    /// `tag`: an activation type, say), shared with the other dispatches of this pass
+    /// that ask for the same, alive until the pass has run.
+    pub(crate) fn scratch(
+        &mut self,
+        purpose: &'static str,
+        tag: u32,
+        bytes: u64,
+    ) -> Result<wgpu::Buffer> {
+        let key = (purpose, tag, bytes);
+        if let Some((_, b)) = self.scratch.iter().find(|(k, _)| *k == key) {
+            return Ok(b.raw().clone());
+        }
+        let b = self.ctx.buffer(bytes, purpose)?;
+        let raw = b.raw().clone();
+        self.scratch.push((key, b));
+        Ok(raw)
     }
 
     /// Counts weight bytes uploaded from the host for this pass.
@@ -312,6 +337,7 @@ impl<'c> Recorder<'c> {
         }
         bytes.truncate(user_bytes as usize);
         drop(self.kept);
+        drop(self.scratch);
         Ok((bytes, self.report))
     }
 }
