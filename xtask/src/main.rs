@@ -177,7 +177,7 @@ fn bench_kv() -> Result<()> {
                 let pos = (n + s) as u32;
                 for l in 0..shape.n_layers {
                     cache.append(l, &[pos], &row, &row)?;
-                    backend.attention(&q, &[pos], &cache.view(l), &attn, &mut out);
+                    backend.attention(&q, &[pos], &cache.view(l), &attn, &mut out)?;
                 }
                 times.push(t.elapsed().as_secs_f64() * 1e3);
             }

@@ -156,7 +156,7 @@ impl StreamingLlm {
                         ),
                     }
                 })?;
-                backend.rope(row, &[delta], shape.n_kv_heads, shape.head_dim, rope);
+                backend.rope(row, &[delta], shape.n_kv_heads, shape.head_dim, rope)?;
             }
             cache.rewrite_keys(layer, 0, &target, &rotated)?;
             self.anchors[layer] = Some(SinkAnchor {

@@ -77,7 +77,9 @@ fn attend(cache: &dyn KvCache, layer: usize, q: &[f32]) -> Vec<f32> {
         head_dim: SHAPE.head_dim,
     };
     let mut out = vec![0f32; q.len()];
-    backend.attention(q, &[1_000_000], &cache.view(layer), &shape, &mut out);
+    backend
+        .attention(q, &[1_000_000], &cache.view(layer), &shape, &mut out)
+        .unwrap();
     out
 }
 

@@ -30,7 +30,7 @@ fn raw(t: usize, salt: usize) -> Vec<f32> {
 
 fn rotated(backend: &CpuBackend, x: &[f32], pos: u32) -> Vec<f32> {
     let mut y = x.to_vec();
-    backend.rope(&mut y, &[pos], 1, 32, &rope());
+    backend.rope(&mut y, &[pos], 1, 32, &rope()).unwrap();
     y
 }
 
@@ -47,7 +47,9 @@ fn attend(
         head_dim: 32,
     };
     let mut out = vec![0f32; 32];
-    backend.attention(q, &[pos], &cache.view(layer), &shape, &mut out);
+    backend
+        .attention(q, &[pos], &cache.view(layer), &shape, &mut out)
+        .unwrap();
     out
 }
 

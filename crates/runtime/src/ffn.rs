@@ -79,7 +79,7 @@ impl FeedForward for DenseFfn {
                 },
             ],
         )?;
-        backend.swiglu(&self.gate, &self.up, &mut self.hidden);
+        backend.swiglu(&self.gate, &self.up, &mut self.hidden)?;
         backend.matmul(
             &self.hidden,
             n_tokens,

@@ -13,7 +13,7 @@ use std::sync::{Arc, OnceLock};
 use ballast_runtime::backend::{AttentionShape, MatmulJob, Rope, RopeStyle};
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::gpu::GpuContext;
-use ballast_runtime::kv::{KvRows, KvSegment, KvView};
+use ballast_runtime::kv::{DenseKv, KvCache, KvRows, KvSegment, KvShape, KvView};
 use ballast_runtime::quant;
 use ballast_runtime::weights::{Weight, WeightBytes};
 use ballast_runtime::{Backend, CpuBackend, WgpuBackend};
@@ -266,8 +266,8 @@ fn rms_norm_case(be: &dyn Backend, rows: usize, n: usize, seed: u64) -> Result<(
     let scale = values(seed + 1, n, 1.5);
     let mut got = vec![f32::NAN; rows * n];
     let mut want = vec![f32::NAN; rows * n];
-    be.rms_norm(&x, &scale, 1e-5, &mut got);
-    reference().rms_norm(&x, &scale, 1e-5, &mut want);
+    be.rms_norm(&x, &scale, 1e-5, &mut got).unwrap();
+    reference().rms_norm(&x, &scale, 1e-5, &mut want).unwrap();
     let mag: Vec<f64> = want.iter().map(|v| v.abs() as f64 + 1e-3).collect();
     check_close("rms_norm", &got, &want, &mag, 1e-5)
 }
@@ -301,8 +301,11 @@ fn rope_case(
     let x = values(seed, n * heads * head_dim, 2.0);
     let mut got = x.clone();
     let mut want = x.clone();
-    be.rope(&mut got, &positions, heads, head_dim, &rope);
-    reference().rope(&mut want, &positions, heads, head_dim, &rope);
+    be.rope(&mut got, &positions, heads, head_dim, &rope)
+        .unwrap();
+    reference()
+        .rope(&mut want, &positions, heads, head_dim, &rope)
+        .unwrap();
     // Both rotate by the same host-computed factors: only fused multiply-adds differ.
     let mag: Vec<f64> = x.iter().map(|_| 4.0).collect();
     check_close("rope", &got, &want, &mag, 1e-6)
@@ -364,8 +367,10 @@ fn attention_case(
     };
     let mut got = vec![f32::NAN; q.len()];
     let mut want = vec![f32::NAN; q.len()];
-    be.attention(&q, q_pos, &view, &shape, &mut got);
-    reference().attention(&q, q_pos, &view, &shape, &mut want);
+    be.attention(&q, q_pos, &view, &shape, &mut got).unwrap();
+    reference()
+        .attention(&q, q_pos, &view, &shape, &mut want)
+        .unwrap();
     // An f32 cache: float order only. An f16 cache: the CPU backend follows llama.cpp
     // and rounds the query and its running sums to f16 at every key (the GPU keeps f32
     // sums over the same f16 keys and values), so about 2^-11 per key, relative.
@@ -392,17 +397,17 @@ fn elementwise_case(
 
     let mut got = vec![f32::NAN; len];
     let mut want = vec![f32::NAN; len];
-    be.swiglu(&a, &b, &mut got);
-    reference().swiglu(&a, &b, &mut want);
+    be.swiglu(&a, &b, &mut got).unwrap();
+    reference().swiglu(&a, &b, &mut want).unwrap();
     check_close("swiglu", &got, &want, &mag, 1e-6)?;
 
     let mut got = a.clone();
-    be.add_assign(&mut got, &b);
+    be.add_assign(&mut got, &b).unwrap();
     let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
     prop_assert_eq!(&got, &want);
 
     let mut got = a.clone();
-    be.add_bias(&mut got, &bias);
+    be.add_bias(&mut got, &bias).unwrap();
     let want: Vec<f32> = a.iter().enumerate().map(|(i, x)| x + bias[i % n]).collect();
     prop_assert_eq!(&got, &want);
     Ok(())
@@ -495,8 +500,61 @@ macro_rules! backend_suite {
                     elementwise_case(be.as_ref(), rows, n, seed)?;
                 }
             }
+
+            #[test]
+            fn mismatched_lengths_are_errors_that_leave_the_output_alone() {
+                let Some(be) = $make() else { return };
+                mismatched_lengths_case(be.as_ref());
+            }
         }
     };
+}
+
+/// Every op given a buffer of the wrong length returns `Error::ShapeMismatch` naming
+/// what was wrong, and writes nothing.
+fn mismatched_lengths_case(be: &dyn Backend) {
+    let named = |r: ballast_runtime::Result<()>, what: &str| {
+        let err = r.expect_err(what).to_string();
+        assert!(err.contains(what), "{err}");
+    };
+    let mut out = vec![7.0f32; 10];
+    named(
+        be.rms_norm(&[1.0; 12], &[1.0; 4], 1e-5, &mut out),
+        "RMSNorm output",
+    );
+    named(
+        be.rms_norm(&[1.0; 10], &[1.0; 4], 1e-5, &mut out),
+        "RMSNorm input",
+    );
+    named(be.swiglu(&[1.0; 10], &[1.0; 9], &mut out), "SwiGLU up");
+    named(be.add_assign(&mut out, &[1.0; 3]), "addend");
+    let rope = Rope {
+        style: RopeStyle::Normal,
+        n_dims: 4,
+        freq_base: 10000.0,
+    };
+    named(be.rope(&mut out, &[0, 1], 1, 4, &rope), "RoPE input");
+    let shape = AttentionShape {
+        n_heads: 2,
+        n_kv_heads: 1,
+        head_dim: 4,
+    };
+    let kv = DenseKv::new(
+        KvShape {
+            n_layers: 1,
+            n_kv_heads: 1,
+            head_dim: 4,
+        },
+        4,
+    );
+    named(
+        be.attention(&[1.0; 8], &[0], &kv.view(0), &shape, &mut out),
+        "attention output",
+    );
+    assert!(
+        out.iter().all(|&v| v == 7.0),
+        "an op wrote despite the error"
+    );
 }
 
 backend_suite!(cpu_backend, cpu);

@@ -209,7 +209,9 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn rms_norm(&self, x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) {
+    fn rms_norm(&self, x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
+        check_rows("RMSNorm input", x.len(), scale.len())?;
+        check_len("RMSNorm output", x.len(), out.len())?;
         self.timed(OpKind::Other, || {
             let n = scale.len();
             for (row, dst) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
@@ -220,13 +222,23 @@ impl Backend for CpuBackend {
                     *d = (v * inv) * s;
                 }
             }
-        })
+        });
+        Ok(())
     }
 
-    fn rope(&self, x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, rope: &Rope) {
+    fn rope(
+        &self,
+        x: &mut [f32],
+        positions: &[u32],
+        n_heads: usize,
+        head_dim: usize,
+        rope: &Rope,
+    ) -> Result<()> {
+        check_len("RoPE input", positions.len() * n_heads * head_dim, x.len())?;
         self.timed(OpKind::Other, || {
             elementwise::rope(x, positions, n_heads, head_dim, rope)
-        })
+        });
+        Ok(())
     }
 
     fn attention(
@@ -236,9 +248,22 @@ impl Backend for CpuBackend {
         kv: &KvView<'_>,
         shape: &AttentionShape,
         out: &mut [f32],
-    ) {
-        let start = Instant::now();
+    ) -> Result<()> {
         let n_tokens = q_positions.len();
+        // The threads below write `out` through a raw pointer: its length is checked
+        // here, once.
+        let width = shape.n_heads * shape.head_dim;
+        check_len("attention queries", n_tokens * width, q.len())?;
+        check_len("attention output", n_tokens * width, out.len())?;
+        if shape.n_kv_heads == 0 || shape.n_heads % shape.n_kv_heads != 0 {
+            return Err(Error::InvalidArgument {
+                what: format!(
+                    "{} query heads cannot share {} key/value heads",
+                    shape.n_heads, shape.n_kv_heads
+                ),
+            });
+        }
+        let start = Instant::now();
         let work = n_tokens * shape.n_heads;
         // llama.cpp's `kq_scale`.
         let scale = 1.0 / (shape.head_dim as f32).sqrt();
@@ -273,17 +298,47 @@ impl Backend for CpuBackend {
             });
         });
         self.times.add(OpKind::Attention, start.elapsed());
+        Ok(())
     }
 
-    fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
-        self.timed(OpKind::Other, || elementwise::swiglu(gate, up, out))
+    fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
+        check_len("SwiGLU up", gate.len(), up.len())?;
+        check_len("SwiGLU output", gate.len(), out.len())?;
+        self.timed(OpKind::Other, || elementwise::swiglu(gate, up, out));
+        Ok(())
     }
 
-    fn add_assign(&self, x: &mut [f32], y: &[f32]) {
+    fn add_assign(&self, x: &mut [f32], y: &[f32]) -> Result<()> {
+        check_len("addend", x.len(), y.len())?;
         self.timed(OpKind::Other, || {
             for (a, &b) in x.iter_mut().zip(y) {
                 *a += b;
             }
-        })
+        });
+        Ok(())
     }
+}
+
+/// `got` must be `expected` long.
+pub(crate) fn check_len(what: &str, expected: usize, got: usize) -> Result<()> {
+    if expected != got {
+        return Err(Error::ShapeMismatch {
+            what: what.to_string(),
+            expected,
+            got,
+        });
+    }
+    Ok(())
+}
+
+/// `len` must be whole rows of `row` (a non-empty row).
+pub(crate) fn check_rows(what: &str, len: usize, row: usize) -> Result<()> {
+    if row == 0 || len % row != 0 {
+        return Err(Error::ShapeMismatch {
+            what: format!("{what} (rows of {row})"),
+            expected: len.div_ceil(row.max(1)) * row,
+            got: len,
+        });
+    }
+    Ok(())
 }

@@ -136,10 +136,17 @@ pub trait Backend: Send + Sync {
     /// Rows of `table` for `ids`, dequantized into `out` (`ids.len() × cols`).
     fn embed(&self, table: &Weight, ids: &[u32], out: &mut [f32]) -> Result<()>;
     /// RMSNorm of each row of `x` (rows of `scale.len()`), times `scale`, into `out`.
-    fn rms_norm(&self, x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]);
+    fn rms_norm(&self, x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) -> Result<()>;
     /// Rotates each head of each row of `x` (`positions.len()` rows of
     /// `n_heads × head_dim`) by its token's position.
-    fn rope(&self, x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, rope: &Rope);
+    fn rope(
+        &self,
+        x: &mut [f32],
+        positions: &[u32],
+        n_heads: usize,
+        head_dim: usize,
+        rope: &Rope,
+    ) -> Result<()>;
     /// Causal attention of the queries `q` (`q_positions.len()` rows of
     /// `n_heads × head_dim`) over the cached tokens whose position is at most the
     /// query's, into `out` (same layout as `q`).
@@ -150,16 +157,17 @@ pub trait Backend: Send + Sync {
         kv: &KvView<'_>,
         shape: &AttentionShape,
         out: &mut [f32],
-    );
+    ) -> Result<()>;
     /// `out[i] = silu(gate[i]) * up[i]`.
-    fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]);
+    fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()>;
     /// `x[i] += y[i]`.
-    fn add_assign(&self, x: &mut [f32], y: &[f32]);
+    fn add_assign(&self, x: &mut [f32], y: &[f32]) -> Result<()>;
     /// Adds `bias` to each row of `x`.
-    fn add_bias(&self, x: &mut [f32], bias: &[f32]) {
-        for row in x.chunks_exact_mut(bias.len()) {
-            self.add_assign(row, bias);
+    fn add_bias(&self, x: &mut [f32], bias: &[f32]) -> Result<()> {
+        for row in x.chunks_exact_mut(bias.len().max(1)) {
+            self.add_assign(row, bias)?;
         }
+        Ok(())
     }
     /// A way to run whole forward passes on the backend's own device, keeping
     /// activations and a mirror of the KV cache there. `None` (the CPU backend): the

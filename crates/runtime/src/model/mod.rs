@@ -340,7 +340,7 @@ impl Model {
         };
         for l in 0..c.n_layers {
             let w = self.store.layer(pass, l)?;
-            be.rms_norm(&s.x, &w.attn_norm, c.rms_eps, &mut s.h);
+            be.rms_norm(&s.x, &w.attn_norm, c.rms_eps, &mut s.h)?;
             self.ffn.prepare(l, &s.h, n)?;
             be.matmul(
                 &s.h,
@@ -362,16 +362,16 @@ impl Model {
             )?;
             for (bias, out) in [(&w.bq, &mut s.q), (&w.bk, &mut s.k), (&w.bv, &mut s.v)] {
                 if let Some(b) = bias {
-                    be.add_bias(out, b);
+                    be.add_bias(out, b)?;
                 }
             }
-            be.rope(&mut s.q, positions, c.n_heads, c.head_dim, &c.rope);
-            be.rope(&mut s.k, positions, c.n_kv_heads, c.head_dim, &c.rope);
+            be.rope(&mut s.q, positions, c.n_heads, c.head_dim, &c.rope)?;
+            be.rope(&mut s.k, positions, c.n_kv_heads, c.head_dim, &c.rope)?;
             kv.append(l, positions, &s.k, &s.v)?;
             if let Some(p) = policy.as_deref_mut() {
                 p.before_attention(l, kv)?;
             }
-            be.attention(&s.q, positions, &kv.view(l), &shape, &mut s.attn);
+            be.attention(&s.q, positions, &kv.view(l), &shape, &mut s.attn)?;
             be.matmul(
                 &s.attn,
                 n,
@@ -380,10 +380,10 @@ impl Model {
                     out: &mut s.o,
                 }],
             )?;
-            be.add_assign(&mut s.x, &s.o);
-            be.rms_norm(&s.x, &w.ffn_norm, c.rms_eps, &mut s.h);
+            be.add_assign(&mut s.x, &s.o)?;
+            be.rms_norm(&s.x, &w.ffn_norm, c.rms_eps, &mut s.h)?;
             self.ffn.forward(be.as_ref(), &w, &s.h, n, &mut s.o)?;
-            be.add_assign(&mut s.x, &s.o);
+            be.add_assign(&mut s.x, &s.o)?;
         }
         let (rows, first) = match logits {
             Logits::None => return Ok(()),
@@ -396,7 +396,7 @@ impl Model {
             &globals.output_norm,
             c.rms_eps,
             &mut s.h[..rows * d],
-        );
+        )?;
         s.logits.resize(rows * c.vocab_size, 0.0);
         be.matmul(
             &s.h[..rows * d],

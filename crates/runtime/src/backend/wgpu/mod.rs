@@ -26,6 +26,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use super::cpu::{check_len, check_rows};
 use super::{
     AttentionShape, Backend, DeviceForward, DeviceForwardInput, LayerSource, MatmulJob, OpKind,
     OpTimes, PassReport, Rope, RopeStyle,
@@ -156,9 +157,6 @@ pub struct WgpuBackend {
     vectors: Mutex<HashMap<(usize, usize), CachedVector>>,
     kv: Mutex<Option<KvMirror>>,
     stream: Mutex<StreamRing>,
-    /// An error from an op whose trait method cannot return one; the next fallible call
-    /// returns it.
-    deferred: Mutex<Option<Error>>,
     /// Largest weight chunk; the binding limit unless a test lowers it.
     max_chunk_bytes: u64,
     profile: std::sync::atomic::AtomicBool,
@@ -187,7 +185,6 @@ impl WgpuBackend {
                 slots: Vec::new(),
                 next: 0,
             }),
-            deferred: Mutex::default(),
             max_chunk_bytes,
             profile: Default::default(),
             report: Mutex::default(),
@@ -215,25 +212,6 @@ impl WgpuBackend {
     /// Stream slots in use (see [`WgpuBackend::set_stream_slots`]).
     pub fn stream_slots(&self) -> usize {
         self.stream.lock().unwrap_or_else(|p| p.into_inner()).depth
-    }
-
-    fn defer(&self, e: Error) {
-        let mut slot = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_none() {
-            *slot = Some(e);
-        }
-    }
-
-    fn take_deferred(&self) -> Result<()> {
-        match self
-            .deferred
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
     }
 
     /// The device copy of `w`: uploaded on first use and cached when its bytes allow
@@ -719,18 +697,14 @@ impl WgpuBackend {
         kind: OpKind,
         out: &mut [f32],
         f: impl FnOnce(&mut Recorder<'_>) -> Result<GpuBuffer>,
-    ) {
-        let r = self.timed(kind, || {
+    ) -> Result<()> {
+        self.timed(kind, || {
             let mut rec = self.recorder();
             let dst = f(&mut rec)?;
             let got = self.read_f32(rec, dst.raw(), out.len())?;
             out.copy_from_slice(&got);
             Ok(())
-        });
-        if let Err(e) = r {
-            out.fill(f32::NAN);
-            self.defer(e);
-        }
+        })
     }
 }
 
@@ -779,7 +753,6 @@ impl Backend for WgpuBackend {
     }
 
     fn matmul(&self, x: &[f32], n_tokens: usize, jobs: &mut [MatmulJob<'_>]) -> Result<()> {
-        self.take_deferred()?;
         let Some(first) = jobs.first() else {
             return Ok(());
         };
@@ -837,7 +810,6 @@ impl Backend for WgpuBackend {
     }
 
     fn embed(&self, table: &Weight, ids: &[u32], out: &mut [f32]) -> Result<()> {
-        self.take_deferred()?;
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= table.rows()) {
             return Err(Error::TokenId {
                 id,
@@ -863,7 +835,9 @@ impl Backend for WgpuBackend {
         })
     }
 
-    fn rms_norm(&self, x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) {
+    fn rms_norm(&self, x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
+        check_rows("RMSNorm input", x.len(), scale.len())?;
+        check_len("RMSNorm output", x.len(), out.len())?;
         let n = scale.len();
         let rows = x.len() / n.max(1);
         self.host_op(OpKind::Other, out, |rec| {
@@ -874,10 +848,18 @@ impl Backend for WgpuBackend {
             rec.keep(xb);
             rec.keep(sb);
             Ok(dst)
-        });
+        })
     }
 
-    fn rope(&self, x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, rope: &Rope) {
+    fn rope(
+        &self,
+        x: &mut [f32],
+        positions: &[u32],
+        n_heads: usize,
+        head_dim: usize,
+        rope: &Rope,
+    ) -> Result<()> {
+        check_len("RoPE input", positions.len() * n_heads * head_dim, x.len())?;
         let input = x.to_vec();
         self.host_op(OpKind::Other, x, |rec| {
             let xb = self.upload(bytemuck::cast_slice(&input), "rope input")?;
@@ -894,7 +876,7 @@ impl Backend for WgpuBackend {
             );
             rec.keep(cs);
             Ok(xb)
-        });
+        })
     }
 
     fn attention(
@@ -904,7 +886,10 @@ impl Backend for WgpuBackend {
         kv: &KvView<'_>,
         shape: &AttentionShape,
         out: &mut [f32],
-    ) {
+    ) -> Result<()> {
+        let width = shape.n_heads * shape.head_dim;
+        check_len("attention queries", q_positions.len() * width, q.len())?;
+        check_len("attention output", q.len(), out.len())?;
         let (k, v, p) = flatten_view(kv);
         self.host_op(OpKind::Attention, out, |rec| {
             let qb = self.upload(bytemuck::cast_slice(q), "queries")?;
@@ -929,10 +914,12 @@ impl Backend for WgpuBackend {
                 rec.keep(b);
             }
             Ok(dst)
-        });
+        })
     }
 
-    fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
+        check_len("SwiGLU up", gate.len(), up.len())?;
+        check_len("SwiGLU output", gate.len(), out.len())?;
         self.host_op(OpKind::Other, out, |rec| {
             let g = self.upload(bytemuck::cast_slice(gate), "gate")?;
             let u = self.upload(bytemuck::cast_slice(up), "up")?;
@@ -941,10 +928,11 @@ impl Backend for WgpuBackend {
             rec.keep(g);
             rec.keep(u);
             Ok(dst)
-        });
+        })
     }
 
-    fn add_assign(&self, x: &mut [f32], y: &[f32]) {
+    fn add_assign(&self, x: &mut [f32], y: &[f32]) -> Result<()> {
+        check_len("addend", x.len(), y.len())?;
         let input = x.to_vec();
         self.host_op(OpKind::Other, x, |rec| {
             let xb = self.upload(bytemuck::cast_slice(&input), "sum")?;
@@ -952,10 +940,11 @@ impl Backend for WgpuBackend {
             self.record_elementwise(rec, "add", &[xb.raw(), yb.raw()], input.len(), 1);
             rec.keep(yb);
             Ok(xb)
-        });
+        })
     }
 
-    fn add_bias(&self, x: &mut [f32], bias: &[f32]) {
+    fn add_bias(&self, x: &mut [f32], bias: &[f32]) -> Result<()> {
+        check_rows("biased rows", x.len(), bias.len())?;
         let input = x.to_vec();
         self.host_op(OpKind::Other, x, |rec| {
             let xb = self.upload(bytemuck::cast_slice(&input), "biased")?;
@@ -969,7 +958,7 @@ impl Backend for WgpuBackend {
             );
             rec.keep(bb);
             Ok(xb)
-        });
+        })
     }
 
     fn device_forward(&self) -> Option<&dyn DeviceForward> {
@@ -1091,7 +1080,6 @@ impl DeviceForward for WgpuBackend {
         kv: &mut dyn KvCache,
         out: &mut Vec<f32>,
     ) -> Result<Option<u32>> {
-        self.take_deferred()?;
         let start = Instant::now();
         let c = input.config;
         let (ids, positions) = (input.ids, input.positions);
