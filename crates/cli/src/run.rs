@@ -121,12 +121,11 @@ pub fn run(args: RunArgs) -> Result<()> {
     let backend = session.model().backend().clone();
     let config = args.sampling.config();
     // Plain greedy decoding (no penalty, no log-probabilities to print) on a device
-    // backend takes the argmax there and reads back one id per token. Not with the
-    // KV-cache lever's flags (a policy or a session file), which the host cache serves.
+    // backend takes the argmax there and reads back one id per token. Not with a
+    // session file, which stores the last logits.
     let greedy_on_device = config.temperature <= 0.0
         && config.repeat_penalty == 1.0
         && !args.json
-        && !has_policy
         && args.session.is_none()
         && session.model().backend().device_forward().is_some();
     let mut sampler = Sampler::new(config);

@@ -195,4 +195,9 @@ impl KvPolicy for StreamingLlm {
     fn before_attention(&mut self, _layer: usize, _cache: &mut dyn KvCache) -> Result<()> {
         Ok(())
     }
+
+    /// Evictions and re-rotations happen in `before_pass` only.
+    fn acts_between_layers(&self) -> bool {
+        false
+    }
 }

@@ -252,6 +252,13 @@ pub trait KvPolicy: Send {
     /// Runs after the new tokens of `layer` were appended and before attention reads
     /// `cache`.
     fn before_attention(&mut self, layer: usize, cache: &mut dyn KvCache) -> Result<()>;
+    /// Whether [`KvPolicy::before_attention`] may change the cache. A policy that acts
+    /// only in [`KvPolicy::before_pass`] says `false`: the cache a pass attends over is
+    /// then fixed when the pass starts, so a device backend may run the whole pass at
+    /// once (its copy of the cache follows the host's) instead of op by op.
+    fn acts_between_layers(&self) -> bool {
+        true
+    }
 }
 
 /// One layer's keys or values in their stored type.

@@ -438,3 +438,71 @@ fn streamed_layers_go_through_stream_slots() {
     assert!(op_logits(&mut model) == want_ops, "op by op: logits differ");
     assert_eq!(live.now.load(Ordering::SeqCst), 0);
 }
+
+/// Keeps the most recent `window` tokens, evicting before each pass only.
+struct RecentWindow {
+    window: usize,
+}
+
+impl KvPolicy for RecentWindow {
+    fn before_pass(&mut self, kv: &mut dyn KvCache, n_new: usize) -> ballast_runtime::Result<()> {
+        let excess = (kv.len() + n_new).saturating_sub(self.window);
+        kv.evict(0..excess);
+        Ok(())
+    }
+    fn before_attention(&mut self, _: usize, _: &mut dyn KvCache) -> ballast_runtime::Result<()> {
+        Ok(())
+    }
+    fn acts_between_layers(&self) -> bool {
+        false
+    }
+}
+
+/// A policy that evicts only before a pass lets the device run the whole pass (one
+/// submission): past the window the device's copy of the cache follows the host's
+/// evictions, and every step's logits agree with the CPU backend under the same policy.
+#[test]
+fn a_policy_between_passes_keeps_the_whole_pass_on_the_device() {
+    let Some(ctx) = gpu() else { return };
+    let spec = TinyModelSpec::default();
+    let backend = Arc::new(WgpuBackend::new(ctx));
+    let mut gpu_model = load(&spec, backend.clone());
+    let mut cpu_model = load(&spec, Arc::new(CpuBackend::new(2)));
+    let (mut gpu_kv, mut cpu_kv) = (
+        DenseKv::new(gpu_model.kv_shape(), 8),
+        DenseKv::new(cpu_model.kv_shape(), 8),
+    );
+    let (mut gpu_policy, mut cpu_policy) = (RecentWindow { window: 6 }, RecentWindow { window: 6 });
+    for (p, &id) in IDS.iter().cycle().take(16).enumerate() {
+        let pos = [p as u32];
+        let got = gpu_model
+            .forward(
+                &[id],
+                &pos,
+                &mut gpu_kv,
+                Some(&mut gpu_policy),
+                Logits::Last,
+            )
+            .unwrap()
+            .to_vec();
+        let want = cpu_model
+            .forward(
+                &[id],
+                &pos,
+                &mut cpu_kv,
+                Some(&mut cpu_policy),
+                Logits::Last,
+            )
+            .unwrap()
+            .to_vec();
+        assert!(max_rel_diff(&got, &want) < 0.02, "step {p}");
+        assert_eq!(gpu_kv.len(), (p + 1).min(6));
+    }
+    // The device pass times no op on the host; op by op would have.
+    let ops = backend.op_times().snapshot();
+    assert_eq!(
+        ops.matmul + ops.attention + ops.other,
+        std::time::Duration::ZERO,
+        "some pass ran op by op"
+    );
+}

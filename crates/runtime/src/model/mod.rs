@@ -221,7 +221,7 @@ impl Model {
             p.before_pass(kv, ids.len())?;
         }
         self.check_input(ids, positions, kv)?;
-        if policy.is_none() && self.ffn.is_exact() && self.backend.device_forward().is_some() {
+        if self.whole_pass_on_device(policy.as_deref()) {
             self.device_pass(ids, positions, kv, logits)?;
         } else {
             self.host_pass(ids, positions, kv, policy, logits)?;
@@ -246,7 +246,7 @@ impl Model {
             p.before_pass(kv, ids.len())?;
         }
         self.check_input(ids, positions, kv)?;
-        if policy.is_none() && self.ffn.is_exact() && self.backend.device_forward().is_some() {
+        if self.whole_pass_on_device(policy.as_deref()) {
             return self
                 .device_pass(ids, positions, kv, Logits::Greedy)?
                 .ok_or_else(|| Error::Gpu {
@@ -255,6 +255,14 @@ impl Model {
         }
         self.host_pass(ids, positions, kv, policy, Logits::Last)?;
         Ok(crate::sampler::argmax(&self.scratch.logits))
+    }
+
+    /// Whether the pass can run on the backend's device at once: the backend has a
+    /// device, the MLP is the exact one, and no policy changes the cache between layers.
+    fn whole_pass_on_device(&self, policy: Option<&dyn KvPolicy>) -> bool {
+        self.backend.device_forward().is_some()
+            && self.ffn.is_exact()
+            && policy.is_none_or(|p| !p.acts_between_layers())
     }
 
     /// The whole pass on the backend's device: the same sequence of ops as
