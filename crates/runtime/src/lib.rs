@@ -11,6 +11,10 @@
 //! - [`KvPolicy`]: may evict from the cache before attention (none by default).
 //! - [`FeedForward`]: the MLP block. [`DenseFfn`] is exact.
 //!
+//! The `gpu` feature (on by default) adds [`WgpuBackend`] and the [`gpu`] context:
+//! the same ops as WGSL compute shaders through wgpu. Without it (`default-features =
+//! false`) the crate is CPU only and does not compile wgpu.
+//!
 //! The lever crates (`ballast-kv-cache`, `ballast-tier-stream`,
 //! `ballast-weight-codec`, `ballast-sparse-mlp`) implement those traits; nothing in
 //! the model changes when one is swapped in.
@@ -52,6 +56,7 @@ pub mod error;
 pub mod ffn;
 pub mod ggml_type;
 pub mod gguf;
+#[cfg(feature = "gpu")]
 pub mod gpu;
 pub mod kv;
 pub mod memory;
@@ -66,7 +71,9 @@ pub mod threadpool;
 pub mod tokenizer;
 pub mod weights;
 
-pub use backend::{Backend, CpuBackend, WgpuBackend};
+#[cfg(feature = "gpu")]
+pub use backend::WgpuBackend;
+pub use backend::{Backend, CpuBackend};
 pub use error::{Error, Result};
 pub use ffn::{DenseFfn, FeedForward};
 pub use kv::{

@@ -12,11 +12,14 @@ use std::sync::{Arc, OnceLock};
 
 use ballast_runtime::backend::{AttentionShape, MatmulJob, Rope, RopeStyle};
 use ballast_runtime::ggml_type::GgmlType;
+#[cfg(feature = "gpu")]
 use ballast_runtime::gpu::GpuContext;
 use ballast_runtime::kv::{DenseKv, KvCache, KvRows, KvSegment, KvShape, KvView};
 use ballast_runtime::quant;
 use ballast_runtime::weights::{Weight, WeightBytes};
-use ballast_runtime::{Backend, CpuBackend, WgpuBackend};
+#[cfg(feature = "gpu")]
+use ballast_runtime::WgpuBackend;
+use ballast_runtime::{Backend, CpuBackend};
 use half::f16;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -28,6 +31,7 @@ fn cpu() -> Option<Arc<dyn Backend>> {
 
 /// The GPU context shared by every test of this binary, or `None` with a printed
 /// reason (a failure under CI).
+#[cfg(feature = "gpu")]
 fn gpu_context() -> Option<Arc<GpuContext>> {
     static CTX: OnceLock<Option<Arc<GpuContext>>> = OnceLock::new();
     CTX.get_or_init(|| match GpuContext::new() {
@@ -47,6 +51,7 @@ fn gpu_context() -> Option<Arc<GpuContext>> {
     .clone()
 }
 
+#[cfg(feature = "gpu")]
 fn wgpu() -> Option<Arc<dyn Backend>> {
     static BACKEND: OnceLock<Option<Arc<WgpuBackend>>> = OnceLock::new();
     BACKEND
@@ -558,11 +563,13 @@ fn mismatched_lengths_case(be: &dyn Backend) {
 }
 
 backend_suite!(cpu_backend, cpu);
+#[cfg(feature = "gpu")]
 backend_suite!(wgpu_backend, wgpu);
 
 /// Weights larger than one binding allows are split by rows; the split backend gives
 /// the same products and embeddings as the unsplit one.
 #[test]
+#[cfg(feature = "gpu")]
 fn weights_split_across_bindings_give_the_same_results() {
     let Some(ctx) = gpu_context() else { return };
     let whole = WgpuBackend::new(ctx.clone());
@@ -594,6 +601,7 @@ fn weights_split_across_bindings_give_the_same_results() {
 
 /// A weight type without a GPU kernel is an error naming the tensor, not a panic.
 #[test]
+#[cfg(feature = "gpu")]
 fn an_activation_type_as_weight_is_a_named_error() {
     let Some(be) = wgpu() else { return };
     let w = Weight {

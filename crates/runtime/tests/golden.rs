@@ -10,9 +10,12 @@ mod common;
 use std::sync::Arc;
 
 use ballast_runtime::gguf::GgufFile;
+#[cfg(feature = "gpu")]
 use ballast_runtime::gpu::GpuContext;
 use ballast_runtime::session::perplexity;
-use ballast_runtime::{Backend, CpuBackend, Model, Session, Tokenizer, WgpuBackend};
+#[cfg(feature = "gpu")]
+use ballast_runtime::WgpuBackend;
+use ballast_runtime::{Backend, CpuBackend, Model, Session, Tokenizer};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -37,6 +40,7 @@ const FIRST_STEP_TOLERANCE: f64 = 0.05;
 /// but sums floats in its own order (block sums, attention over the cache in f32), so
 /// it is one of the "two correct implementations" above: a few activations round the
 /// other way and the logits move by up to about 0.5. Its ids must still match.
+#[cfg(feature = "gpu")]
 const GPU_FIRST_STEP_TOLERANCE: f64 = 0.6;
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -67,6 +71,7 @@ fn greedy_generation_matches_llama_cpp() {
 
 /// The same on the wgpu backend (lavapipe in CI): the whole pass on the device.
 #[test]
+#[cfg(feature = "gpu")]
 fn greedy_generation_on_wgpu_matches_llama_cpp() {
     let Some(file) = default_model() else { return };
     let ctx = match GpuContext::new() {

@@ -5,6 +5,8 @@
 //! Needs a wgpu adapter: under CI (`CI` set) a missing one fails; elsewhere the tests
 //! are skipped with a printed reason.
 
+#![cfg(feature = "gpu")]
+
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 

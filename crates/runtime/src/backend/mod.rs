@@ -8,11 +8,13 @@
 mod attention;
 mod cpu;
 mod elementwise;
+#[cfg(feature = "gpu")]
 mod wgpu;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+#[cfg(feature = "gpu")]
 pub use self::wgpu::WgpuBackend;
 pub use cpu::CpuBackend;
 
