@@ -93,6 +93,16 @@ impl Drop for Cgroup {
     }
 }
 
+/// Flushes a file just written to disk. Its pages are dirty until then, and
+/// `posix_fadvise(DONTNEED)` leaves dirty pages in the page cache, charged to this
+/// process's group, not to the benchmark's cgroup: the first run would read a warm
+/// cache that the limit does not see.
+fn written_back(path: &Path) -> Result<()> {
+    std::fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("flushing {}", path.display()))
+}
+
 /// Runs `ballast bench --json` (in `cg` if any) and returns its JSON lines.
 fn bench_json(
     ballast: &Path,
@@ -209,6 +219,7 @@ pub fn run(ballast: &Path, default_model: &Path, quick: bool) -> Result<()> {
         != std::fs::metadata(default_model).map(|m| m.len()).ok()
     {
         std::fs::copy(default_model, &model).context("copying the default model")?;
+        written_back(&model)?;
     }
     let size = std::fs::metadata(&model)?.len();
     let limit = 88 * MIB;
@@ -324,6 +335,7 @@ pub fn run(ballast: &Path, default_model: &Path, quick: bool) -> Result<()> {
             big.display()
         );
         synthetic_spec().writer()?.write_to_file(&big)?;
+        written_back(&big)?;
     }
     let big_size = std::fs::metadata(&big)?.len();
     println!("model {} ({:.2} GiB, 44 layers), limit 1 GiB; --ram not given: the budget is probed from the cgroup\n", big.display(), big_size as f64 / (1u64 << 30) as f64);
