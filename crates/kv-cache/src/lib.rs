@@ -51,7 +51,7 @@ mod rows;
 mod stream;
 
 pub use error::{Error, Result};
-pub use modes::{new_cache, PointerShift, ShiftConcat, SmartMask, UpdateMode};
+pub use modes::{new_cache, set_update_threads, PointerShift, ShiftConcat, SmartMask, UpdateMode};
 pub use persist::{
     checksum, load_session, model_fingerprint, save_session, SavedSession, SessionMeta,
     SESSION_VERSION,

@@ -213,12 +213,26 @@ impl Core {
     }
 }
 
-/// Runs `f` on every layer, on two threads when the work is large enough to pay for
-/// them (memmoves of many tokens).
+/// Threads that spread an update of many layers (0: the machine's parallelism, at most
+/// 4).
+static UPDATE_THREADS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Sets how many threads an update that moves many bytes (a `ShiftConcat` eviction's
+/// memmoves) spreads its layers over; `0` (the default) means the machine's
+/// parallelism, at most 4. Smaller updates stay on the calling thread.
+pub fn set_update_threads(n: usize) {
+    UPDATE_THREADS.store(n, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Runs `f` on every layer, on several threads when the work is large enough to pay
+/// for them (memmoves of many tokens).
 fn for_each_layer<T: Send>(items: &mut [T], big: bool, f: impl Fn(&mut T) + Sync) {
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(4);
+    let threads = match UPDATE_THREADS.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(4),
+        n => n,
+    };
     if !big || threads < 2 || items.len() < 2 {
         items.iter_mut().for_each(f);
         return;
@@ -232,8 +246,11 @@ fn for_each_layer<T: Send>(items: &mut [T], big: bool, f: impl Fn(&mut T) + Sync
     });
 }
 
-/// Work above this many bytes moved per call goes to several threads.
-const PARALLEL_BYTES: u64 = 1 << 20;
+/// Work above this many bytes moved per call goes to several threads. Measured with
+/// `cargo xtask bench-kv` (30 layers, f16): spreading a 5.8 MB or 23.6 MB eviction over
+/// 2 threads made it slower (the threads' start cost more than they saved), a 94.8 MB
+/// one faster.
+const PARALLEL_BYTES: u64 = 64 << 20;
 
 /// Clamps `range` to `0..len`.
 fn clamp(range: Range<usize>, len: usize) -> Range<usize> {
