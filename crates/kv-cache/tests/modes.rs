@@ -1,12 +1,15 @@
 //! The three update modes against a naive reference: same live tokens, order and
 //! positions after any sequence of appends, evictions, rewinds and clears; attention
-//! over each equal within f32 rounding.
+//! over each equal within f32 rounding, on the CPU and on wgpu (a ring's two segments
+//! and a mask's masked slots included).
 
 use ballast_kv_cache::{new_cache, Precision, UpdateMode};
 use ballast_runtime::backend::AttentionShape;
-use ballast_runtime::{Backend, CpuBackend, Error, KvCache, KvShape};
+use ballast_runtime::gpu::GpuContext;
+use ballast_runtime::{Backend, CpuBackend, Error, KvCache, KvShape, WgpuBackend};
 use half::f16;
 use proptest::prelude::*;
+use std::sync::{Arc, OnceLock};
 
 const SHAPE: KvShape = KvShape {
     n_layers: 2,
@@ -70,7 +73,10 @@ fn read_all(cache: &dyn KvCache, layer: usize) -> Vec<Token> {
 }
 
 fn attend(cache: &dyn KvCache, layer: usize, q: &[f32]) -> Vec<f32> {
-    let backend = CpuBackend::new(1);
+    attend_on(&CpuBackend::new(1), cache, layer, q)
+}
+
+fn attend_on(backend: &dyn Backend, cache: &dyn KvCache, layer: usize, q: &[f32]) -> Vec<f32> {
     let shape = AttentionShape {
         n_heads: 4,
         n_kv_heads: SHAPE.n_kv_heads,
@@ -172,6 +178,99 @@ fn check(ops: &[Op], precision: Precision) -> Result<(), TestCaseError> {
         }
     }
     Ok(())
+}
+
+/// The three caches after `ops` (appends past the capacity are refused and skipped).
+fn after(ops: &[Op], precision: Precision) -> Vec<Box<dyn KvCache>> {
+    let mut caches: Vec<Box<dyn KvCache>> = UpdateMode::ALL
+        .iter()
+        .map(|&m| new_cache(m, SHAPE, CAPACITY, precision).unwrap())
+        .collect();
+    let mut next_pos = 0u32;
+    for op in ops {
+        for cache in &mut caches {
+            match *op {
+                Op::Append(n) => {
+                    if cache.len() + n > CAPACITY {
+                        continue;
+                    }
+                    for layer in 0..SHAPE.n_layers {
+                        let (mut ks, mut vs) = (vec![], vec![]);
+                        for p in next_pos..next_pos + n as u32 {
+                            let (k, v) = rows(layer, p);
+                            ks.extend(k);
+                            vs.extend(v);
+                        }
+                        let positions: Vec<u32> = (next_pos..next_pos + n as u32).collect();
+                        cache.append(layer, &positions, &ks, &vs).unwrap();
+                    }
+                }
+                Op::Evict(start, n) => cache.evict(start..start + n),
+                Op::Rewind(n) => cache.rewind(n),
+                Op::Clear => cache.clear(),
+            }
+        }
+        if let Op::Append(n) = *op {
+            next_pos += n as u32;
+        }
+    }
+    caches
+}
+
+/// The wgpu adapter, or `None` with a printed reason; under CI a missing one fails.
+fn gpu() -> Option<Arc<GpuContext>> {
+    static CTX: OnceLock<Option<Arc<GpuContext>>> = OnceLock::new();
+    CTX.get_or_init(|| match GpuContext::new() {
+        Ok(ctx) => Some(ctx),
+        Err(e) if std::env::var_os("CI").is_some() => {
+            panic!("CI needs a wgpu adapter (install mesa-vulkan-drivers): {e}")
+        }
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    })
+    .clone()
+}
+
+/// Attention on wgpu over each mode's view (ring segments, masked slots) equals the CPU
+/// backend's over the shift-concat cache, within the f16 accumulation of the CPU kernel
+/// for rounded caches and f32 rounding for f32 ones.
+fn check_wgpu(ops: &[Op], precision: Precision) -> Result<(), TestCaseError> {
+    let Some(ctx) = gpu() else { return Ok(()) };
+    let wgpu = WgpuBackend::new(ctx);
+    let caches = after(ops, precision);
+    let q: Vec<f32> = (0..4 * SHAPE.head_dim)
+        .map(|i| (i as f32 * 0.37).sin())
+        .collect();
+    let tol = match precision {
+        Precision::F32 => 1e-5,
+        _ => 4e-3,
+    };
+    for layer in 0..SHAPE.n_layers {
+        let want = attend(caches[0].as_ref(), layer, &q);
+        for (cache, mode) in caches.iter().zip(UpdateMode::ALL) {
+            let got = attend_on(&wgpu, cache.as_ref(), layer, &q);
+            for (a, b) in got.iter().zip(&want) {
+                prop_assert!(
+                    (a - b).abs() <= tol * (1.0 + b.abs()),
+                    "{mode:?} {precision:?} layer {layer}: {a} vs {b}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+    #[test]
+    fn modes_give_the_same_attention_on_wgpu(
+        ops in proptest::collection::vec(op(), 1..30),
+        precision in prop_oneof![Just(Precision::F32), Just(Precision::F16), Just(Precision::Q8)],
+    ) {
+        check_wgpu(&ops, precision)?;
+    }
 }
 
 proptest! {
