@@ -102,6 +102,12 @@ pub fn run(args: RunArgs) -> Result<()> {
     if let Some(path) = args.session.as_deref().filter(|p| p.exists()) {
         let saved = load_session(path, meta, session.kv_mut())
             .with_context(|| format!("resuming the session {}", path.display()))?;
+        // Without a policy the cache alone continues (a policy's state is then moot).
+        if let Some(policy) = session.policy_mut() {
+            policy
+                .restore_state(&saved.policy_state)
+                .with_context(|| format!("resuming the session {}", path.display()))?;
+        }
         session.restore(saved.tokens, saved.logits);
     }
     let resumed = !session.tokens().is_empty();
@@ -190,8 +196,16 @@ pub fn run(args: RunArgs) -> Result<()> {
         if shown_not_fed {
             session.feed(&[next])?;
         }
-        save_session(path, meta, session.kv(), session.tokens(), session.logits())
-            .with_context(|| format!("saving the session {}", path.display()))?;
+        let policy_state = session.policy().map(|p| p.state()).unwrap_or_default();
+        save_session(
+            path,
+            meta,
+            session.kv(),
+            session.tokens(),
+            session.logits(),
+            &policy_state,
+        )
+        .with_context(|| format!("saving the session {}", path.display()))?;
     }
     let timings = Timings {
         prompt_tokens: prompt_ids.len(),

@@ -405,6 +405,17 @@ fn a_resumed_session_continues_like_an_uninterrupted_run() {
         vec!["--kv-mode", "shift"],
         vec!["--kv-mode", "mask", "--kv-dtype", "f32"],
         vec!["--kv-policy", "window", "--window", "12", "-b", "4"],
+        // Sinks re-rotated after every eviction, before and after the resume.
+        vec![
+            "--kv-policy",
+            "streaming",
+            "--sink",
+            "2",
+            "--window",
+            "6",
+            "-b",
+            "2",
+        ],
     ] {
         let whole = generated_tokens(m, "Hello", 16, &[&["--temp", "0"], &extra[..]].concat());
         let file = dir.path().join("s.session");

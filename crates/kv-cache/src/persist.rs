@@ -7,7 +7,9 @@
 //! `u32` each, capacity `u64`, token count `u64` and the ids (`u32`), logit count `u64`
 //! and the logits (`f32`), payload length `u64` and the cache's own payload
 //! ([`KvCache::save`]: per layer the positions and stored rows in cache order, so a
-//! file saved from one update mode loads into another), then a 64-bit checksum of
+//! file saved from one update mode loads into another), policy state length `u64` and
+//! the policy's state (`KvPolicy::state`: StreamingLLM's sinks as first seen; version 2
+//! on, absent in version 1 files, which still load), then a 64-bit checksum of
 //! everything before it. Written to a temporary file in the same folder, synced, then
 //! renamed over the target: a crash leaves the old file or the new one, never half.
 
@@ -22,8 +24,8 @@ use crate::modes::UpdateMode;
 use crate::rows::Precision;
 
 const MAGIC: &[u8; 8] = b"BLSTSESS";
-/// The session file version this build writes and reads.
-pub const SESSION_VERSION: u32 = 1;
+/// The session file version this build writes (it reads this one and version 1).
+pub const SESSION_VERSION: u32 = 2;
 
 /// What a session file must agree with to load: the model and the cache's precision.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,6 +47,9 @@ pub struct SavedSession {
     pub logits: Vec<f32>,
     /// The update mode the cache was saved from.
     pub mode: UpdateMode,
+    /// The KV policy's state (`KvPolicy::state`), empty if it had none; give it to
+    /// the policy with `KvPolicy::restore_state`.
+    pub policy_state: Vec<u8>,
 }
 
 /// A 64-bit checksum: FNV-1a over little-endian 64-bit words (the tail zero-padded),
@@ -81,14 +86,16 @@ pub fn model_fingerprint(file: &GgufFile) -> u64 {
     checksum(&buf)
 }
 
-/// Writes `cache`, `tokens` and `logits` to `path` atomically (temporary file, sync,
-/// rename).
+/// Writes `cache`, `tokens`, `logits` and the KV policy's `policy_state`
+/// (`KvPolicy::state`, empty without a policy) to `path` atomically (temporary file,
+/// sync, rename).
 pub fn save_session(
     path: &Path,
     meta: SessionMeta,
     cache: &dyn KvCache,
     tokens: &[u32],
     logits: &[f32],
+    policy_state: &[u8],
 ) -> Result<()> {
     let io = |source| Error::Io {
         path: path.to_path_buf(),
@@ -112,6 +119,8 @@ pub fn save_session(
     cache.save(&mut payload)?;
     buf.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     buf.extend_from_slice(&payload);
+    buf.extend_from_slice(&(policy_state.len() as u64).to_le_bytes());
+    buf.extend_from_slice(policy_state);
     let sum = checksum(&buf);
     buf.extend_from_slice(&sum.to_le_bytes());
 
@@ -165,7 +174,7 @@ pub fn load_session(
         return Err(Error::BadMagic { path: p() });
     }
     let version = u32_at(take(4, "version")?);
-    if version != SESSION_VERSION {
+    if !(1..=SESSION_VERSION).contains(&version) {
         return Err(Error::Version {
             path: p(),
             found: version,
@@ -186,6 +195,12 @@ pub fn load_session(
         bytemuck::pod_collect_to_vec(take(n_logits.saturating_mul(4), "logits")?);
     let payload_len = u64_at(take(8, "payload length")?);
     let payload = take(payload_len, "KV payload")?;
+    let policy_state = if version >= 2 {
+        let n = u64_at(take(8, "policy state length")?);
+        take(n, "policy state")?.to_vec()
+    } else {
+        Vec::new()
+    };
     let found_sum = u64_at(take(8, "checksum")?);
     if !rest.is_empty() {
         return Err(Error::Invalid {
@@ -249,5 +264,6 @@ pub fn load_session(
         tokens,
         logits,
         mode,
+        policy_state,
     })
 }

@@ -200,4 +200,96 @@ impl KvPolicy for StreamingLlm {
     fn acts_between_layers(&self) -> bool {
         false
     }
+
+    /// The sinks' keys as first seen, per layer: a resumed session re-rotates from
+    /// them as the uninterrupted run would (the cache holds only their rotated,
+    /// rounded copies). Layout (little-endian): `n_sink` and layer count `u32`, then
+    /// per layer a present byte and, if 1, the first-seen positions, the written
+    /// positions (`n_sink` `u32` each), the key count `u32` and the keys (`f32`).
+    fn state(&self) -> Vec<u8> {
+        if self.anchors.iter().all(Option::is_none) {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        out.extend_from_slice(&(self.n_sink as u32).to_le_bytes());
+        out.extend_from_slice(&(self.anchors.len() as u32).to_le_bytes());
+        for anchor in &self.anchors {
+            let Some(a) = anchor else {
+                out.push(0);
+                continue;
+            };
+            out.push(1);
+            for p in a.positions.iter().chain(&a.written) {
+                out.extend_from_slice(&p.to_le_bytes());
+            }
+            out.extend_from_slice(&(a.keys.len() as u32).to_le_bytes());
+            for k in &a.keys {
+                out.extend_from_slice(&k.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    fn restore_state(&mut self, state: &[u8]) -> Result<()> {
+        if state.is_empty() {
+            self.anchors.clear();
+            return Ok(());
+        }
+        let bad = |why: String| Error::InvalidArgument {
+            what: format!("StreamingLLM state: {why}"),
+        };
+        let mut rest = state;
+        let mut take = |n: usize, what: &str| -> Result<&[u8]> {
+            if rest.len() < n {
+                return Err(bad(format!("ends inside {what}")));
+            }
+            let (head, tail) = rest.split_at(n);
+            rest = tail;
+            Ok(head)
+        };
+        let u32s = |b: &[u8]| -> Vec<u32> {
+            b.chunks_exact(4)
+                .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect()
+        };
+        let n_sink = u32s(take(4, "the sink count")?)[0] as usize;
+        if n_sink != self.n_sink {
+            return Err(bad(format!(
+                "saved with {n_sink} attention sinks, this run has {}",
+                self.n_sink
+            )));
+        }
+        let n_layers = u32s(take(4, "the layer count")?)[0] as usize;
+        let mut anchors = Vec::with_capacity(n_layers.min(4096));
+        for layer in 0..n_layers {
+            match take(1, "a layer's flag")?[0] {
+                0 => anchors.push(None),
+                1 => {
+                    let positions = u32s(take(4 * n_sink, "sink positions")?);
+                    let written = u32s(take(4 * n_sink, "sink positions")?);
+                    let n_keys = u32s(take(4, "the key count")?)[0] as usize;
+                    if n_sink == 0 || n_keys % n_sink != 0 {
+                        return Err(bad(format!(
+                            "layer {layer} has {n_keys} key values for {n_sink} sinks"
+                        )));
+                    }
+                    let keys = take(n_keys.saturating_mul(4), "sink keys")?
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                        .collect();
+                    anchors.push(Some(SinkAnchor {
+                        positions,
+                        keys,
+                        written,
+                    }));
+                }
+                flag => return Err(bad(format!("layer {layer} has flag {flag}"))),
+            }
+        }
+        if !rest.is_empty() {
+            return Err(bad(format!("{} bytes after the last layer", rest.len())));
+        }
+        self.anchors = anchors;
+        Ok(())
+    }
 }

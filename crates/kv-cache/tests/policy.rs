@@ -128,3 +128,100 @@ fn no_policy_fills_then_errors_and_big_chunks_are_refused() {
     let err = policy.before_pass(cache.as_mut(), 64).unwrap_err();
     assert!(err.to_string().contains("batch"), "{err}");
 }
+
+/// Streams `n_tokens` through a sink-2 window-6 policy over an f16 ring and returns the
+/// policy and cache.
+fn streamed(backend: &Arc<CpuBackend>, n_tokens: usize) -> (StreamingLlm, Box<dyn KvCache>) {
+    let mut cache = new_cache(UpdateMode::PointerShift, SHAPE, 8, Precision::F16).unwrap();
+    let mut policy = StreamingLlm::new(2, 6)
+        .unwrap()
+        .with_rope(backend.clone(), rope());
+    for t in 0..n_tokens {
+        policy.before_pass(cache.as_mut(), 1).unwrap();
+        for layer in 0..SHAPE.n_layers {
+            let k = rotated(backend, &raw(t, layer), t as u32);
+            cache
+                .append(layer, &[t as u32], &k, &raw(t, layer + 9))
+                .unwrap();
+        }
+    }
+    (policy, cache)
+}
+
+/// The sinks' first-seen keys survive a save and restore of the policy's state: a
+/// policy restored into a copy of the cache evicts and re-rotates exactly as the
+/// original goes on doing (a fresh policy, which re-anchors on the rotated f16 copies,
+/// does not); malformed states are errors that change nothing.
+#[test]
+fn the_policy_state_restores_the_sinks_exactly() {
+    let backend = Arc::new(CpuBackend::new(1));
+    let (mut original, mut cache) = streamed(&backend, 20);
+    let state = original.state();
+    assert!(!state.is_empty(), "evictions anchored the sinks");
+
+    let copy_of = |cache: &dyn KvCache| {
+        let mut bytes = Vec::new();
+        cache.save(&mut bytes).unwrap();
+        let mut c = new_cache(UpdateMode::PointerShift, SHAPE, 8, Precision::F16).unwrap();
+        c.load(&mut &bytes[..]).unwrap();
+        c
+    };
+    let mut restored_cache = copy_of(cache.as_ref());
+    let mut fresh_cache = copy_of(cache.as_ref());
+    let mut restored = StreamingLlm::new(2, 6)
+        .unwrap()
+        .with_rope(backend.clone(), rope());
+    restored.restore_state(&state).unwrap();
+    assert_eq!(restored.state(), state);
+    let mut fresh = StreamingLlm::new(2, 6)
+        .unwrap()
+        .with_rope(backend.clone(), rope());
+
+    let sinks = |c: &dyn KvCache| {
+        let (mut p, mut k, mut v) = (vec![], vec![], vec![]);
+        c.read(0, 0..2, &mut p, &mut k, &mut v);
+        (p, k)
+    };
+    let mut fresh_differs = false;
+    for t in 20..30usize {
+        for (policy, c) in [
+            (&mut original as &mut dyn KvPolicy, &mut cache),
+            (&mut restored, &mut restored_cache),
+            (&mut fresh, &mut fresh_cache),
+        ] {
+            policy.before_pass(c.as_mut(), 1).unwrap();
+            for layer in 0..SHAPE.n_layers {
+                let k = rotated(&backend, &raw(t, layer), t as u32);
+                c.append(layer, &[t as u32], &k, &raw(t, layer + 9))
+                    .unwrap();
+            }
+        }
+        assert_eq!(
+            sinks(restored_cache.as_ref()),
+            sinks(cache.as_ref()),
+            "token {t}"
+        );
+        fresh_differs |= sinks(fresh_cache.as_ref()) != sinks(cache.as_ref());
+    }
+    assert!(
+        fresh_differs,
+        "a policy without the state re-anchors on rounded keys"
+    );
+
+    let mut other = StreamingLlm::new(3, 6).unwrap();
+    let err = other.restore_state(&state).unwrap_err().to_string();
+    assert!(err.contains("2 attention sinks"), "{err}");
+    for bad in [&state[..state.len() - 1], &state[..9]] {
+        let before = restored.state();
+        let err = restored.restore_state(bad).unwrap_err().to_string();
+        assert!(err.contains("StreamingLLM state"), "{err}");
+        assert_eq!(
+            restored.state(),
+            before,
+            "a failed restore changed the policy"
+        );
+    }
+    let mut flagged = state.clone();
+    flagged[8] = 7;
+    assert!(restored.restore_state(&flagged).is_err());
+}

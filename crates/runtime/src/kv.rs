@@ -259,6 +259,24 @@ pub trait KvPolicy: Send {
     fn acts_between_layers(&self) -> bool {
         true
     }
+    /// What of the policy's own state a saved session must carry to continue exactly
+    /// as an uninterrupted run would (empty when the cache alone is enough).
+    fn state(&self) -> Vec<u8> {
+        Vec::new()
+    }
+    /// Takes back what [`KvPolicy::state`] gave; an error (and no change) if `state`
+    /// is not something this policy wrote.
+    fn restore_state(&mut self, state: &[u8]) -> Result<()> {
+        if state.is_empty() {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument {
+            what: format!(
+                "a KV policy state of {} bytes, for a policy that keeps none",
+                state.len()
+            ),
+        })
+    }
 }
 
 /// One layer's keys or values in their stored type.

@@ -162,6 +162,17 @@ impl Session {
         self.logits.clear();
     }
 
+    /// The policy that may evict from the cache, if any.
+    pub fn policy(&self) -> Option<&dyn KvPolicy> {
+        self.policy.as_deref()
+    }
+
+    /// The policy, to restore its state with the cache's (see
+    /// [`KvPolicy::restore_state`]).
+    pub fn policy_mut(&mut self) -> Option<&mut (dyn KvPolicy + 'static)> {
+        self.policy.as_deref_mut()
+    }
+
     /// The cache, to save or load it. The token history must keep matching it: see
     /// [`Session::restore`].
     pub fn kv_mut(&mut self) -> &mut dyn KvCache {
