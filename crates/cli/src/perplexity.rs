@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
-use ballast_runtime::session::perplexity;
+use anyhow::{bail, Context, Result};
+use ballast_runtime::session::perplexity_with_cache;
 use clap::Args;
 use serde_json::json;
 
@@ -162,6 +162,9 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     if args.stream {
         return run_stream(&args, &mut loaded, &text);
     }
+    if args.kv.policy != "none" {
+        bail!("--kv-policy needs --stream: llama-perplexity's windows of -c tokens never fill their cache, so nothing is evicted");
+    }
     let mut tokens = loaded.tokenizer.encode(&text, false, false)?;
     // llama-perplexity starts every window with BOS when the model adds one.
     let bos = loaded
@@ -178,11 +181,20 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     if args.json {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    let report = perplexity(
+    // Each window's cache in the --kv-mode and --kv-dtype asked for.
+    let (mode, dtype, shape) = (args.kv.mode, args.kv.dtype, loaded.model.kv_shape());
+    let report = perplexity_with_cache(
         &mut loaded.model,
         &tokens,
         args.ctx,
         args.batch,
+        || {
+            ballast_kv_cache::new_cache(mode, shape, args.ctx, dtype).map_err(|e| {
+                ballast_runtime::Error::InvalidArgument {
+                    what: e.to_string(),
+                }
+            })
+        },
         |done, _| bar.set_position(done as u64),
     )?;
     bar.finish_and_clear();

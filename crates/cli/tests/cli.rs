@@ -212,6 +212,30 @@ fn bench_and_perplexity_report_figures() {
     // A random model over 257 tokens: finite and in the ballpark of the vocabulary.
     assert!(ppl.is_finite() && ppl > 1.0 && ppl < 10_000.0, "{ppl}");
     assert_eq!(r["scored_tokens"], r["chunks"].as_u64().unwrap() * 31);
+    // The windows' cache follows --kv-dtype (int8 keys and values change the figure);
+    // a policy has nothing to evict there and is refused.
+    let windowed = |extra: &[&str]| {
+        let mut args = vec![
+            "perplexity",
+            "-m",
+            m,
+            "-f",
+            text.to_str().unwrap(),
+            "-c",
+            "64",
+        ];
+        args.extend_from_slice(extra);
+        args.push("--json");
+        ballast(&args)
+    };
+    let o = windowed(&["--kv-dtype", "q8"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let q8: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let q8 = q8["perplexity"].as_f64().unwrap();
+    assert!(q8.is_finite() && q8 != ppl, "q8 {q8} vs f16 {ppl}");
+    let o = windowed(&["--kv-policy", "window"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--stream"), "{}", stderr(&o));
 
     // One stream through a StreamingLLM cache of 32: bytes held stop growing.
     let o = ballast(&[

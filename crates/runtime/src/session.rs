@@ -205,12 +205,34 @@ pub struct PerplexityReport {
 /// Perplexity the way `llama-perplexity` computes it: the tokens are cut into
 /// `floor(n / ctx)` non-overlapping windows, each evaluated from an empty cache, and in
 /// each window the positions `i` in `[ctx/2, ctx-2]` are scored against token `i + 1`.
-/// `progress(done, total)` is called after each window.
+/// `progress(done, total)` is called after each window. The cache is a [`DenseKv`] (f16,
+/// as llama.cpp's); [`perplexity_with_cache`] takes any.
 pub fn perplexity(
     model: &mut Model,
     tokens: &[u32],
     ctx: usize,
     batch: usize,
+    progress: impl FnMut(usize, usize),
+) -> Result<PerplexityReport> {
+    let shape = model.kv_shape();
+    perplexity_with_cache(
+        model,
+        tokens,
+        ctx,
+        batch,
+        || Ok(Box::new(DenseKv::new(shape, ctx))),
+        progress,
+    )
+}
+
+/// [`perplexity`] with each window's cache made by `new_cache` (of at least `ctx`
+/// tokens): another precision or layout of the keys and values.
+pub fn perplexity_with_cache(
+    model: &mut Model,
+    tokens: &[u32],
+    ctx: usize,
+    batch: usize,
+    mut new_cache: impl FnMut() -> Result<Box<dyn KvCache>>,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<PerplexityReport> {
     if ctx < 4 {
@@ -234,13 +256,18 @@ pub fn perplexity(
     let batch = batch.max(1);
     for c in 0..n_chunks {
         let window = &tokens[c * ctx..(c + 1) * ctx];
-        let mut kv = DenseKv::new(model.kv_shape(), ctx);
+        let mut kv = new_cache()?;
         let mut done = 0;
         while done < ctx {
             let end = (done + batch).min(ctx);
             let positions: Vec<u32> = (done as u32..end as u32).collect();
-            let logits =
-                model.forward(&window[done..end], &positions, &mut kv, None, Logits::All)?;
+            let logits = model.forward(
+                &window[done..end],
+                &positions,
+                kv.as_mut(),
+                None,
+                Logits::All,
+            )?;
             for i in done..end {
                 if i >= ctx / 2 && i + 1 < ctx {
                     let row = &logits[(i - done) * vocab..(i - done + 1) * vocab];
