@@ -324,30 +324,29 @@ fn layered_model(dir: &Path) -> PathBuf {
     path
 }
 
-/// The `ballast plan --json` split (device, disk) of `model` under `ram`.
-fn split(model: &str, ram: &str) -> Option<(u64, u64)> {
-    let o = ballast(&[
+/// The `ballast plan --json` split (device, RAM, disk) of `model` under `budgets`
+/// (`--ram` and, for a GPU, `--vram`), at a context and batch of 64.
+fn split(model: &str, budgets: &[&str]) -> Option<(u64, u64, u64)> {
+    let mut args = vec![
         "plan",
         "-m",
         model,
-        "--ram",
-        ram,
         "-c",
         "64",
         "-b",
         "64",
         "--compute",
         "1GB/s",
-        "--json",
-    ]);
+    ];
+    args.extend_from_slice(budgets);
+    args.push("--json");
+    let o = ballast(&args);
     if !o.status.success() {
         return None;
     }
     let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
-    Some((
-        v["split"]["device"].as_u64().unwrap(),
-        v["split"]["disk"].as_u64().unwrap(),
-    ))
+    let n = |k: &str| v["split"][k].as_u64().unwrap();
+    Some((n("device"), n("ram"), n("disk")))
 }
 
 #[test]
@@ -358,7 +357,7 @@ fn tiered_streaming_gives_the_same_tokens_as_mapping_and_reports_what_it_read() 
     // A budget that keeps some layers resident and streams the others.
     let ram = (8..40)
         .map(|mib| format!("{mib}M"))
-        .find(|r| matches!(split(m, r), Some((a, c)) if a > 0 && c > 0))
+        .find(|r| matches!(split(m, &["--ram", r]), Some((a, 0, c)) if a > 0 && c > 0))
         .expect("some budget splits the layers");
     let greedy = ["--temp", "0", "-c", "64", "-b", "64"];
     let mapped = generated_tokens(m, "xyz", 8, &greedy);
@@ -547,12 +546,7 @@ fn an_unknown_device_is_refused_with_the_choices() {
 /// adapter (lavapipe in CI: a missing one fails there, and skips elsewhere).
 #[test]
 fn gpu_run_and_bench_report_the_adapter_and_traffic() {
-    if let Err(e) = ballast_runtime::gpu::GpuContext::new() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI needs a wgpu adapter (install mesa-vulkan-drivers): {e}"
-        );
-        eprintln!("skipped: {e}");
+    if ballast_runtime::testing::gpu_for_tests().is_none() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -596,45 +590,13 @@ fn gpu_run_and_bench_report_the_adapter_and_traffic() {
     assert!(token["kv_bytes_read"].as_u64().unwrap() > 0, "{device}");
 }
 
-/// The `ballast plan --json` split (device, RAM, disk) of `model` on a GPU of `vram`
-/// with `ram` of RAM.
-fn gpu_split(model: &str, vram: &str, ram: &str) -> Option<(u64, u64, u64)> {
-    let o = ballast(&[
-        "plan",
-        "-m",
-        model,
-        "--vram",
-        vram,
-        "--ram",
-        ram,
-        "-c",
-        "64",
-        "-b",
-        "64",
-        "--compute",
-        "1GB/s",
-        "--json",
-    ]);
-    if !o.status.success() {
-        return None;
-    }
-    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
-    let n = |k: &str| v["split"][k].as_u64().unwrap();
-    Some((n("device"), n("ram"), n("disk")))
-}
-
 /// Tiered streaming on the GPU: with a device budget that holds some layers and a RAM
 /// budget that holds some of the rest, the tokens equal the all-resident GPU run's,
 /// the device never holds more than `--vram`, the RAM and disk tiers are uploaded per
 /// token and the disk tier is read per token. Needs a wgpu adapter (as above).
 #[test]
 fn gpu_tiered_streaming_keeps_the_device_budget_and_the_tokens() {
-    if let Err(e) = ballast_runtime::gpu::GpuContext::new() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI needs a wgpu adapter (install mesa-vulkan-drivers): {e}"
-        );
-        eprintln!("skipped: {e}");
+    if ballast_runtime::testing::gpu_for_tests().is_none() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -649,7 +611,9 @@ fn gpu_tiered_streaming_keeps_the_device_budget_and_the_tokens() {
                 .step_by(500)
                 .map(move |r| (format!("{v}K"), format!("{r}K")))
         })
-        .find(|(v, r)| matches!(gpu_split(m, v, r), Some((a, b, c)) if a > 0 && b > 0 && c > 0))
+        .find(|(v, r)| {
+            matches!(split(m, &["--vram", v, "--ram", r]), Some((a, b, c)) if a > 0 && b > 0 && c > 0)
+        })
         .expect("some budgets split the layers three ways");
     let greedy = ["--temp", "0", "-c", "64", "-b", "64", "--device", "gpu"];
     let resident = generated_tokens(m, "xyz", 8, &greedy);

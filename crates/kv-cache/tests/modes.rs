@@ -9,7 +9,7 @@ use ballast_runtime::gpu::GpuContext;
 use ballast_runtime::{Backend, CpuBackend, Error, KvCache, KvShape, WgpuBackend};
 use half::f16;
 use proptest::prelude::*;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 const SHAPE: KvShape = KvShape {
     n_layers: 2,
@@ -217,20 +217,8 @@ fn after(ops: &[Op], precision: Precision) -> Vec<Box<dyn KvCache>> {
     caches
 }
 
-/// The wgpu adapter, or `None` with a printed reason; under CI a missing one fails.
 fn gpu() -> Option<Arc<GpuContext>> {
-    static CTX: OnceLock<Option<Arc<GpuContext>>> = OnceLock::new();
-    CTX.get_or_init(|| match GpuContext::new() {
-        Ok(ctx) => Some(ctx),
-        Err(e) if std::env::var_os("CI").is_some() => {
-            panic!("CI needs a wgpu adapter (install mesa-vulkan-drivers): {e}")
-        }
-        Err(e) => {
-            eprintln!("skipped: {e}");
-            None
-        }
-    })
-    .clone()
+    ballast_runtime::testing::gpu_for_tests()
 }
 
 /// Attention on wgpu over each mode's view (ring segments, masked slots) equals the CPU

@@ -209,3 +209,26 @@ impl TinyModelSpec {
         Ok(w)
     }
 }
+
+/// The GPU context tests share, or `None` with the reason printed, where the machine
+/// has no wgpu adapter. Under CI (`CI` set) a missing adapter is a failure, not a skip:
+/// CI installs one (Mesa's lavapipe), so a test that would silently skip there panics.
+#[cfg(feature = "gpu")]
+pub fn gpu_for_tests() -> Option<std::sync::Arc<crate::gpu::GpuContext>> {
+    use std::sync::{Arc, OnceLock};
+    static CTX: OnceLock<Option<Arc<crate::gpu::GpuContext>>> = OnceLock::new();
+    CTX.get_or_init(|| match crate::gpu::GpuContext::new() {
+        Ok(ctx) => {
+            eprintln!("wgpu adapter: {}", ctx.adapter());
+            Some(ctx)
+        }
+        Err(e) if std::env::var_os("CI").is_some() => {
+            panic!("CI needs a wgpu adapter (install mesa-vulkan-drivers): {e}")
+        }
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    })
+    .clone()
+}

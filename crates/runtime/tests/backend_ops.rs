@@ -29,26 +29,9 @@ fn cpu() -> Option<Arc<dyn Backend>> {
     Some(CPU.get_or_init(|| Arc::new(CpuBackend::new(2))).clone())
 }
 
-/// The GPU context shared by every test of this binary, or `None` with a printed
-/// reason (a failure under CI).
 #[cfg(feature = "gpu")]
 fn gpu_context() -> Option<Arc<GpuContext>> {
-    static CTX: OnceLock<Option<Arc<GpuContext>>> = OnceLock::new();
-    CTX.get_or_init(|| match GpuContext::new() {
-        Ok(ctx) => {
-            ctx.set_poison(true);
-            eprintln!("wgpu adapter: {}", ctx.adapter());
-            Some(ctx)
-        }
-        Err(e) if std::env::var_os("CI").is_some() => {
-            panic!("CI needs a wgpu adapter (install mesa-vulkan-drivers): {e}")
-        }
-        Err(e) => {
-            eprintln!("skipped: {e}");
-            None
-        }
-    })
-    .clone()
+    ballast_runtime::testing::gpu_for_tests()
 }
 
 #[cfg(feature = "gpu")]

@@ -10,8 +10,6 @@ mod common;
 use std::sync::Arc;
 
 use ballast_runtime::gguf::GgufFile;
-#[cfg(feature = "gpu")]
-use ballast_runtime::gpu::GpuContext;
 use ballast_runtime::session::perplexity;
 #[cfg(feature = "gpu")]
 use ballast_runtime::WgpuBackend;
@@ -74,17 +72,9 @@ fn greedy_generation_matches_llama_cpp() {
 #[cfg(feature = "gpu")]
 fn greedy_generation_on_wgpu_matches_llama_cpp() {
     let Some(file) = default_model() else { return };
-    let ctx = match GpuContext::new() {
-        Ok(ctx) => ctx,
-        Err(e) if std::env::var_os("CI").is_some() => {
-            panic!("CI needs a wgpu adapter (install mesa-vulkan-drivers): {e}")
-        }
-        Err(e) => {
-            eprintln!("skipped: {e}");
-            return;
-        }
+    let Some(ctx) = ballast_runtime::testing::gpu_for_tests() else {
+        return;
     };
-    eprintln!("wgpu adapter: {}", ctx.adapter());
     check_greedy_generation(
         file,
         Arc::new(WgpuBackend::new(ctx)),

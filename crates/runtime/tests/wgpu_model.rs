@@ -8,7 +8,7 @@
 #![cfg(feature = "gpu")]
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::gguf::GgufFile;
@@ -24,21 +24,7 @@ use ballast_runtime::{
 };
 
 fn gpu() -> Option<Arc<GpuContext>> {
-    static CTX: OnceLock<Option<Arc<GpuContext>>> = OnceLock::new();
-    CTX.get_or_init(|| match GpuContext::new() {
-        Ok(ctx) => {
-            eprintln!("wgpu adapter: {}", ctx.adapter());
-            Some(ctx)
-        }
-        Err(e) if std::env::var_os("CI").is_some() => {
-            panic!("CI needs a wgpu adapter (install mesa-vulkan-drivers): {e}")
-        }
-        Err(e) => {
-            eprintln!("skipped: {e}");
-            None
-        }
-    })
-    .clone()
+    ballast_runtime::testing::gpu_for_tests()
 }
 
 fn load(spec: &TinyModelSpec, backend: Arc<dyn Backend>) -> Model {

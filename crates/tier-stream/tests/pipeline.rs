@@ -298,18 +298,8 @@ fn same_logits_as_the_resident_store_in_every_mode() {
     }
 }
 
-/// The wgpu adapter, or `None` with a printed reason; under CI a missing one fails.
 fn gpu() -> Option<Arc<GpuContext>> {
-    match GpuContext::new() {
-        Ok(ctx) => Some(ctx),
-        Err(e) if std::env::var_os("CI").is_some() => {
-            panic!("CI needs a wgpu adapter (install mesa-vulkan-drivers): {e}")
-        }
-        Err(e) => {
-            eprintln!("skipped: {e}");
-            None
-        }
-    }
+    ballast_runtime::testing::gpu_for_tests()
 }
 
 /// With a separate device (wgpu), layers on the device tier are uploaded once, RAM-tier

@@ -132,14 +132,7 @@ impl<'c> Recorder<'c> {
     /// overwrite a buffer its earlier commands read (a stream slot) does this first,
     /// since queue writes land before the next submission's commands.
     pub(crate) fn flush(&mut self) -> Result<()> {
-        if let Some(what) = self.report.error.take() {
-            return Err(crate::Error::Gpu { what });
-        }
-        for chunk in &self.params {
-            self.ctx
-                .queue()
-                .write_buffer(chunk.buffer.raw(), 0, &chunk.bytes);
-        }
+        self.write_params()?;
         let next = self
             .ctx
             .device()
@@ -150,6 +143,20 @@ impl<'c> Recorder<'c> {
         self.ctx.queue().submit([done.finish()]);
         self.report.submissions += 1;
         self.ctx.check()
+    }
+
+    /// Returns a recording error, else queues the kernels' parameters for the next
+    /// submission.
+    fn write_params(&mut self) -> Result<()> {
+        if let Some(what) = self.report.error.take() {
+            return Err(crate::Error::Gpu { what });
+        }
+        for chunk in &self.params {
+            self.ctx
+                .queue()
+                .write_buffer(chunk.buffer.raw(), 0, &chunk.bytes);
+        }
+        Ok(())
     }
 
     /// Counts bytes of keys and values read.
@@ -292,14 +299,7 @@ impl<'c> Recorder<'c> {
         mut self,
         sources: &[(&wgpu::Buffer, u64, u64)],
     ) -> Result<(Vec<u8>, PassReport)> {
-        if let Some(what) = self.report.error.take() {
-            return Err(crate::Error::Gpu { what });
-        }
-        for chunk in &self.params {
-            self.ctx
-                .queue()
-                .write_buffer(chunk.buffer.raw(), 0, &chunk.bytes);
-        }
+        self.write_params()?;
         let mut all: Vec<(&wgpu::Buffer, u64, u64)> = sources.to_vec();
         let n_queries = self.timer.as_ref().map_or(0, |t| 2 * t.labels.len() as u32);
         if let Some(t) = &self.timer {
