@@ -178,13 +178,21 @@ pub fn run(args: PlanArgs) -> Result<()> {
         );
         let config = ModelConfig::from_gguf(&file)?;
         let (g, l) = load_weights(&file, &config)?;
-        let shape = model_shape(&config, &g, &l);
+        let mut shape = model_shape(&config, &g, &l);
+        if args.vram.is_some() {
+            tiered::on_wgpu_device(&mut shape, Some(&g));
+        }
         (
             shape,
             Some((file, path.clone())),
             path.display().to_string(),
         )
     };
+    if args.vram.is_some() && file.is_none() {
+        // A GPU plan is for Ballast's wgpu backend (the model file, when given, also
+        // says whether its embedding table goes to the device: above).
+        tiered::on_wgpu_device(&mut shape, None);
+    }
     if let Some(b) = &args.layer_bytes {
         let b = probe::parse_size(b)?;
         shape.layer_bytes.iter_mut().for_each(|x| *x = b);

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::model::load_weights;
+use ballast_runtime::weights::GlobalWeights;
 use ballast_runtime::{Backend, DenseFfn, Model, ModelConfig, ResidentStore};
 use ballast_tier_stream::io::{self, DirectFile, ReadAt};
 use ballast_tier_stream::{
@@ -132,8 +133,7 @@ pub fn build(
         load_weights(file, &config).with_context(|| format!("loading {}", path.display()))?;
     let mut shape = model_shape(&config, &globals, &layers);
     if separate_device {
-        // The wgpu backend's device copy of the cache holds f32 (see its KvMirror).
-        shape.kv_value_bytes = 4;
+        on_wgpu_device(&mut shape, Some(&globals));
     }
     let kind = match args.store {
         StoreKind::Auto if args.ram.is_some() || args.vram.is_some() => StoreKind::Tiered,
@@ -212,6 +212,17 @@ pub fn build(
         tiered: Some(info),
         store_name: "tiered",
     })
+}
+
+/// What the wgpu backend keeps on its device beyond the layers: its copy of the KV cache
+/// holds f32 (see its `KvMirror`), and it looks tokens up on the device, so an embedding
+/// table that is not the output head is uploaded whole beside it (`globals`, when the
+/// model is known).
+pub fn on_wgpu_device(shape: &mut ModelShape, globals: Option<&GlobalWeights>) {
+    shape.kv_value_bytes = 4;
+    if let Some(g) = globals.filter(|g| g.token_embd.name != g.output.name) {
+        shape.head_bytes += g.token_embd.bytes.len() as u64;
+    }
 }
 
 /// One letter per layer: `A` device (RAM on the CPU), `B` RAM, `C` disk.

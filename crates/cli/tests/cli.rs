@@ -600,7 +600,16 @@ fn gpu_tiered_streaming_keeps_the_device_budget_and_the_tokens() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let model = layered_model(dir.path());
+    // An output head of its own: the embedding table goes to the device too.
+    let model = dir.path().join("untied.gguf");
+    let spec = TinyModelSpec {
+        n_layers: 6,
+        d_model: 256,
+        n_ff: 512,
+        tied: false,
+        ..TinyModelSpec::default()
+    };
+    std::fs::write(&model, spec.to_gguf_bytes().unwrap()).unwrap();
     let m = model.to_str().unwrap();
     // Budgets that put layers in all three tiers (in KiB steps: the reserve's margin
     // of 8 MiB dominates a model this small).
@@ -641,6 +650,29 @@ fn gpu_tiered_streaming_keeps_the_device_budget_and_the_tokens() {
         "{read} bytes read per token, {non_resident} on disk: {s}"
     );
     assert!(s["uploaded_bytes_per_token"].as_u64().unwrap() > 0, "{s}");
+
+    // A GPU plan counts the untied embedding table, which the device holds, with the
+    // head; a CPU plan leaves it mapped.
+    let head = |extra: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "-m",
+            m,
+            "--ram",
+            "1G",
+            "--compute",
+            "1GB/s",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let o = ballast(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+        v["head_bytes"].as_u64().unwrap()
+    };
+    let file = ballast_runtime::gguf::GgufFile::open(&model, true).unwrap();
+    let embd = file.tensor("token_embd.weight").unwrap().n_bytes;
+    assert_eq!(head(&["--vram", "1G"]), head(&[]) + embd);
 
     // --vram is GPU memory: on the CPU backend it is refused with what to use instead.
     let o = ballast(&["run", "-m", m, "xyz", "--vram", "1G"]);

@@ -535,6 +535,10 @@ impl TieredStore {
             .collect::<Result<_>>()?;
         let mut head_bytes =
             globals.output.bytes.len() as u64 + globals.output_norm.len() as u64 * 4;
+        if !plan.unified && globals.token_embd.name != globals.output.name {
+            // A device backend uploads an untied embedding table beside the head.
+            head_bytes += globals.token_embd.bytes.len() as u64;
+        }
         if plan.unified {
             // The head is read whole by every token: read it once into RAM. A tied
             // embedding is the same tensor; an untied one stays memory-mapped (a token

@@ -570,3 +570,40 @@ fn over_another_store_gives_that_stores_logits() {
         .expect("the store beneath fails for layer 4");
     assert!(err.to_string().contains("layer 4 is gone"), "{err}");
 }
+
+/// With a separate device, the store counts on the device what the backend will hold
+/// there for it: the device-tier layers, the head and, when the model has an output
+/// head of its own, the whole embedding table (the wgpu backend looks tokens up on the
+/// device).
+#[test]
+fn a_separate_device_holds_the_device_tier_the_head_and_an_untied_embedding() {
+    for tied in [true, false] {
+        let spec = TinyModelSpec {
+            n_layers: 4,
+            d_model: 128,
+            n_ff: 256,
+            tied,
+            ..TinyModelSpec::default()
+        };
+        let bytes = spec.to_gguf_bytes().unwrap();
+        let file = Arc::new(GgufFile::from_bytes(bytes.clone()).unwrap());
+        let config = ModelConfig::from_gguf(&file).unwrap();
+        let fx = Fixture {
+            bytes: Arc::new(bytes),
+            file,
+            config,
+        };
+        use Tier::{Device as A, Disk as C, Ram as B};
+        let p = plan_with_device(&fx, vec![A, B, C, A], 2);
+        let s = store(&fx, &p, FlakyReader::new(fx.bytes.clone(), 1, 0), 1);
+        let (g, _) = load_weights(&fx.file, &fx.config).unwrap();
+        let mut want = p.layer_bytes[0]
+            + p.layer_bytes[3]
+            + g.output.bytes.len() as u64
+            + g.output_norm.len() as u64 * 4;
+        if !tied {
+            want += g.token_embd.bytes.len() as u64;
+        }
+        assert_eq!(s.held_bytes().device, want, "tied {tied}");
+    }
+}
