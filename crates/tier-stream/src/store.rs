@@ -233,6 +233,16 @@ impl Beneath {
         }
     }
 
+    /// Layer `index` as it is beneath: the file's memory-mapped bytes (`layout`'s
+    /// template), or the store beneath's answer. A separate device keeps its device tier
+    /// this way: the backend uploads it once.
+    fn as_loaded(&self, index: usize, layout: &LayerLayout) -> Result<Arc<LayerWeights>> {
+        match self {
+            Beneath::File(_) => Ok(Arc::new(layout.template.clone())),
+            Beneath::Store { inner, passes } => Ok(inner.layer(passes.next(), index)?),
+        }
+    }
+
     /// The file read, for error messages (the store beneath has none).
     fn path(&self) -> PathBuf {
         match self {
@@ -473,15 +483,14 @@ fn check_plan(plan: &Plan, n_layers: usize) -> Result<()> {
 
 /// The layers `plan` keeps, as this store holds them: on the CPU (a unified plan) the
 /// device tier is fetched once into RAM the CPU computes from; with a separate device
-/// it is handed out `as_loaded` (the backend uploads it once and keeps it); a RAM tier
+/// it is handed out as loaded (the backend uploads it once and keeps it); a RAM tier
 /// is fetched once into RAM that the backend uploads per use. Returns them with the
 /// bytes held for the device tier and for the RAM tier.
 #[allow(clippy::type_complexity)]
 fn place_layers(
     layouts: &[LayerLayout],
     plan: &Plan,
-    fetch: impl Fn(usize, &LayerLayout, &mut AlignedBuf) -> Result<()>,
-    as_loaded: impl Fn(usize) -> Result<Arc<LayerWeights>>,
+    beneath: &Beneath,
 ) -> Result<(Vec<Option<Arc<LayerWeights>>>, u64, u64)> {
     let mut resident = Vec::with_capacity(layouts.len());
     let (mut device_bytes, mut ram_bytes) = (0u64, 0u64);
@@ -493,14 +502,14 @@ fn place_layers(
             }
             (Tier::Device, false) => {
                 device_bytes += layout.bytes;
-                resident.push(Some(as_loaded(i)?));
+                resident.push(Some(beneath.as_loaded(i, layout)?));
                 continue;
             }
             (Tier::Device, true) => false,
             (Tier::Ram, _) => true,
         };
         let mut buf = AlignedBuf::new(layout.slot_len as usize);
-        fetch(i, layout, &mut buf)?;
+        beneath.fetch(i, layout, &mut buf)?;
         // What is allocated (aligned reads), not only the tensors' bytes.
         if in_ram {
             ram_bytes += buf.len() as u64;
@@ -533,12 +542,6 @@ impl TieredStore {
             .into_iter()
             .map(|l| LayerLayout::new(file, l))
             .collect::<Result<_>>()?;
-        let mut head_bytes =
-            globals.output.bytes.len() as u64 + globals.output_norm.len() as u64 * 4;
-        if !plan.unified && globals.token_embd.name != globals.output.name {
-            // A device backend uploads an untied embedding table beside the head.
-            head_bytes += globals.token_embd.bytes.len() as u64;
-        }
         if plan.unified {
             // The head is read whole by every token: read it once into RAM. A tied
             // embedding is the same tensor; an untied one stays memory-mapped (a token
@@ -564,26 +567,8 @@ impl TieredStore {
             if tied {
                 globals.token_embd.bytes = globals.output.bytes.clone();
             }
-            head_bytes = head_info.n_bytes + globals.output_norm.len() as u64 * 4;
         }
-        // A separate device uploads the device tier once and keeps it: those layers stay
-        // as loaded (mapped) here.
-        let as_loaded = |i: usize| Ok(Arc::new(layouts[i].template.clone()));
-        let (resident, resident_bytes, ram_bytes) = place_layers(
-            &layouts,
-            plan,
-            |i, l, b| read_extents(reader.as_ref(), Part::Layer(i), &l.extents, b),
-            as_loaded,
-        )?;
-        TieredStore::start(
-            globals,
-            layouts,
-            resident,
-            plan,
-            (resident_bytes, head_bytes, ram_bytes),
-            Arc::new(Beneath::File(reader)),
-            options,
-        )
+        TieredStore::start(globals, layouts, plan, Beneath::File(reader), options)
     }
 
     /// A store over another store `inner` (one that decompresses layers on demand, say),
@@ -604,37 +589,17 @@ impl TieredStore {
             .map(|i| Ok(LayerLayout::packed(&*inner.layer(passes.next(), i)?)))
             .collect::<Result<_>>()?;
         let globals = inner.globals().clone();
-        let head_bytes = globals.output.bytes.len() as u64 + globals.output_norm.len() as u64 * 4;
         let beneath = Beneath::Store { inner, passes };
-        let as_loaded = |i: usize| match &beneath {
-            Beneath::Store { inner, passes } => Ok(inner.layer(passes.next(), i)?),
-            Beneath::File(_) => unreachable!("a store beneath"),
-        };
-        let (resident, resident_bytes, ram_bytes) = place_layers(
-            &layouts,
-            plan,
-            |i, l, b| beneath.fetch(i, l, b).map(|_| ()),
-            as_loaded,
-        )?;
-        TieredStore::start(
-            globals,
-            layouts,
-            resident,
-            plan,
-            (resident_bytes, head_bytes, ram_bytes),
-            Arc::new(beneath),
-            options,
-        )
+        TieredStore::start(globals, layouts, plan, beneath, options)
     }
 
-    /// Starts the reader threads and the ring of slots for the streamed layers.
+    /// Places the layers `plan` keeps, then starts the reader threads and the ring of
+    /// slots for the streamed ones.
     fn start(
         globals: GlobalWeights,
         layouts: Vec<LayerLayout>,
-        resident: Vec<Option<Arc<LayerWeights>>>,
         plan: &Plan,
-        (resident_bytes, head_bytes, ram_bytes): (u64, u64, u64),
-        beneath: Arc<Beneath>,
+        beneath: Beneath,
         options: TieredOptions,
     ) -> Result<TieredStore> {
         let streamed: Vec<usize> = (0..layouts.len())
@@ -659,6 +624,14 @@ impl TieredStore {
                 ),
             });
         }
+        let (resident, resident_bytes, ram_bytes) = place_layers(&layouts, plan, &beneath)?;
+        let mut head_bytes =
+            globals.output.bytes.len() as u64 + globals.output_norm.len() as u64 * 4;
+        if !plan.unified && globals.token_embd.name != globals.output.name {
+            // A device backend uploads an untied embedding table beside the head.
+            head_bytes += globals.token_embd.bytes.len() as u64;
+        }
+        let beneath = Arc::new(beneath);
         let layouts = Arc::new(layouts);
         let slots = if streamed.is_empty() {
             0
