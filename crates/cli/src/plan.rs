@@ -146,7 +146,9 @@ pub struct PlanArgs {
 
 pub fn run(args: PlanArgs) -> Result<()> {
     let mut notes: Vec<String> = Vec::new();
-    let (mut shape, file, label) = if let Some(name) = &args.preset {
+    // The model's global weights, when a file is given (a GPU plan asks where its
+    // embedding table goes).
+    let (mut shape, file, label, globals) = if let Some(name) = &args.preset {
         let Some(p) = PRESETS.iter().find(|p| p.0 == name.as_str()) else {
             bail!(
                 "unknown preset '{name}'; known: {}",
@@ -154,7 +156,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
             );
         };
         let shape = ModelShape::from_dims(p.1, p.2, p.3, p.4, p.5, p.6, p.7, p.8);
-        (shape, None, format!("preset {}", p.0))
+        (shape, None, format!("preset {}", p.0), None)
     } else if let Some(layers) = args.layers {
         anyhow::ensure!(
             layers > 0 && args.heads > 0,
@@ -170,7 +172,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
             args.bits,
             args.bits,
         );
-        (shape, None, "shape from flags".to_string())
+        (shape, None, "shape from flags".to_string(), None)
     } else {
         let path = common::resolve_model(args.model.as_deref())?;
         let file = Arc::new(
@@ -178,20 +180,17 @@ pub fn run(args: PlanArgs) -> Result<()> {
         );
         let config = ModelConfig::from_gguf(&file)?;
         let (g, l) = load_weights(&file, &config)?;
-        let mut shape = model_shape(&config, &g, &l);
-        if args.vram.is_some() {
-            tiered::on_wgpu_device(&mut shape, Some(&g));
-        }
+        let shape = model_shape(&config, &g, &l);
         (
             shape,
             Some((file, path.clone())),
             path.display().to_string(),
+            Some(g),
         )
     };
-    if args.vram.is_some() && file.is_none() {
-        // A GPU plan is for Ballast's wgpu backend (the model file, when given, also
-        // says whether its embedding table goes to the device: above).
-        tiered::on_wgpu_device(&mut shape, None);
+    if args.vram.is_some() {
+        // A GPU plan is for Ballast's wgpu backend.
+        tiered::on_wgpu_device(&mut shape, globals.as_ref());
     }
     if let Some(b) = &args.layer_bytes {
         let b = probe::parse_size(b)?;

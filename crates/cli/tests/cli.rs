@@ -196,24 +196,7 @@ fn bench_and_perplexity_report_figures() {
         "The quick brown fox jumps over the lazy dog. ".repeat(20),
     )
     .unwrap();
-    let o = ballast(&[
-        "perplexity",
-        "-m",
-        m,
-        "-f",
-        text.to_str().unwrap(),
-        "-c",
-        "64",
-        "--json",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let r: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
-    let ppl = r["perplexity"].as_f64().unwrap();
-    // A random model over 257 tokens: finite and in the ballpark of the vocabulary.
-    assert!(ppl.is_finite() && ppl > 1.0 && ppl < 10_000.0, "{ppl}");
-    assert_eq!(r["scored_tokens"], r["chunks"].as_u64().unwrap() * 31);
-    // The windows' cache follows --kv-dtype (int8 keys and values change the figure);
-    // a policy has nothing to evict there and is refused.
+    // llama-perplexity's windows of 64 tokens, with `extra` flags.
     let windowed = |extra: &[&str]| {
         let mut args = vec![
             "perplexity",
@@ -228,6 +211,15 @@ fn bench_and_perplexity_report_figures() {
         args.push("--json");
         ballast(&args)
     };
+    let o = windowed(&[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let ppl = r["perplexity"].as_f64().unwrap();
+    // A random model over 257 tokens: finite and in the ballpark of the vocabulary.
+    assert!(ppl.is_finite() && ppl > 1.0 && ppl < 10_000.0, "{ppl}");
+    assert_eq!(r["scored_tokens"], r["chunks"].as_u64().unwrap() * 31);
+    // The windows' cache follows --kv-dtype (int8 keys and values change the figure);
+    // a policy has nothing to evict there and is refused.
     let o = windowed(&["--kv-dtype", "q8"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let q8: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();

@@ -209,11 +209,6 @@ impl WgpuBackend {
         ring.next = 0;
     }
 
-    /// Stream slots in use (see [`WgpuBackend::set_stream_slots`]).
-    pub fn stream_slots(&self) -> usize {
-        self.stream.lock().unwrap_or_else(|p| p.into_inner()).depth
-    }
-
     /// The device copy of `w`: uploaded on first use and cached when its bytes allow
     /// ([`WeightBytes::cache_on_device`]), else uploaded for this one use.
     pub(crate) fn weight(&self, w: &Weight) -> Result<Arc<DeviceWeight>> {
@@ -230,28 +225,27 @@ impl WgpuBackend {
                 return Ok(d.clone());
             }
         }
-        let d = Arc::new(self.split_weight(w, |_, piece| {
+        let mut d = self.split_weight(w, |piece| {
             Ok(Arc::new(self.ctx.weight_buffer(piece, &w.name)?))
-        })?);
-        if cache {
-            let mut d = Arc::into_inner(d).expect("not shared yet");
-            d._host = Some(w.bytes.clone());
-            let d = Arc::new(d);
-            self.weights
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(key, d.clone());
-            return Ok(d);
+        })?;
+        if !cache {
+            return Ok(Arc::new(d));
         }
+        d._host = Some(w.bytes.clone());
+        let d = Arc::new(d);
+        self.weights
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, d.clone());
         Ok(d)
     }
 
     /// `w` checked and split by rows into chunks that each fit one binding; `place`
-    /// puts the `k`-th chunk's bytes in a device buffer.
+    /// puts each chunk's bytes, in order, in a device buffer.
     fn split_weight(
         &self,
         w: &Weight,
-        mut place: impl FnMut(usize, &[u8]) -> Result<Arc<GpuBuffer>>,
+        mut place: impl FnMut(&[u8]) -> Result<Arc<GpuBuffer>>,
     ) -> Result<DeviceWeight> {
         let bytes = w.bytes.as_slice();
         if !gpu_supports(w.ty) {
@@ -281,10 +275,7 @@ impl WgpuBackend {
         let mut first_row = 0;
         while first_row < rows {
             let n = rows_per_chunk.min(rows - first_row);
-            let buffer = place(
-                chunks.len(),
-                &bytes[first_row * row_bytes..(first_row + n) * row_bytes],
-            )?;
+            let buffer = place(&bytes[first_row * row_bytes..(first_row + n) * row_bytes])?;
             chunks.push(WeightChunk {
                 buffer,
                 first_row,
@@ -346,7 +337,7 @@ impl WgpuBackend {
             let d = match slot {
                 Some(slot) if !w.bytes.cache_on_device() => {
                     let buffers = &mut ring.slots[slot];
-                    Arc::new(self.split_weight(w, |_, piece| {
+                    Arc::new(self.split_weight(w, |piece| {
                         let size = (piece.len() as u64).div_ceil(4).max(1) * 4;
                         let j = next_buffer;
                         next_buffer += 1;
