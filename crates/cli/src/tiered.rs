@@ -382,7 +382,7 @@ pub fn measure_compute(file: &Arc<GgufFile>, backend: &dyn Backend) -> Result<f6
     let config = ModelConfig::from_gguf(file)?;
     let (_, layers) = load_weights(file, &config)?;
     let l = layers.first().context("the model has no layers")?;
-    let ws = [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down];
+    let ws: Vec<_> = l.weights().collect();
     let bytes: u64 = ws.iter().map(|w| w.bytes.len() as u64).sum();
     let x = vec![0.5f32; config.d_model.max(config.n_ff).max(config.q_dim())];
     let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.0; w.rows()]).collect();

@@ -491,6 +491,20 @@ pub enum Error {
         /// Layers in the model.
         n_layers: usize,
     },
+    /// A layer's table has no tensor of the role a pass asks for.
+    #[error("layer {layer} has no tensor '{role}' (blk.{layer}.{role})")]
+    LayerTensorMissing {
+        /// The layer.
+        layer: usize,
+        /// The tensor's role: its GGUF name without the `blk.N.` prefix.
+        role: String,
+    },
+    /// The model has no global tensor of the role a pass asks for.
+    #[error("the model has no tensor '{role}'")]
+    GlobalTensorMissing {
+        /// The tensor's GGUF name.
+        role: String,
+    },
     /// A weight store could not hand out a layer (a streaming store's read failed,
     /// say). The source is the store's own error, which names the layer and file.
     #[error("weight store: {source}")]

@@ -3,22 +3,36 @@
 
 use crate::backend::{Backend, MatmulJob};
 use crate::error::Result;
+use crate::graph::{Graph, Op, TensorId};
+use crate::model::blocks;
 use crate::weights::LayerWeights;
 
-/// The MLP block. The model calls [`FeedForward::prepare`] with the attention input of
-/// a layer before attention runs (so a sparse implementation can predict the active
-/// neurons and fetch them meanwhile), then [`FeedForward::forward`] with the MLP input.
+/// The MLP block. An implementation emits its part of the pass
+/// ([`FeedForward::emit_ops`]): the dense MLP emits ops that every backend runs (a
+/// device backend inside its one submission); the default emits a host sync point that
+/// calls [`FeedForward::forward`] with the MLP input. [`FeedForward::prepare`] sees a
+/// layer's attention input before attention runs (so a sparse implementation can
+/// predict the active neurons and fetch them meanwhile), unless
+/// [`FeedForward::needs_prepare`] says it need not.
 pub trait FeedForward: Send {
+    /// Emits the MLP of layer `layer` from `x` into `out` (`n_ff` hidden values per
+    /// token) into `graph`. The default emits one host sync point,
+    /// [`Op::FeedForward`], which calls [`FeedForward::forward`].
+    fn emit_ops(&self, graph: &mut Graph, layer: usize, x: TensorId, n_ff: usize, out: TensorId) {
+        let _ = n_ff;
+        graph.push(Op::FeedForward { layer, x, out });
+    }
+
+    /// True if [`FeedForward::prepare`] must see each layer's attention input, a host
+    /// sync point before attention ([`Op::FfnPrepare`]). The default is true.
+    fn needs_prepare(&self) -> bool {
+        true
+    }
+
     /// Starts any work that can overlap attention. The default does nothing.
     fn prepare(&mut self, layer: usize, attn_input: &[f32], n_tokens: usize) -> Result<()> {
         let _ = (layer, attn_input, n_tokens);
         Ok(())
-    }
-
-    /// True if this is exactly the dense SwiGLU MLP, so a device backend may run it
-    /// inside its own recorded pass. The default is false.
-    fn is_exact(&self) -> bool {
-        false
     }
 
     /// `out = down(silu(gate(x)) * up(x))` for `n_tokens` rows of `x`, or an
@@ -33,7 +47,9 @@ pub trait FeedForward: Send {
     ) -> Result<()>;
 }
 
-/// The exact MLP: every neuron, every token.
+/// The exact MLP: every neuron, every token. It emits its ops into the pass
+/// ([`blocks::ffn_swiglu`]); [`FeedForward::forward`] computes the same on host slices
+/// for callers outside a pass.
 #[derive(Debug, Default)]
 pub struct DenseFfn {
     gate: Vec<f32>,
@@ -49,8 +65,12 @@ impl DenseFfn {
 }
 
 impl FeedForward for DenseFfn {
-    fn is_exact(&self) -> bool {
-        true
+    fn emit_ops(&self, graph: &mut Graph, _layer: usize, x: TensorId, n_ff: usize, out: TensorId) {
+        blocks::ffn_swiglu(graph, x, n_ff, out);
+    }
+
+    fn needs_prepare(&self) -> bool {
+        false
     }
 
     fn forward(
@@ -61,7 +81,12 @@ impl FeedForward for DenseFfn {
         n_tokens: usize,
         out: &mut [f32],
     ) -> Result<()> {
-        let n_ff = weights.w_gate.rows();
+        let (gate, up, down) = (
+            weights.matrix(blocks::FFN_GATE)?,
+            weights.matrix(blocks::FFN_UP)?,
+            weights.matrix(blocks::FFN_DOWN)?,
+        );
+        let n_ff = gate.rows();
         self.gate.resize(n_tokens * n_ff, 0.0);
         self.up.resize(n_tokens * n_ff, 0.0);
         self.hidden.resize(n_tokens * n_ff, 0.0);
@@ -70,11 +95,11 @@ impl FeedForward for DenseFfn {
             n_tokens,
             &mut [
                 MatmulJob {
-                    weight: &weights.w_gate,
+                    weight: gate,
                     out: &mut self.gate,
                 },
                 MatmulJob {
-                    weight: &weights.w_up,
+                    weight: up,
                     out: &mut self.up,
                 },
             ],
@@ -83,10 +108,7 @@ impl FeedForward for DenseFfn {
         backend.matmul(
             &self.hidden,
             n_tokens,
-            &mut [MatmulJob {
-                weight: &weights.w_down,
-                out,
-            }],
+            &mut [MatmulJob { weight: down, out }],
         )
     }
 }

@@ -58,6 +58,7 @@ pub mod ggml_type;
 pub mod gguf;
 #[cfg(feature = "gpu")]
 pub mod gpu;
+pub mod graph;
 pub mod kv;
 pub mod memory;
 pub mod model;

@@ -120,58 +120,65 @@ impl Weight {
 }
 
 /// The weights of one transformer block, as a [`crate::WeightStore`] hands them to one
-/// forward pass.
+/// forward pass: a table of named tensors, as the GGUF file names them without the
+/// `blk.N.` prefix (`attn_q.weight`, `attn_norm.weight`, `attn_q.bias`, ...).
+///
+/// Matrices stay as packed in the file; one-dimensional tensors (norm scales, biases)
+/// are dequantized to f32 when loaded, since they are tiny. Which roles a layer has is
+/// the architecture's business (its builder asks for them); stores, planners and
+/// backends only iterate the table.
 #[derive(Clone, Debug)]
 pub struct LayerWeights {
     /// Index of the block.
     pub index: usize,
-    /// RMSNorm scale before attention.
-    pub attn_norm: Arc<[f32]>,
-    /// Query projection.
-    pub wq: Weight,
-    /// Key projection.
-    pub wk: Weight,
-    /// Value projection.
-    pub wv: Weight,
-    /// Query bias (qwen2).
-    pub bq: Option<Arc<[f32]>>,
-    /// Key bias (qwen2).
-    pub bk: Option<Arc<[f32]>>,
-    /// Value bias (qwen2).
-    pub bv: Option<Arc<[f32]>>,
-    /// Attention output projection.
-    pub wo: Weight,
-    /// RMSNorm scale before the MLP.
-    pub ffn_norm: Arc<[f32]>,
-    /// MLP gate projection.
-    pub w_gate: Weight,
-    /// MLP up projection.
-    pub w_up: Weight,
-    /// MLP down projection.
-    pub w_down: Weight,
+    /// Matrices by role (`attn_q.weight`, `ffn_down.weight`, ...), in file order.
+    pub matrices: Vec<(String, Weight)>,
+    /// Vectors by role (`attn_norm.weight`, `attn_q.bias`, ...).
+    pub vectors: Vec<(String, Arc<[f32]>)>,
 }
 
 impl LayerWeights {
+    /// The matrix of `role`, or an error naming the layer and role.
+    pub fn matrix(&self, role: &str) -> Result<&Weight> {
+        self.matrices
+            .iter()
+            .find(|(r, _)| r == role)
+            .map(|(_, w)| w)
+            .ok_or_else(|| Error::LayerTensorMissing {
+                layer: self.index,
+                role: role.to_string(),
+            })
+    }
+
+    /// The vector of `role`, if the layer has one.
+    pub fn find_vector(&self, role: &str) -> Option<&Arc<[f32]>> {
+        self.vectors.iter().find(|(r, _)| r == role).map(|(_, v)| v)
+    }
+
+    /// The vector of `role`, or an error naming the layer and role.
+    pub fn vector(&self, role: &str) -> Result<&Arc<[f32]>> {
+        self.find_vector(role)
+            .ok_or_else(|| Error::LayerTensorMissing {
+                layer: self.index,
+                role: role.to_string(),
+            })
+    }
+
+    /// The matrices, in table order.
+    pub fn weights(&self) -> impl Iterator<Item = &Weight> {
+        self.matrices.iter().map(|(_, w)| w)
+    }
+
+    /// The matrices, in table order, to replace their bytes (a store pointing them into
+    /// a slot).
+    pub fn weights_mut(&mut self) -> impl Iterator<Item = &mut Weight> {
+        self.matrices.iter_mut().map(|(_, w)| w)
+    }
+
     /// Bytes of all the tensors of this block.
     pub fn byte_size(&self) -> usize {
-        let norms = (self.attn_norm.len() + self.ffn_norm.len()) * 4;
-        let biases = [&self.bq, &self.bk, &self.bv]
-            .iter()
-            .map(|b| b.as_ref().map_or(0, |b| b.len() * 4))
-            .sum::<usize>();
-        let mats = [
-            &self.wq,
-            &self.wk,
-            &self.wv,
-            &self.wo,
-            &self.w_gate,
-            &self.w_up,
-            &self.w_down,
-        ]
-        .iter()
-        .map(|w| w.bytes.len())
-        .sum::<usize>();
-        norms + biases + mats
+        let vectors = self.vectors.iter().map(|(_, v)| v.len() * 4).sum::<usize>();
+        vectors + self.weights().map(|w| w.bytes.len()).sum::<usize>()
     }
 }
 
@@ -184,4 +191,28 @@ pub struct GlobalWeights {
     pub output_norm: Arc<[f32]>,
     /// Output head; the embedding table itself when the model ties them.
     pub output: Weight,
+}
+
+impl GlobalWeights {
+    /// The matrix of `role` (`token_embd.weight` or `output.weight`; the latter is the
+    /// embedding table when the model ties them).
+    pub fn matrix(&self, role: &str) -> Result<&Weight> {
+        match role {
+            "token_embd.weight" => Ok(&self.token_embd),
+            "output.weight" => Ok(&self.output),
+            _ => Err(Error::GlobalTensorMissing {
+                role: role.to_string(),
+            }),
+        }
+    }
+
+    /// The vector of `role` (`output_norm.weight`).
+    pub fn vector(&self, role: &str) -> Result<&Arc<[f32]>> {
+        match role {
+            "output_norm.weight" => Ok(&self.output_norm),
+            _ => Err(Error::GlobalTensorMissing {
+                role: role.to_string(),
+            }),
+        }
+    }
 }

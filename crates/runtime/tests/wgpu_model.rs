@@ -295,10 +295,9 @@ impl WeightStore for LendingStore {
         }
         let now = self.live.now.fetch_add(1, Ordering::SeqCst) + 1;
         self.live.max.fetch_max(now, Ordering::SeqCst);
-        let mats = [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down];
         let mut bytes = Vec::new();
         let mut ranges = Vec::new();
-        for w in mats {
+        for w in l.weights() {
             ranges.push(bytes.len()..bytes.len() + w.bytes.len());
             bytes.extend_from_slice(w.bytes.as_slice());
         }
@@ -307,16 +306,7 @@ impl WeightStore for LendingStore {
             live: self.live.clone(),
         });
         let mut out = (**l).clone();
-        let outs = [
-            &mut out.wq,
-            &mut out.wk,
-            &mut out.wv,
-            &mut out.wo,
-            &mut out.w_gate,
-            &mut out.w_up,
-            &mut out.w_down,
-        ];
-        for (w, r) in outs.into_iter().zip(ranges) {
+        for (w, r) in out.weights_mut().zip(ranges) {
             w.bytes = WeightBytes::new(source.clone(), r)?;
         }
         Ok(Arc::new(out))

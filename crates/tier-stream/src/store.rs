@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::store::PassId;
-use ballast_runtime::weights::{ByteSource, GlobalWeights, LayerWeights, Weight, WeightBytes};
+use ballast_runtime::weights::{ByteSource, GlobalWeights, LayerWeights, WeightBytes};
 use ballast_runtime::{ModelConfig, TierBytes, WeightStore};
 use crossbeam_channel::{Receiver, Sender};
 
@@ -37,41 +37,25 @@ struct Extent {
 struct LayerLayout {
     template: LayerWeights,
     extents: Vec<Extent>,
-    /// For each of the seven matrices (wq, wk, wv, wo, gate, up, down): its byte range
+    /// For each matrix of the layer's table, in table order: its byte range
     /// in the slot.
-    ranges: [std::ops::Range<usize>; 7],
+    ranges: Vec<std::ops::Range<usize>>,
     /// Bytes of a slot holding this layer.
     slot_len: u64,
     /// Real bytes of the layer's tensors.
     bytes: u64,
 }
 
-fn matrices(l: &LayerWeights) -> [&Weight; 7] {
-    [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
-}
-
-fn matrices_mut(l: &mut LayerWeights) -> [&mut Weight; 7] {
-    [
-        &mut l.wq,
-        &mut l.wk,
-        &mut l.wv,
-        &mut l.wo,
-        &mut l.w_gate,
-        &mut l.w_up,
-        &mut l.w_down,
-    ]
-}
-
 impl LayerLayout {
     fn new(file: &GgufFile, template: LayerWeights) -> Result<LayerLayout> {
         let mut spans: Vec<(u64, u64, usize)> = Vec::new();
-        for (k, w) in matrices(&template).iter().enumerate() {
+        for (k, w) in template.weights().enumerate() {
             let info = file.tensor(&w.name)?;
             spans.push((info.offset, info.n_bytes, k));
         }
         spans.sort();
         let mut extents: Vec<Extent> = Vec::new();
-        let mut ranges: [std::ops::Range<usize>; 7] = Default::default();
+        let mut ranges = vec![0..0; template.matrices.len()];
         let mut buf_end = 0u64;
         for &(off, len, k) in &spans {
             let merge = extents
@@ -102,19 +86,19 @@ impl LayerLayout {
         })
     }
 
-    /// A layout for a layer fetched from another store: the seven matrices packed one
+    /// A layout for a layer fetched from another store: its matrices packed one
     /// after another (each on a 64-byte boundary) in a slot. The template keeps the
     /// names, types, shapes, norms and biases, not the bytes.
     fn packed(layer: &LayerWeights) -> LayerLayout {
-        let mut ranges: [std::ops::Range<usize>; 7] = Default::default();
+        let mut ranges = Vec::with_capacity(layer.matrices.len());
         let mut end = 0usize;
-        for (k, w) in matrices(layer).iter().enumerate() {
+        for w in layer.weights() {
             let at = end.div_ceil(64) * 64;
-            ranges[k] = at..at + w.bytes.len();
-            end = ranges[k].end;
+            ranges.push(at..at + w.bytes.len());
+            end = at + w.bytes.len();
         }
         let mut template = layer.clone();
-        for w in matrices_mut(&mut template) {
+        for w in template.weights_mut() {
             w.bytes = WeightBytes::from_vec(Vec::new());
         }
         LayerLayout {
@@ -129,7 +113,7 @@ impl LayerLayout {
     /// The layer's weights pointing into `source`, a buffer this layout was read into.
     fn weights(&self, source: Arc<dyn ByteSource>) -> Result<LayerWeights> {
         let mut l = self.template.clone();
-        for (w, r) in matrices_mut(&mut l).into_iter().zip(&self.ranges) {
+        for (w, r) in l.weights_mut().zip(&self.ranges) {
             w.bytes = WeightBytes::new(source.clone(), r.clone())?;
         }
         Ok(l)
@@ -213,7 +197,7 @@ impl Beneath {
             Beneath::Store { inner, passes } => {
                 let layer = inner.layer(passes.next(), index)?;
                 let mut moved = 0u64;
-                for (w, r) in matrices(&layer).iter().zip(&layout.ranges) {
+                for (w, r) in layer.weights().zip(&layout.ranges) {
                     let bytes = w.bytes.as_slice();
                     if bytes.len() != r.len() {
                         return Err(Error::PlanMismatch {

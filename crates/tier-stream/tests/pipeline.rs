@@ -104,8 +104,7 @@ fn fnv(bytes: &[u8]) -> u64 {
 }
 
 fn layer_checksum(l: &LayerWeights) -> u64 {
-    [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
-        .iter()
+    l.weights()
         .fold(0u64, |h, w| h.rotate_left(7) ^ fnv(w.bytes.as_slice()))
 }
 
@@ -221,7 +220,7 @@ proptest! {
             prop_assert_eq!(l.index, i);
             prop_assert_eq!(layer_checksum(&l), expected[i], "layer {}", i);
             // A device backend may cache only what stays put on the device tier.
-            let cacheable = l.wq.bytes.cache_on_device();
+            let cacheable = l.matrix("attn_q.weight").unwrap().bytes.cache_on_device();
             prop_assert_eq!(
                 cacheable,
                 p.tiers[i] == Tier::Device,
@@ -383,13 +382,12 @@ fn streamed_bytes_read_match_the_non_resident_bytes() {
 fn read_errors_name_the_layer_and_the_file() {
     let fx = fixture(3, 5);
     let p = plan_with(&fx, vec![Tier::Device, Tier::Device, Tier::Disk], 2);
-    let (_, layers) = load_weights(&fx.file, &fx.config).unwrap();
     let start_of_last = fx
         .file
-        .tensor(&layers[2].wq.name)
+        .tensor("blk.2.attn_q.weight")
         .unwrap()
         .offset
-        .min(fx.file.tensor(&layers[2].w_down.name).unwrap().offset);
+        .min(fx.file.tensor("blk.2.ffn_down.weight").unwrap().offset);
     // An I/O error inside layer 2.
     let mut r = FlakyReader::new(fx.bytes.clone(), 1, 0);
     r.split_reads = false;

@@ -19,8 +19,8 @@ pub use self::wgpu::WgpuBackend;
 pub use cpu::CpuBackend;
 
 use crate::error::Result;
+use crate::graph::Graph;
 use crate::kv::{KvCache, KvView};
-use crate::model::{Logits, ModelConfig};
 use crate::weights::{GlobalWeights, LayerWeights, Weight};
 
 /// How RoPE pairs the dimensions it rotates; llama.cpp's rope-type table assigns one
@@ -204,31 +204,28 @@ pub trait Backend: Send + Sync {
 /// next, so a streaming store gets its slot back.
 pub type LayerSource<'a> = dyn FnMut(usize) -> Result<std::sync::Arc<LayerWeights>> + 'a;
 
-/// What a device forward pass needs: the model's hyper-parameters, its global weights,
-/// the tokens and which logits to return. Layers come one at a time from a
-/// [`LayerSource`].
+/// What a device pass needs besides its [`Graph`]: the tokens and the global weights.
+/// Layers come one at a time from a [`LayerSource`].
 pub struct DeviceForwardInput<'a> {
-    /// Hyper-parameters.
-    pub config: &'a ModelConfig,
     /// Embedding table, final norm, output head.
     pub globals: &'a GlobalWeights,
     /// Token ids.
     pub ids: &'a [u32],
     /// Their positions.
     pub positions: &'a [u32],
-    /// Which logits (or the greedy id) to return.
-    pub logits: Logits,
 }
 
 /// A whole forward pass recorded and submitted at once on a device.
 pub trait DeviceForward: Send + Sync {
-    /// Runs `input` with the cache `kv`, taking layer `0..n_layers` in order from
-    /// `layers`: appends the new keys and values to `kv`, and puts the requested logits
-    /// in `out` (or returns the greedy id for [`Logits::Greedy`]). Weights whose bytes
-    /// may not be cached on the device ([`crate::weights::ByteSource::cache_on_device`])
-    /// are uploaded into the backend's stream slots for this pass only.
+    /// Records the ops of `graph` (which has no host sync point) with the cache `kv`,
+    /// taking layers from `layers` as [`crate::graph::Op::BeginLayer`] asks: appends the
+    /// new keys and values to `kv`, and puts the graph's logits in `out` (or returns the
+    /// greedy id when the graph wants only that). Weights whose bytes may not be cached
+    /// on the device ([`crate::weights::ByteSource::cache_on_device`]) are uploaded into
+    /// the backend's stream slots for this pass only.
     fn forward(
         &self,
+        graph: &Graph,
         input: &DeviceForwardInput<'_>,
         layers: &mut LayerSource<'_>,
         kv: &mut dyn KvCache,

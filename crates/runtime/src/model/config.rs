@@ -1,6 +1,7 @@
 //! Model hyper-parameters, read from the GGUF metadata (never from constants).
 
-use crate::backend::{Rope, RopeStyle};
+use super::blocks::AttentionSpec;
+use crate::backend::{AttentionShape, Rope, RopeStyle};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 
@@ -56,6 +57,8 @@ pub struct ModelConfig {
     pub context_length: usize,
     /// Vocabulary size (rows of the embedding table).
     pub vocab_size: usize,
+    /// How each layer attends (heads, RoPE), one entry per layer.
+    pub layer_attention: Vec<AttentionSpec>,
 }
 
 impl ModelConfig {
@@ -118,6 +121,19 @@ impl ModelConfig {
         let context_length = get_opt("context_length")?.unwrap_or(2048);
         let embd = file.tensor("token_embd.weight")?;
         let vocab_size = embd.dims.get(1).copied().unwrap_or(0) as usize;
+        let rope = Rope {
+            style: arch.rope_style(),
+            n_dims: n_rot,
+            freq_base,
+        };
+        let spec = AttentionSpec {
+            shape: AttentionShape {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+            },
+            rope,
+        };
         Ok(ModelConfig {
             arch,
             n_layers,
@@ -126,14 +142,11 @@ impl ModelConfig {
             n_heads,
             n_kv_heads,
             head_dim,
-            rope: Rope {
-                style: arch.rope_style(),
-                n_dims: n_rot,
-                freq_base,
-            },
+            rope,
             rms_eps,
             context_length,
             vocab_size,
+            layer_attention: vec![spec; n_layers],
         })
     }
 

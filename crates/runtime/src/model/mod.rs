@@ -2,17 +2,20 @@
 //! once against [`Backend`], [`WeightStore`], [`KvCache`], [`KvPolicy`] and
 //! [`FeedForward`].
 
+pub mod blocks;
 mod config;
+mod llama;
 
 use std::sync::Arc;
 
 pub use config::{Architecture, ModelConfig};
 
-use crate::backend::{AttentionShape, Backend, DeviceForwardInput, MatmulJob};
+use crate::backend::{Backend, DeviceForwardInput};
 use crate::error::{Error, Result};
 use crate::ffn::{DenseFfn, FeedForward};
 use crate::ggml_type::GgmlType;
 use crate::gguf::GgufFile;
+use crate::graph::{self, Graph, HostPass};
 use crate::kv::{KvCache, KvPolicy, KvShape};
 use crate::quant;
 use crate::store::{PassCounter, ResidentStore, WeightStore};
@@ -74,64 +77,93 @@ fn vector(file: &Arc<GgufFile>, name: &str, len: usize) -> Result<Arc<[f32]>> {
     Ok(out.into())
 }
 
-fn optional_vector(file: &Arc<GgufFile>, name: &str, len: usize) -> Result<Option<Arc<[f32]>>> {
-    if file.tensors().iter().any(|t| t.name == name) {
-        vector(file, name, len).map(Some)
-    } else {
-        Ok(None)
+/// One tensor of an architecture's layer table: its role (the GGUF name without the
+/// `blk.N.` prefix), its shape in ggml order, and whether the file must have it.
+#[derive(Clone, Debug)]
+pub struct TensorSpec {
+    /// `attn_q.weight`, `attn_q.bias`, ...
+    pub role: &'static str,
+    /// Shape in ggml order; one dimension means a vector (dequantized to f32).
+    pub dims: Vec<usize>,
+    /// False for tensors an architecture may lack (qwen2's biases in a llama file).
+    pub required: bool,
+}
+
+impl TensorSpec {
+    fn required(role: &'static str, dims: &[usize]) -> TensorSpec {
+        TensorSpec {
+            role,
+            dims: dims.to_vec(),
+            required: true,
+        }
+    }
+
+    fn optional(role: &'static str, dims: &[usize]) -> TensorSpec {
+        TensorSpec {
+            required: false,
+            ..TensorSpec::required(role, dims)
+        }
     }
 }
 
-/// Reads the weights of every layer of `file` for `config`, checking each shape.
+/// The layer table `config`'s architecture reads for layer `layer`.
+pub fn layer_tensors(config: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
+    match config.arch {
+        Architecture::Llama | Architecture::Qwen2 => llama::layer_tensors(config, layer),
+    }
+}
+
+/// Reads the weights of every layer of `file` for `config`, checking each shape: the
+/// global tensors and, per layer, the table of named tensors its architecture lists.
 pub fn load_weights(
     file: &Arc<GgufFile>,
     config: &ModelConfig,
 ) -> Result<(GlobalWeights, Vec<LayerWeights>)> {
-    let (d, q, kv, ff) = (config.d_model, config.q_dim(), config.kv_dim(), config.n_ff);
-    let token_embd = weight(file, "token_embd.weight", &[d, config.vocab_size])?;
-    let output = if file.tensors().iter().any(|t| t.name == "output.weight") {
-        weight(file, "output.weight", &[d, config.vocab_size])?
+    let (d, vocab) = (config.d_model, config.vocab_size);
+    let token_embd = weight(file, blocks::TOKEN_EMBD, &[d, vocab])?;
+    let output = if file.tensors().iter().any(|t| t.name == blocks::OUTPUT) {
+        weight(file, blocks::OUTPUT, &[d, vocab])?
     } else {
         token_embd.clone()
     };
     let globals = GlobalWeights {
-        output_norm: vector(file, "output_norm.weight", d)?,
+        output_norm: vector(file, blocks::OUTPUT_NORM, d)?,
         token_embd,
         output,
     };
     let mut layers = Vec::with_capacity(config.n_layers);
-    for i in 0..config.n_layers {
-        let n = |s: &str| format!("blk.{i}.{s}");
-        layers.push(LayerWeights {
-            index: i,
-            attn_norm: vector(file, &n("attn_norm.weight"), d)?,
-            wq: weight(file, &n("attn_q.weight"), &[d, q])?,
-            wk: weight(file, &n("attn_k.weight"), &[d, kv])?,
-            wv: weight(file, &n("attn_v.weight"), &[d, kv])?,
-            bq: optional_vector(file, &n("attn_q.bias"), q)?,
-            bk: optional_vector(file, &n("attn_k.bias"), kv)?,
-            bv: optional_vector(file, &n("attn_v.bias"), kv)?,
-            wo: weight(file, &n("attn_output.weight"), &[q, d])?,
-            ffn_norm: vector(file, &n("ffn_norm.weight"), d)?,
-            w_gate: weight(file, &n("ffn_gate.weight"), &[d, ff])?,
-            w_up: weight(file, &n("ffn_up.weight"), &[d, ff])?,
-            w_down: weight(file, &n("ffn_down.weight"), &[ff, d])?,
-        });
+    for index in 0..config.n_layers {
+        let mut layer = LayerWeights {
+            index,
+            matrices: Vec::new(),
+            vectors: Vec::new(),
+        };
+        for spec in layer_tensors(config, index) {
+            let name = format!("blk.{index}.{}", spec.role);
+            if !spec.required && !file.tensors().iter().any(|t| t.name == name) {
+                continue;
+            }
+            if let [len] = spec.dims[..] {
+                layer
+                    .vectors
+                    .push((spec.role.to_string(), vector(file, &name, len)?));
+            } else {
+                layer
+                    .matrices
+                    .push((spec.role.to_string(), weight(file, &name, &spec.dims)?));
+            }
+        }
+        layers.push(layer);
     }
     Ok((globals, layers))
 }
 
-/// Activation buffers of one forward pass, kept between passes so decode allocates
-/// nothing.
+/// Activation buffers of one forward pass on the host, one per tensor of the pass,
+/// kept between passes so decode allocates nothing.
 #[derive(Default)]
 struct Scratch {
-    x: Vec<f32>,
-    h: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    attn: Vec<f32>,
-    o: Vec<f32>,
+    buffers: Vec<Vec<f32>>,
+    /// The logits of the last pass, wherever they were computed.
     logits: Vec<f32>,
 }
 
@@ -221,11 +253,7 @@ impl Model {
             p.before_pass(kv, ids.len())?;
         }
         self.check_input(ids, positions, kv)?;
-        if self.whole_pass_on_device(policy.as_deref()) {
-            self.device_pass(ids, positions, kv, logits)?;
-        } else {
-            self.host_pass(ids, positions, kv, policy, logits)?;
-        }
+        self.run(ids, positions, kv, policy, logits)?;
         Ok(match logits {
             Logits::None => &[],
             _ => &self.scratch.logits,
@@ -246,53 +274,77 @@ impl Model {
             p.before_pass(kv, ids.len())?;
         }
         self.check_input(ids, positions, kv)?;
-        if self.whole_pass_on_device(policy.as_deref()) {
-            return self
-                .device_pass(ids, positions, kv, Logits::Greedy)?
-                .ok_or_else(|| Error::Gpu {
-                    what: "the device pass returned no greedy id".into(),
-                });
+        self.run(ids, positions, kv, policy, Logits::Greedy)?
+            .ok_or_else(|| Error::Gpu {
+                what: "the device pass returned no greedy id".into(),
+            })
+    }
+
+    /// The pass over `n` tokens as the architecture's builder emits it.
+    fn build(&self, n: usize, logits: Logits, policy: Option<&dyn KvPolicy>) -> Graph {
+        let between_layers = policy.is_some_and(|p| p.acts_between_layers());
+        match self.config.arch {
+            Architecture::Llama | Architecture::Qwen2 => {
+                llama::build(&self.config, n, logits, between_layers, self.ffn.as_ref())
+            }
         }
-        self.host_pass(ids, positions, kv, policy, Logits::Last)?;
-        Ok(crate::sampler::argmax(&self.scratch.logits))
     }
 
-    /// Whether the pass can run on the backend's device at once: the backend has a
-    /// device, the MLP is the exact one, and no policy changes the cache between layers.
-    fn whole_pass_on_device(&self, policy: Option<&dyn KvPolicy>) -> bool {
-        self.backend.device_forward().is_some()
-            && self.ffn.is_exact()
-            && policy.is_none_or(|p| !p.acts_between_layers())
-    }
-
-    /// The whole pass on the backend's device: the same sequence of ops as
-    /// [`Model::host_pass`], recorded there as one submission.
-    fn device_pass(
+    /// Runs the pass: on the backend's device as one recording when it has one and the
+    /// pass has no host sync point, else op by op on host activations.
+    fn run(
         &mut self,
         ids: &[u32],
         positions: &[u32],
         kv: &mut dyn KvCache,
+        policy: Option<&mut dyn KvPolicy>,
         logits: Logits,
     ) -> Result<Option<u32>> {
-        let device = self
-            .backend
-            .device_forward()
-            .expect("checked by the caller");
+        let graph = self.build(ids.len(), logits, policy.as_deref());
         let pass = self.passes.next();
         let store = &self.store;
-        let input = DeviceForwardInput {
-            config: &self.config,
-            globals: store.globals(),
-            ids,
-            positions,
-            logits,
+        let globals = store.globals();
+        let mut layers = |l| store.layer(pass, l);
+        if let Some(device) = self.backend.device_forward() {
+            if graph.host_syncs() == 0 {
+                let input = DeviceForwardInput {
+                    globals,
+                    ids,
+                    positions,
+                };
+                return device.forward(&graph, &input, &mut layers, kv, &mut self.scratch.logits);
+            }
+        }
+        let s = &mut self.scratch;
+        graph::run_on_host(
+            &graph,
+            self.backend.as_ref(),
+            HostPass {
+                ids,
+                positions,
+                globals,
+                layers: &mut layers,
+                kv,
+                // Re-wrapped so the trait object's lifetime may shorten to the pass's.
+                policy: match policy {
+                    Some(p) => Some(p),
+                    None => None,
+                },
+                ffn: self.ffn.as_mut(),
+            },
+            &mut s.buffers,
+        )?;
+        let Some(out) = graph.logits() else {
+            s.logits.clear();
+            return Ok(None);
         };
-        device.forward(
-            &input,
-            &mut |l| store.layer(pass, l),
-            kv,
-            &mut self.scratch.logits,
-        )
+        let values = &s.buffers[out.index()];
+        if graph.greedy() {
+            return Ok(Some(crate::sampler::argmax(values)));
+        }
+        s.logits.clear();
+        s.logits.extend_from_slice(values);
+        Ok(None)
     }
 
     fn check_input(&self, ids: &[u32], positions: &[u32], kv: &dyn KvCache) -> Result<()> {
@@ -316,103 +368,5 @@ impl Model {
             });
         }
         Ok(())
-    }
-
-    /// The pass op by op through [`Backend`] on host activations.
-    fn host_pass(
-        &mut self,
-        ids: &[u32],
-        positions: &[u32],
-        kv: &mut dyn KvCache,
-        mut policy: Option<&mut dyn KvPolicy>,
-        logits: Logits,
-    ) -> Result<()> {
-        let n = ids.len();
-        let c = &self.config;
-        let be = &self.backend;
-        let pass = self.passes.next();
-        let s = &mut self.scratch;
-        s.x.resize(n * c.d_model, 0.0);
-        s.h.resize(n * c.d_model, 0.0);
-        s.q.resize(n * c.q_dim(), 0.0);
-        s.k.resize(n * c.kv_dim(), 0.0);
-        s.v.resize(n * c.kv_dim(), 0.0);
-        s.attn.resize(n * c.q_dim(), 0.0);
-        s.o.resize(n * c.d_model, 0.0);
-        let globals = self.store.globals();
-        be.embed(&globals.token_embd, ids, &mut s.x)?;
-        let shape = AttentionShape {
-            n_heads: c.n_heads,
-            n_kv_heads: c.n_kv_heads,
-            head_dim: c.head_dim,
-        };
-        for l in 0..c.n_layers {
-            let w = self.store.layer(pass, l)?;
-            be.rms_norm(&s.x, &w.attn_norm, c.rms_eps, &mut s.h)?;
-            self.ffn.prepare(l, &s.h, n)?;
-            be.matmul(
-                &s.h,
-                n,
-                &mut [
-                    MatmulJob {
-                        weight: &w.wq,
-                        out: &mut s.q,
-                    },
-                    MatmulJob {
-                        weight: &w.wk,
-                        out: &mut s.k,
-                    },
-                    MatmulJob {
-                        weight: &w.wv,
-                        out: &mut s.v,
-                    },
-                ],
-            )?;
-            for (bias, out) in [(&w.bq, &mut s.q), (&w.bk, &mut s.k), (&w.bv, &mut s.v)] {
-                if let Some(b) = bias {
-                    be.add_bias(out, b)?;
-                }
-            }
-            be.rope(&mut s.q, positions, c.n_heads, c.head_dim, &c.rope)?;
-            be.rope(&mut s.k, positions, c.n_kv_heads, c.head_dim, &c.rope)?;
-            kv.append(l, positions, &s.k, &s.v)?;
-            if let Some(p) = policy.as_deref_mut() {
-                p.before_attention(l, kv)?;
-            }
-            be.attention(&s.q, positions, &kv.view(l), &shape, &mut s.attn)?;
-            be.matmul(
-                &s.attn,
-                n,
-                &mut [MatmulJob {
-                    weight: &w.wo,
-                    out: &mut s.o,
-                }],
-            )?;
-            be.add_assign(&mut s.x, &s.o)?;
-            be.rms_norm(&s.x, &w.ffn_norm, c.rms_eps, &mut s.h)?;
-            self.ffn.forward(be.as_ref(), &w, &s.h, n, &mut s.o)?;
-            be.add_assign(&mut s.x, &s.o)?;
-        }
-        let (rows, first) = match logits {
-            Logits::None => return Ok(()),
-            Logits::Last | Logits::Greedy => (1, n - 1),
-            Logits::All => (n, 0),
-        };
-        let d = c.d_model;
-        be.rms_norm(
-            &s.x[first * d..],
-            &globals.output_norm,
-            c.rms_eps,
-            &mut s.h[..rows * d],
-        )?;
-        s.logits.resize(rows * c.vocab_size, 0.0);
-        be.matmul(
-            &s.h[..rows * d],
-            rows,
-            &mut [MatmulJob {
-                weight: &globals.output,
-                out: &mut s.logits,
-            }],
-        )
     }
 }

@@ -20,6 +20,7 @@
 //! device exactly as the CPU backend quantizes them (Q8_0, Q8_1, Q8_K), so the integer
 //! block sums are identical and only float summation order differs.
 
+mod pass;
 mod record;
 
 use std::collections::HashMap;
@@ -28,14 +29,12 @@ use std::time::Instant;
 
 use super::cpu::{check_len, check_rows};
 use super::{
-    AttentionShape, Backend, DeviceForward, DeviceForwardInput, LayerSource, MatmulJob, OpKind,
-    OpTimes, PassReport, Rope, RopeStyle,
+    AttentionShape, Backend, DeviceForward, MatmulJob, OpKind, OpTimes, PassReport, Rope, RopeStyle,
 };
 use crate::error::{Error, Result};
 use crate::ggml_type::GgmlType;
 use crate::gpu::{GpuBuffer, GpuContext, Shader};
 use crate::kv::{KvCache, KvView};
-use crate::model::Logits;
 use crate::quant;
 use crate::weights::{Weight, WeightBytes};
 use record::{Params, Recorder};
@@ -294,25 +293,17 @@ impl WgpuBackend {
         })
     }
 
-    /// The device weights of `layer`'s matrices (wq, wk, wv, wo, gate, up, down) for one
-    /// device pass. Cacheable ones come from the cache; the others are uploaded into the
-    /// next stream slot, after submitting what `rec` holds if that slot is still in use
-    /// by recorded commands (`in_use`: slots written since the last submission).
+    /// The device weights of `layer`'s matrices, in table order, for one device pass.
+    /// Cacheable ones come from the cache; the others are uploaded into the next stream
+    /// slot, after submitting what `rec` holds if that slot is still in use by recorded
+    /// commands (`in_use`: slots written since the last submission).
     fn layer_weights(
         &self,
         rec: &mut Recorder<'_>,
         layer: &crate::weights::LayerWeights,
         in_use: &mut Vec<bool>,
-    ) -> Result<[Arc<DeviceWeight>; 7]> {
-        let mats = [
-            &layer.wq,
-            &layer.wk,
-            &layer.wv,
-            &layer.wo,
-            &layer.w_gate,
-            &layer.w_up,
-            &layer.w_down,
-        ];
+    ) -> Result<Vec<Arc<DeviceWeight>>> {
+        let mats: Vec<&Weight> = layer.weights().collect();
         let streamed = mats.iter().any(|w| !w.bytes.cache_on_device());
         let mut ring = self.stream.lock().unwrap_or_else(|p| p.into_inner());
         let slot = if streamed {
@@ -332,7 +323,7 @@ impl WgpuBackend {
             None
         };
         let mut next_buffer = 0usize;
-        let mut out = Vec::with_capacity(7);
+        let mut out = Vec::with_capacity(mats.len());
         for w in mats {
             let d = match slot {
                 Some(slot) if !w.bytes.cache_on_device() => {
@@ -369,9 +360,7 @@ impl WgpuBackend {
             };
             out.push(d);
         }
-        Ok(out
-            .try_into()
-            .unwrap_or_else(|_| unreachable!("seven matrices")))
+        Ok(out)
     }
 
     /// The device copy of a small f32 vector (a norm scale, a bias), uploaded once.
@@ -1060,255 +1049,5 @@ impl WgpuBackend {
         }
         mirror.host_positions = host_positions;
         Ok(())
-    }
-}
-
-impl DeviceForward for WgpuBackend {
-    fn forward(
-        &self,
-        input: &DeviceForwardInput<'_>,
-        layers: &mut LayerSource<'_>,
-        kv: &mut dyn KvCache,
-        out: &mut Vec<f32>,
-    ) -> Result<Option<u32>> {
-        let start = Instant::now();
-        let c = input.config;
-        let (ids, positions) = (input.ids, input.positions);
-        let n = ids.len();
-        let g = input.globals;
-        if let Some(&id) = ids.iter().find(|&&id| id as usize >= g.token_embd.rows()) {
-            return Err(Error::TokenId {
-                id,
-                vocab: g.token_embd.rows(),
-            });
-        }
-        let (d, qd, kvd, ff) = (c.d_model, c.q_dim(), c.kv_dim(), c.n_ff);
-        self.sync_kv(kv, c.n_layers, kvd)?;
-        let cached = kv.len();
-        let mut slot = self.kv.lock().unwrap_or_else(|p| p.into_inner());
-        let mirror = slot.as_mut().expect("synced above");
-        if cached + n > mirror.capacity {
-            return Err(Error::ContextFull {
-                needed: cached + n,
-                capacity: mirror.capacity,
-            });
-        }
-        let queue = self.ctx.queue();
-        queue.write_buffer(
-            mirror.positions.raw(),
-            (cached * 4) as u64,
-            bytemuck::cast_slice(positions),
-        );
-        let idb = self.upload(bytemuck::cast_slice(ids), "token ids")?;
-        let qpos = self.upload(bytemuck::cast_slice(positions), "positions")?;
-        let table = rope_table(positions, c.head_dim, &c.rope);
-        let cos_sin = self.upload(bytemuck::cast_slice(&table), "rope table")?;
-        let x = self.scratch(n * d * 4, "x")?;
-        let h = self.scratch(n * d * 4, "h")?;
-        let q = self.scratch(n * qd * 4, "q")?;
-        let k = self.scratch(n * kvd * 4, "k")?;
-        let v = self.scratch(n * kvd * 4, "v")?;
-        let attn = self.scratch(n * qd * 4, "attn")?;
-        let o = self.scratch(n * d * 4, "o")?;
-        let gate = self.scratch(n * ff * 4, "gate")?;
-        let up = self.scratch(n * ff * 4, "up")?;
-        let hidden = self.scratch(n * ff * 4, "hidden")?;
-        // The new keys and values of every layer, read back with the logits.
-        let new_kv_bytes = n * kvd * 4;
-        let new_kv = self.scratch(2 * c.n_layers * new_kv_bytes, "new kv")?;
-        let shape = AttentionShape {
-            n_heads: c.n_heads,
-            n_kv_heads: c.n_kv_heads,
-            head_dim: c.head_dim,
-        };
-
-        let mut rec = self.recorder();
-        let embd = self.weight(&g.token_embd)?;
-        self.record_embed(&mut rec, &embd, idb.raw(), n, x.raw());
-        // Stream slots written since the last submission.
-        let mut slots_in_use = Vec::new();
-        for l in 0..c.n_layers {
-            let w = layers(l)?;
-            let [wq, wk, wv, wo, wg, wu, wd] =
-                self.layer_weights(&mut rec, &w, &mut slots_in_use)?;
-            let attn_norm = self.vector(&w.attn_norm)?;
-            self.record_rms_norm(
-                &mut rec,
-                x.raw(),
-                0,
-                n,
-                attn_norm.raw(),
-                d,
-                c.rms_eps,
-                h.raw(),
-            );
-            self.record_matmul(
-                &mut rec,
-                h.raw(),
-                n,
-                d,
-                &[(&wq, q.raw()), (&wk, k.raw()), (&wv, v.raw())],
-            )?;
-            for (bias, dst, len) in [(&w.bq, &q, qd), (&w.bk, &k, kvd), (&w.bv, &v, kvd)] {
-                if let Some(b) = bias {
-                    let bb = self.vector(b)?;
-                    self.record_elementwise(
-                        &mut rec,
-                        "add_bias",
-                        &[dst.raw(), bb.raw()],
-                        n * len,
-                        len,
-                    );
-                }
-            }
-            self.record_rope(
-                &mut rec,
-                q.raw(),
-                cos_sin.raw(),
-                n,
-                c.n_heads,
-                c.head_dim,
-                &c.rope,
-            );
-            self.record_rope(
-                &mut rec,
-                k.raw(),
-                cos_sin.raw(),
-                n,
-                c.n_kv_heads,
-                c.head_dim,
-                &c.rope,
-            );
-            let at = (cached * kvd * 4) as u64;
-            let len = new_kv_bytes as u64;
-            rec.copy(k.raw(), 0, mirror.keys[l].raw(), at, len);
-            rec.copy(v.raw(), 0, mirror.values[l].raw(), at, len);
-            rec.copy(k.raw(), 0, new_kv.raw(), (2 * l) as u64 * len, len);
-            rec.copy(v.raw(), 0, new_kv.raw(), (2 * l + 1) as u64 * len, len);
-            self.record_attention(
-                &mut rec,
-                q.raw(),
-                mirror.keys[l].raw(),
-                mirror.values[l].raw(),
-                mirror.positions.raw(),
-                qpos.raw(),
-                n,
-                cached + n,
-                &shape,
-                attn.raw(),
-            )?;
-            self.record_matmul(&mut rec, attn.raw(), n, qd, &[(&wo, o.raw())])?;
-            self.record_elementwise(&mut rec, "add", &[x.raw(), o.raw()], n * d, 1);
-            let ffn_norm = self.vector(&w.ffn_norm)?;
-            self.record_rms_norm(
-                &mut rec,
-                x.raw(),
-                0,
-                n,
-                ffn_norm.raw(),
-                d,
-                c.rms_eps,
-                h.raw(),
-            );
-            self.record_matmul(
-                &mut rec,
-                h.raw(),
-                n,
-                d,
-                &[(&wg, gate.raw()), (&wu, up.raw())],
-            )?;
-            self.record_elementwise(
-                &mut rec,
-                "swiglu",
-                &[hidden.raw(), gate.raw(), up.raw()],
-                n * ff,
-                1,
-            );
-            self.record_matmul(&mut rec, hidden.raw(), n, ff, &[(&wd, o.raw())])?;
-            self.record_elementwise(&mut rec, "add", &[x.raw(), o.raw()], n * d, 1);
-            // The store gets a streamed layer's slot back: its bytes are on the device.
-            drop(w);
-        }
-        let (rows, first) = match input.logits {
-            Logits::None => (0, 0),
-            Logits::Last | Logits::Greedy => (1, n - 1),
-            Logits::All => (n, 0),
-        };
-        let vocab = c.vocab_size;
-        let logits = self.scratch(rows.max(1) * vocab * 4, "logits")?;
-        let best = self.scratch(4, "argmax")?;
-        if rows > 0 {
-            let norm = self.vector(&g.output_norm)?;
-            self.record_rms_norm(
-                &mut rec,
-                x.raw(),
-                first,
-                rows,
-                norm.raw(),
-                d,
-                c.rms_eps,
-                h.raw(),
-            );
-            let head = self.weight(&g.output)?;
-            self.record_matmul(&mut rec, h.raw(), rows, d, &[(&head, logits.raw())])?;
-        }
-        if input.logits == Logits::Greedy {
-            rec.dispatch(
-                &ARGMAX,
-                "argmax",
-                &[],
-                &[logits.raw(), best.raw()],
-                Params::new([vocab as u32, 0, 0, 0], [0; 4], [0.0; 4]),
-                [1, 1, 1],
-                "argmax",
-                (vocab * 4) as u64,
-                4,
-                0,
-            );
-        }
-        let kv_total = (2 * c.n_layers * new_kv_bytes) as u64;
-        let mut sources = vec![(new_kv.raw(), 0, kv_total)];
-        match input.logits {
-            Logits::None => {}
-            Logits::Greedy => sources.push((best.raw(), 0, 4)),
-            Logits::Last | Logits::All => {
-                sources.push((logits.raw(), 0, (rows * vocab * 4) as u64))
-            }
-        }
-        let (bytes, mut report) = rec.finish(&sources)?;
-        // The device mirror now holds the new tokens; the host cache gets them too.
-        mirror.host_positions.extend_from_slice(positions);
-        drop(slot);
-        let kv_bytes = &bytes[..kv_total as usize];
-        for l in 0..c.n_layers {
-            let kb = &kv_bytes[2 * l * new_kv_bytes..(2 * l + 1) * new_kv_bytes];
-            let vb = &kv_bytes[(2 * l + 1) * new_kv_bytes..(2 * l + 2) * new_kv_bytes];
-            let keys: Vec<f32> = bytemuck::pod_collect_to_vec(kb);
-            let values: Vec<f32> = bytemuck::pod_collect_to_vec(vb);
-            if let Err(e) = kv.append(l, positions, &keys, &values) {
-                // Keep the mirror honest: it must not claim tokens the host refused.
-                if let Some(m) = self.kv.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
-                    m.host_positions.clear();
-                }
-                return Err(e);
-            }
-        }
-        let rest = &bytes[kv_total as usize..];
-        let id = match input.logits {
-            Logits::Greedy => Some(u32::from_le_bytes(rest[..4].try_into().expect("4 bytes"))),
-            Logits::None => {
-                out.clear();
-                None
-            }
-            Logits::Last | Logits::All => {
-                out.clear();
-                out.extend_from_slice(&bytemuck::pod_collect_to_vec::<u8, f32>(rest));
-                None
-            }
-        };
-        report.wall = start.elapsed();
-        report.tokens = n;
-        *self.report.lock().unwrap_or_else(|p| p.into_inner()) = report;
-        Ok(id)
     }
 }

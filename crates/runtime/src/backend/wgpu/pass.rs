@@ -1,0 +1,342 @@
+//! The device executor of a [`Graph`]: every op recorded into one command encoder, with
+//! activations in device buffers (one per tensor of the graph), weights uploaded once or
+//! streamed per use, and the device mirror of the KV cache. One submission (one per
+//! turn of the stream-slot ring when layers stream) and one read-back per pass.
+//!
+//! Nothing here knows a model: the ops say what to compute, weights are resolved by the
+//! role the op names in the current layer's table.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::record::Params;
+use super::{rope_table, DeviceWeight, WgpuBackend, ARGMAX};
+use crate::backend::{DeviceForward, DeviceForwardInput, LayerSource, Rope};
+use crate::error::{Error, Result};
+use crate::gpu::GpuBuffer;
+use crate::graph::{Graph, Op, WeightRef};
+use crate::kv::KvCache;
+use crate::weights::LayerWeights;
+
+/// The layer an op sequence is inside: its weights as the store lent them, and their
+/// device copies in table order.
+struct CurrentLayer {
+    host: Arc<LayerWeights>,
+    device: Vec<Arc<DeviceWeight>>,
+}
+
+impl WgpuBackend {
+    /// The device weight `r` names: from the current layer's table, or a global one
+    /// (uploaded once and cached).
+    fn device_matrix(
+        &self,
+        r: WeightRef,
+        input: &DeviceForwardInput<'_>,
+        layer: Option<&CurrentLayer>,
+    ) -> Result<Arc<DeviceWeight>> {
+        match (r, layer) {
+            (WeightRef::Layer(role), Some(cur)) => {
+                match cur.host.matrices.iter().position(|(name, _)| name == role) {
+                    Some(i) => Ok(cur.device[i].clone()),
+                    None => cur
+                        .host
+                        .matrix(role)
+                        .map(|_| unreachable!("not in the table")),
+                }
+            }
+            _ => self.weight(r.matrix(input.globals, layer.map(|c| c.host.as_ref()))?),
+        }
+    }
+}
+
+impl DeviceForward for WgpuBackend {
+    fn forward(
+        &self,
+        graph: &Graph,
+        input: &DeviceForwardInput<'_>,
+        layers: &mut LayerSource<'_>,
+        kv: &mut dyn KvCache,
+        out: &mut Vec<f32>,
+    ) -> Result<Option<u32>> {
+        let start = Instant::now();
+        let (ids, positions) = (input.ids, input.positions);
+        let n = graph.n_tokens();
+        if ids.len() != n || positions.len() != n {
+            return Err(Error::ShapeMismatch {
+                what: "token ids and positions of a device pass".into(),
+                expected: n,
+                got: ids.len().min(positions.len()),
+            });
+        }
+        if let Some(op) = graph.ops().iter().find(|op| op.is_host_sync()) {
+            return Err(Error::InvalidArgument {
+                what: format!("a device pass cannot run the host sync point {op:?}"),
+            });
+        }
+        let shape = kv.shape();
+        let (n_layers, kvd) = (shape.n_layers, shape.kv_dim());
+        self.sync_kv(kv, n_layers, kvd)?;
+        let cached = kv.len();
+        let mut slot = self.kv.lock().unwrap_or_else(|p| p.into_inner());
+        let mirror = slot.as_mut().expect("synced above");
+        if cached + n > mirror.capacity {
+            return Err(Error::ContextFull {
+                needed: cached + n,
+                capacity: mirror.capacity,
+            });
+        }
+        let queue = self.ctx.queue();
+        queue.write_buffer(
+            mirror.positions.raw(),
+            (cached * 4) as u64,
+            bytemuck::cast_slice(positions),
+        );
+        let idb = self.upload(bytemuck::cast_slice(ids), "token ids")?;
+        let qpos = self.upload(bytemuck::cast_slice(positions), "positions")?;
+        let bufs = graph
+            .tensors()
+            .iter()
+            .map(|t| self.scratch(t.len().max(1) * 4, t.name))
+            .collect::<Result<Vec<GpuBuffer>>>()?;
+        let buf = |t: crate::graph::TensorId| bufs[t.index()].raw();
+        // The new keys and values of every layer, read back with the logits.
+        let new_kv_bytes = n * kvd * 4;
+        let new_kv = self.scratch((2 * n_layers * new_kv_bytes).max(4), "new kv")?;
+        // One cos/sin table per distinct RoPE of the pass.
+        let mut rope_tables: Vec<(Rope, usize, GpuBuffer)> = Vec::new();
+
+        let mut rec = self.recorder();
+        let mut layer: Option<CurrentLayer> = None;
+        // Stream slots written since the last submission.
+        let mut slots_in_use = Vec::new();
+        for op in graph.ops() {
+            let host_layer = layer.as_ref().map(|c| c.host.as_ref());
+            match op {
+                Op::Embed { table, out } => {
+                    let w = table.matrix(input.globals, host_layer)?;
+                    if let Some(&id) = ids.iter().find(|&&id| id as usize >= w.rows()) {
+                        return Err(Error::TokenId {
+                            id,
+                            vocab: w.rows(),
+                        });
+                    }
+                    let embd = self.weight(w)?;
+                    self.record_embed(&mut rec, &embd, idb.raw(), n, buf(*out));
+                }
+                Op::BeginLayer { layer: l } => {
+                    // The store gets a streamed layer's slot back before the next is asked.
+                    drop(layer.take());
+                    let host = layers(*l)?;
+                    let device = self.layer_weights(&mut rec, &host, &mut slots_in_use)?;
+                    layer = Some(CurrentLayer { host, device });
+                }
+                Op::EndLayer => layer = None,
+                Op::RmsNorm { x, scale, eps, out } => {
+                    let v = self.vector(scale.vector(input.globals, host_layer)?)?;
+                    let d = graph.desc(*x);
+                    self.record_rms_norm(
+                        &mut rec,
+                        buf(*x),
+                        0,
+                        d.rows,
+                        v.raw(),
+                        d.width,
+                        *eps,
+                        buf(*out),
+                    );
+                }
+                Op::Matmul { x, jobs } => {
+                    let d = graph.desc(*x);
+                    let weights = jobs
+                        .iter()
+                        .map(|(w, _)| self.device_matrix(*w, input, layer.as_ref()))
+                        .collect::<Result<Vec<_>>>()?;
+                    let batch: Vec<(&DeviceWeight, &wgpu::Buffer)> = weights
+                        .iter()
+                        .zip(jobs)
+                        .map(|(w, (_, t))| (w.as_ref(), buf(*t)))
+                        .collect();
+                    self.record_matmul(&mut rec, buf(*x), d.rows, d.width, &batch)?;
+                }
+                Op::AddBias { x, bias } => {
+                    if let Some(b) = bias.find_vector(input.globals, host_layer)? {
+                        let bb = self.vector(b)?;
+                        let len = graph.desc(*x).len();
+                        self.record_elementwise(
+                            &mut rec,
+                            "add_bias",
+                            &[buf(*x), bb.raw()],
+                            len,
+                            b.len(),
+                        );
+                    }
+                }
+                Op::Rope {
+                    x,
+                    n_heads,
+                    head_dim,
+                    rope,
+                } => {
+                    let i = match rope_tables
+                        .iter()
+                        .position(|(r, hd, _)| r == rope && hd == head_dim)
+                    {
+                        Some(i) => i,
+                        None => {
+                            let table = rope_table(positions, *head_dim, rope);
+                            let b = self.upload(bytemuck::cast_slice(&table), "rope table")?;
+                            rope_tables.push((*rope, *head_dim, b));
+                            rope_tables.len() - 1
+                        }
+                    };
+                    let table = rope_tables[i].2.raw();
+                    self.record_rope(&mut rec, buf(*x), table, n, *n_heads, *head_dim, rope);
+                }
+                Op::KvWrite { layer: l, k, v } => {
+                    let l = *l;
+                    if l >= n_layers
+                        || graph.desc(*k).len() != n * kvd
+                        || graph.desc(*v).len() != n * kvd
+                    {
+                        return Err(Error::KvShape {
+                            expected: n * kvd,
+                            keys: graph.desc(*k).len(),
+                            values: graph.desc(*v).len(),
+                        });
+                    }
+                    let at = (cached * kvd * 4) as u64;
+                    let len = new_kv_bytes as u64;
+                    rec.copy(buf(*k), 0, mirror.keys[l].raw(), at, len);
+                    rec.copy(buf(*v), 0, mirror.values[l].raw(), at, len);
+                    rec.copy(buf(*k), 0, new_kv.raw(), (2 * l) as u64 * len, len);
+                    rec.copy(buf(*v), 0, new_kv.raw(), (2 * l + 1) as u64 * len, len);
+                }
+                Op::Attention {
+                    layer: l,
+                    q,
+                    shape,
+                    out,
+                } => {
+                    let (keys, values) = match (mirror.keys.get(*l), mirror.values.get(*l)) {
+                        (Some(k), Some(v)) => (k.raw(), v.raw()),
+                        _ => {
+                            return Err(Error::LayerIndex {
+                                index: *l,
+                                n_layers,
+                            })
+                        }
+                    };
+                    self.record_attention(
+                        &mut rec,
+                        buf(*q),
+                        keys,
+                        values,
+                        mirror.positions.raw(),
+                        qpos.raw(),
+                        n,
+                        cached + n,
+                        shape,
+                        buf(*out),
+                    )?;
+                }
+                Op::Add { x, y } => {
+                    let len = graph.desc(*x).len();
+                    self.record_elementwise(&mut rec, "add", &[buf(*x), buf(*y)], len, 1);
+                }
+                Op::Swiglu { gate, up, out } => {
+                    let len = graph.desc(*out).len();
+                    self.record_elementwise(
+                        &mut rec,
+                        "swiglu",
+                        &[buf(*out), buf(*gate), buf(*up)],
+                        len,
+                        1,
+                    );
+                }
+                Op::Rows { x, first, out } => {
+                    let width = graph.desc(*x).width;
+                    let len = graph.desc(*out).len();
+                    rec.copy(
+                        buf(*x),
+                        (first * width * 4) as u64,
+                        buf(*out),
+                        0,
+                        (len * 4) as u64,
+                    );
+                }
+                Op::KvPolicy { .. } | Op::FfnPrepare { .. } | Op::FeedForward { .. } => {
+                    unreachable!("host sync points refused above")
+                }
+            }
+        }
+        drop(layer);
+        let best = self.scratch(4, "argmax")?;
+        let kv_total = (2 * n_layers * new_kv_bytes) as u64;
+        let mut sources = vec![(new_kv.raw(), 0, kv_total)];
+        if let Some(logits) = graph.logits() {
+            let d = graph.desc(logits);
+            if graph.greedy() {
+                let vocab = d.width;
+                let last = ((d.rows - 1) * vocab * 4) as u64;
+                let row = if last == 0 {
+                    buf(logits).clone()
+                } else {
+                    let row = self.scratch(vocab * 4, "last logits")?;
+                    rec.copy(buf(logits), last, row.raw(), 0, (vocab * 4) as u64);
+                    let raw = row.raw().clone();
+                    rec.keep(row);
+                    raw
+                };
+                rec.dispatch(
+                    &ARGMAX,
+                    "argmax",
+                    &[],
+                    &[&row, best.raw()],
+                    Params::new([vocab as u32, 0, 0, 0], [0; 4], [0.0; 4]),
+                    [1, 1, 1],
+                    "argmax",
+                    (vocab * 4) as u64,
+                    4,
+                    0,
+                );
+                sources.push((best.raw(), 0, 4));
+            } else {
+                sources.push((buf(logits), 0, (d.len() * 4) as u64));
+            }
+        }
+        let (bytes, mut report) = rec.finish(&sources)?;
+        // The device mirror now holds the new tokens; the host cache gets them too.
+        mirror.host_positions.extend_from_slice(positions);
+        drop(slot);
+        let kv_bytes = &bytes[..kv_total as usize];
+        for l in 0..n_layers {
+            let kb = &kv_bytes[2 * l * new_kv_bytes..(2 * l + 1) * new_kv_bytes];
+            let vb = &kv_bytes[(2 * l + 1) * new_kv_bytes..(2 * l + 2) * new_kv_bytes];
+            let keys: Vec<f32> = bytemuck::pod_collect_to_vec(kb);
+            let values: Vec<f32> = bytemuck::pod_collect_to_vec(vb);
+            if let Err(e) = kv.append(l, positions, &keys, &values) {
+                // Keep the mirror honest: it must not claim tokens the host refused.
+                if let Some(m) = self.kv.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+                    m.host_positions.clear();
+                }
+                return Err(e);
+            }
+        }
+        let rest = &bytes[kv_total as usize..];
+        out.clear();
+        let id = match graph.logits() {
+            Some(_) if graph.greedy() => {
+                Some(u32::from_le_bytes(rest[..4].try_into().expect("4 bytes")))
+            }
+            Some(_) => {
+                out.extend_from_slice(&bytemuck::pod_collect_to_vec::<u8, f32>(rest));
+                None
+            }
+            None => None,
+        };
+        report.wall = start.elapsed();
+        report.tokens = n;
+        *self.report.lock().unwrap_or_else(|p| p.into_inner()) = report;
+        Ok(id)
+    }
+}

@@ -1,0 +1,512 @@
+//! The forward pass as a list of ops over tensor handles: what an architecture's
+//! builder emits once ([`crate::model`]), and what every backend executes.
+//!
+//! A [`Graph`] holds the activation tensors of one pass (token-major f32 rows, each
+//! with a name for dumps and errors) and the [`Op`]s over them, in order. Weights are
+//! named, not held: an op refers to a tensor of the current layer's table or of the
+//! global weights by its GGUF role ([`WeightRef`]), and the executor resolves it when
+//! it reaches the op. Layers come one at a time from the store between
+//! [`Op::BeginLayer`] and [`Op::EndLayer`], so a streaming store gets each layer's slot
+//! back before the next is asked for.
+//!
+//! Two executors exist: [`run_on_host`] runs the list eagerly through the [`Backend`]
+//! ops on host memory (the CPU backend, and any backend when the pass has host sync
+//! points); a device backend records it whole ([`crate::backend::DeviceForward`]).
+//! Ops that must look at host data (a lever's MLP, a KV policy acting between layers)
+//! are host sync points ([`Op::is_host_sync`]).
+//!
+//! ```
+//! use ballast_runtime::graph::{Graph, Op, WeightRef};
+//!
+//! let mut g = Graph::new(2);
+//! let x = g.tensor("x", 2, 8);
+//! let y = g.tensor("y", 2, 4);
+//! g.push(Op::Matmul { x, jobs: vec![(WeightRef::layer("attn_q.weight"), y)] });
+//! assert_eq!(g.ops().len(), 1);
+//! assert_eq!(g.desc(y).len(), 8);
+//! ```
+
+use std::sync::Arc;
+
+use crate::backend::{AttentionShape, Backend, LayerSource, MatmulJob, Rope};
+use crate::error::{Error, Result};
+use crate::ffn::FeedForward;
+use crate::kv::{KvCache, KvPolicy};
+use crate::weights::{GlobalWeights, LayerWeights, Weight};
+
+/// A handle to one activation tensor of a [`Graph`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TensorId(usize);
+
+impl TensorId {
+    /// The tensor's index in [`Graph::tensors`].
+    pub fn index(self) -> usize {
+        self.0
+    }
+}
+
+/// An activation tensor: `rows × width` f32 values, token-major.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorDesc {
+    /// What it holds (`attn_norm`, `q`, `ffn_gate`, ...), for dumps and errors.
+    pub name: &'static str,
+    /// Rows (tokens).
+    pub rows: usize,
+    /// Values per row.
+    pub width: usize,
+}
+
+impl TensorDesc {
+    /// Values in the tensor.
+    pub fn len(&self) -> usize {
+        self.rows * self.width
+    }
+
+    /// True if the tensor holds no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Where a weight comes from: the current layer's table or the global weights, by the
+/// role its GGUF name gives it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightRef {
+    /// `blk.N.<role>` of the layer between [`Op::BeginLayer`] and [`Op::EndLayer`].
+    Layer(&'static str),
+    /// A tensor outside the blocks (`token_embd.weight`, `output.weight`,
+    /// `output_norm.weight`).
+    Global(&'static str),
+}
+
+impl WeightRef {
+    /// A tensor of the current layer.
+    pub fn layer(role: &'static str) -> WeightRef {
+        WeightRef::Layer(role)
+    }
+
+    /// A tensor outside the blocks.
+    pub fn global(role: &'static str) -> WeightRef {
+        WeightRef::Global(role)
+    }
+
+    /// The matrix this names.
+    pub fn matrix<'w>(
+        self,
+        globals: &'w GlobalWeights,
+        layer: Option<&'w LayerWeights>,
+    ) -> Result<&'w Weight> {
+        match self {
+            WeightRef::Global(role) => globals.matrix(role),
+            WeightRef::Layer(role) => current(layer, role)?.matrix(role),
+        }
+    }
+
+    /// The vector this names; `None` if the layer has none of this role.
+    pub fn find_vector<'w>(
+        self,
+        globals: &'w GlobalWeights,
+        layer: Option<&'w LayerWeights>,
+    ) -> Result<Option<&'w Arc<[f32]>>> {
+        match self {
+            WeightRef::Global(role) => globals.vector(role).map(Some),
+            WeightRef::Layer(role) => Ok(current(layer, role)?.find_vector(role)),
+        }
+    }
+
+    /// The vector this names, or an error naming it.
+    pub fn vector<'w>(
+        self,
+        globals: &'w GlobalWeights,
+        layer: Option<&'w LayerWeights>,
+    ) -> Result<&'w Arc<[f32]>> {
+        match self {
+            WeightRef::Global(role) => globals.vector(role),
+            WeightRef::Layer(role) => current(layer, role)?.vector(role),
+        }
+    }
+}
+
+fn current<'w>(layer: Option<&'w LayerWeights>, role: &str) -> Result<&'w LayerWeights> {
+    layer.ok_or_else(|| Error::InvalidArgument {
+        what: format!("op asks for layer tensor '{role}' outside BeginLayer/EndLayer"),
+    })
+}
+
+/// One op of a forward pass. Activations are [`TensorId`]s; weights are
+/// [`WeightRef`]s, resolved by the executor.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    /// Rows of the embedding table `table` for the pass's token ids, into `out`.
+    Embed {
+        /// The table.
+        table: WeightRef,
+        /// `n_tokens × cols`.
+        out: TensorId,
+    },
+    /// Takes layer `layer`'s weights from the store; [`WeightRef::Layer`] refers to
+    /// them until [`Op::EndLayer`].
+    BeginLayer {
+        /// The layer.
+        layer: usize,
+    },
+    /// Gives the current layer's weights back to the store.
+    EndLayer,
+    /// RMSNorm of each row of `x` times `scale`, into `out`.
+    RmsNorm {
+        /// Input.
+        x: TensorId,
+        /// Scale vector.
+        scale: WeightRef,
+        /// Epsilon.
+        eps: f32,
+        /// Output, same shape as `x`.
+        out: TensorId,
+    },
+    /// Matrix products sharing the input `x` (quantized once): `out = x · weightᵀ` per
+    /// job.
+    Matmul {
+        /// Input, `rows × cols` of every weight.
+        x: TensorId,
+        /// Weights and their outputs.
+        jobs: Vec<(WeightRef, TensorId)>,
+    },
+    /// Adds the bias vector to each row of `x`; nothing if the layer has no tensor of
+    /// that role (biases are optional in the architectures that have them).
+    AddBias {
+        /// Rows to add to.
+        x: TensorId,
+        /// The bias.
+        bias: WeightRef,
+    },
+    /// Rotates each head of each row of `x` by its token's position.
+    Rope {
+        /// `n_tokens × n_heads·head_dim`.
+        x: TensorId,
+        /// Heads per row.
+        n_heads: usize,
+        /// Size of a head.
+        head_dim: usize,
+        /// Pairing, rotated dimensions, base.
+        rope: Rope,
+    },
+    /// Writes the keys `k` and values `v` of the pass's tokens to the cache of `layer`.
+    KvWrite {
+        /// The layer.
+        layer: usize,
+        /// Keys, `n_tokens × kv_dim`.
+        k: TensorId,
+        /// Values, `n_tokens × kv_dim`.
+        v: TensorId,
+    },
+    /// Host sync point: the KV policy may evict from `layer`'s cache
+    /// ([`KvPolicy::before_attention`]). Emitted only for policies that act between
+    /// layers.
+    KvPolicy {
+        /// The layer.
+        layer: usize,
+    },
+    /// Causal attention of `q` over `layer`'s cache, into `out`.
+    Attention {
+        /// The layer whose cache is read.
+        layer: usize,
+        /// Queries.
+        q: TensorId,
+        /// Heads.
+        shape: AttentionShape,
+        /// Output, same shape as `q`.
+        out: TensorId,
+    },
+    /// `x += y`.
+    Add {
+        /// Accumulator.
+        x: TensorId,
+        /// Addend, same shape.
+        y: TensorId,
+    },
+    /// `out = silu(gate) * up`.
+    Swiglu {
+        /// Gate.
+        gate: TensorId,
+        /// Up.
+        up: TensorId,
+        /// Output.
+        out: TensorId,
+    },
+    /// Host sync point: the model's [`FeedForward`] lever sees `layer`'s attention input
+    /// ([`FeedForward::prepare`]).
+    FfnPrepare {
+        /// The layer.
+        layer: usize,
+        /// The attention input.
+        x: TensorId,
+    },
+    /// Host sync point: the model's [`FeedForward`] lever computes `layer`'s MLP
+    /// ([`FeedForward::forward`]) from `x` into `out`.
+    FeedForward {
+        /// The layer.
+        layer: usize,
+        /// The MLP input.
+        x: TensorId,
+        /// Its output.
+        out: TensorId,
+    },
+    /// Copies rows `first..first + out.rows` of `x` into `out`.
+    Rows {
+        /// Source.
+        x: TensorId,
+        /// First row copied.
+        first: usize,
+        /// Destination; its row count says how many rows.
+        out: TensorId,
+    },
+}
+
+impl Op {
+    /// True for ops that must see host data (a lever's MLP, a KV policy between
+    /// layers): a device executor stops there, or hands the pass to the host executor.
+    pub fn is_host_sync(&self) -> bool {
+        matches!(
+            self,
+            Op::KvPolicy { .. } | Op::FfnPrepare { .. } | Op::FeedForward { .. }
+        )
+    }
+}
+
+/// The tensors and ops of one forward pass over `n_tokens` tokens.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Graph {
+    n_tokens: usize,
+    tensors: Vec<TensorDesc>,
+    ops: Vec<Op>,
+    logits: Option<TensorId>,
+    greedy: bool,
+}
+
+impl Graph {
+    /// An empty pass over `n_tokens` tokens.
+    pub fn new(n_tokens: usize) -> Graph {
+        Graph {
+            n_tokens,
+            ..Graph::default()
+        }
+    }
+
+    /// Tokens in the pass.
+    pub fn n_tokens(&self) -> usize {
+        self.n_tokens
+    }
+
+    /// A new tensor of `rows × width`.
+    pub fn tensor(&mut self, name: &'static str, rows: usize, width: usize) -> TensorId {
+        self.tensors.push(TensorDesc { name, rows, width });
+        TensorId(self.tensors.len() - 1)
+    }
+
+    /// The tensor named `name` of `rows × width`, made on first use. Blocks ask for
+    /// their intermediates this way, so every layer reuses the same buffers.
+    pub fn scratch(&mut self, name: &'static str, rows: usize, width: usize) -> TensorId {
+        let want = TensorDesc { name, rows, width };
+        match self.tensors.iter().position(|t| *t == want) {
+            Some(i) => TensorId(i),
+            None => self.tensor(name, rows, width),
+        }
+    }
+
+    /// Appends an op.
+    pub fn push(&mut self, op: Op) {
+        self.ops.push(op);
+    }
+
+    /// Marks `logits` as the pass's output; with `greedy`, only the argmax of its last
+    /// row is wanted.
+    pub fn set_output(&mut self, logits: TensorId, greedy: bool) {
+        self.logits = Some(logits);
+        self.greedy = greedy;
+    }
+
+    /// The ops, in order.
+    pub fn ops(&self) -> &[Op] {
+        &self.ops
+    }
+
+    /// Every tensor of the pass.
+    pub fn tensors(&self) -> &[TensorDesc] {
+        &self.tensors
+    }
+
+    /// The shape of `t`.
+    pub fn desc(&self, t: TensorId) -> &TensorDesc {
+        &self.tensors[t.0]
+    }
+
+    /// The logits tensor, if the pass computes logits.
+    pub fn logits(&self) -> Option<TensorId> {
+        self.logits
+    }
+
+    /// True if only the greedy id of the last row of logits is wanted.
+    pub fn greedy(&self) -> bool {
+        self.greedy
+    }
+
+    /// Host sync points in the pass.
+    pub fn host_syncs(&self) -> usize {
+        self.ops.iter().filter(|op| op.is_host_sync()).count()
+    }
+}
+
+/// What the host executor needs besides the graph: the pass's tokens, the weights, the
+/// cache and the levers that act on the host.
+pub struct HostPass<'a, 's> {
+    /// Token ids.
+    pub ids: &'a [u32],
+    /// Their positions.
+    pub positions: &'a [u32],
+    /// Embedding table, final norm, head.
+    pub globals: &'a GlobalWeights,
+    /// Layers, one at a time.
+    pub layers: &'a mut LayerSource<'s>,
+    /// The cache the pass appends to and attends over.
+    pub kv: &'a mut dyn KvCache,
+    /// The KV policy, for [`Op::KvPolicy`].
+    pub policy: Option<&'a mut dyn KvPolicy>,
+    /// The MLP lever, for [`Op::FfnPrepare`] and [`Op::FeedForward`].
+    pub ffn: &'a mut dyn FeedForward,
+}
+
+/// Runs `graph` eagerly, op by op, through `backend` on host buffers (`buffers`: one per
+/// tensor, kept between passes so decode allocates nothing). The logits tensor's
+/// values are left in `buffers[logits.index()]`.
+pub fn run_on_host(
+    graph: &Graph,
+    backend: &dyn Backend,
+    pass: HostPass<'_, '_>,
+    buffers: &mut Vec<Vec<f32>>,
+) -> Result<()> {
+    let HostPass {
+        ids,
+        positions,
+        globals,
+        layers,
+        kv,
+        mut policy,
+        ffn,
+    } = pass;
+    let n = graph.n_tokens();
+    buffers.resize_with(graph.tensors().len(), Vec::new);
+    for (buf, desc) in buffers.iter_mut().zip(graph.tensors()) {
+        buf.resize(desc.len(), 0.0);
+    }
+    let mut layer: Option<Arc<LayerWeights>> = None;
+    for op in graph.ops() {
+        let lw = layer.as_deref();
+        match op {
+            Op::Embed { table, out } => {
+                backend.embed(table.matrix(globals, lw)?, ids, &mut buffers[out.0])?;
+            }
+            Op::BeginLayer { layer: l } => {
+                // The store gets a streamed layer's slot back before the next is asked.
+                drop(layer.take());
+                layer = Some(layers(*l)?);
+            }
+            Op::EndLayer => layer = None,
+            Op::RmsNorm { x, scale, eps, out } => {
+                let o = std::mem::take(&mut buffers[out.0]);
+                let mut o = o;
+                let r = backend.rms_norm(&buffers[x.0], scale.vector(globals, lw)?, *eps, &mut o);
+                buffers[out.0] = o;
+                r?;
+            }
+            Op::Matmul { x, jobs } => {
+                let mut outs: Vec<Vec<f32>> = jobs
+                    .iter()
+                    .map(|(_, t)| std::mem::take(&mut buffers[t.0]))
+                    .collect();
+                let weights = jobs
+                    .iter()
+                    .map(|(w, _)| w.matrix(globals, lw))
+                    .collect::<Result<Vec<_>>>();
+                let r = weights.and_then(|weights| {
+                    let mut batch: Vec<MatmulJob<'_>> = weights
+                        .into_iter()
+                        .zip(outs.iter_mut())
+                        .map(|(weight, out)| MatmulJob { weight, out })
+                        .collect();
+                    backend.matmul(&buffers[x.0], graph.desc(*x).rows, &mut batch)
+                });
+                for ((_, t), o) in jobs.iter().zip(outs) {
+                    buffers[t.0] = o;
+                }
+                r?;
+            }
+            Op::AddBias { x, bias } => {
+                if let Some(b) = bias.find_vector(globals, lw)? {
+                    backend.add_bias(&mut buffers[x.0], b)?;
+                }
+            }
+            Op::Rope {
+                x,
+                n_heads,
+                head_dim,
+                rope,
+            } => backend.rope(&mut buffers[x.0], positions, *n_heads, *head_dim, rope)?,
+            Op::KvWrite { layer: l, k, v } => {
+                kv.append(*l, positions, &buffers[k.0], &buffers[v.0])?
+            }
+            Op::KvPolicy { layer: l } => {
+                if let Some(p) = policy.as_deref_mut() {
+                    p.before_attention(*l, kv)?;
+                }
+            }
+            Op::Attention {
+                layer: l,
+                q,
+                shape,
+                out,
+            } => {
+                let mut o = std::mem::take(&mut buffers[out.0]);
+                let r = backend.attention(&buffers[q.0], positions, &kv.view(*l), shape, &mut o);
+                buffers[out.0] = o;
+                r?;
+            }
+            Op::Add { x, y } => {
+                let mut acc = std::mem::take(&mut buffers[x.0]);
+                let r = backend.add_assign(&mut acc, &buffers[y.0]);
+                buffers[x.0] = acc;
+                r?;
+            }
+            Op::Swiglu { gate, up, out } => {
+                let mut o = std::mem::take(&mut buffers[out.0]);
+                let r = backend.swiglu(&buffers[gate.0], &buffers[up.0], &mut o);
+                buffers[out.0] = o;
+                r?;
+            }
+            Op::FfnPrepare { layer: l, x } => ffn.prepare(*l, &buffers[x.0], n)?,
+            Op::FeedForward { layer: l, x, out } => {
+                let w = lw.ok_or_else(|| Error::InvalidArgument {
+                    what: format!("FeedForward of layer {l} outside BeginLayer/EndLayer"),
+                })?;
+                let mut o = std::mem::take(&mut buffers[out.0]);
+                let r = ffn.forward(backend, w, &buffers[x.0], n, &mut o);
+                buffers[out.0] = o;
+                r?;
+            }
+            Op::Rows { x, first, out } => {
+                let width = graph.desc(*x).width;
+                let len = graph.desc(*out).len();
+                let start = first * width;
+                let src = buffers[x.0]
+                    .get(start..start + len)
+                    .ok_or_else(|| Error::ShapeMismatch {
+                        what: format!("rows of {}", graph.desc(*x).name),
+                        expected: start + len,
+                        got: graph.desc(*x).len(),
+                    })?
+                    .to_vec();
+                buffers[out.0].copy_from_slice(&src);
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,82 @@
+//! The llama builder (Llama 2/3, SmolLM2, Mistral; qwen2 is the same graph with Q/K/V
+//! biases, which [`blocks::attention`] adds when a layer has them): the layer table it
+//! reads and the pass it emits.
+//!
+//! ```text
+//! embed
+//! per layer: x += attn_output(attention(rope(q, k, v of rms_norm(x))))
+//!            x += ffn(rms_norm(x))
+//! logits = output(rms_norm(x))
+//! ```
+
+use super::blocks::{self, *};
+use super::{Logits, ModelConfig, TensorSpec};
+use crate::ffn::FeedForward;
+use crate::graph::{Graph, Op, WeightRef};
+
+/// The tensors of layer `layer`: role, shape in ggml order, whether the file must have
+/// it.
+pub(super) fn layer_tensors(c: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
+    let spec = c.layer_attention[layer];
+    let s = spec.shape;
+    let (d, ff) = (c.d_model, c.n_ff);
+    let (q, kv) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
+    vec![
+        TensorSpec::required(ATTN_NORM, &[d]),
+        TensorSpec::required(ATTN_Q, &[d, q]),
+        TensorSpec::required(ATTN_K, &[d, kv]),
+        TensorSpec::required(ATTN_V, &[d, kv]),
+        TensorSpec::optional(ATTN_Q_BIAS, &[q]),
+        TensorSpec::optional(ATTN_K_BIAS, &[kv]),
+        TensorSpec::optional(ATTN_V_BIAS, &[kv]),
+        TensorSpec::required(ATTN_OUTPUT, &[q, d]),
+        TensorSpec::required(FFN_NORM, &[d]),
+        TensorSpec::required(FFN_GATE, &[d, ff]),
+        TensorSpec::required(FFN_UP, &[d, ff]),
+        TensorSpec::required(FFN_DOWN, &[ff, d]),
+    ]
+}
+
+/// The pass over `n` tokens.
+pub(super) fn build(
+    c: &ModelConfig,
+    n: usize,
+    logits: Logits,
+    policy_between_layers: bool,
+    ffn: &dyn FeedForward,
+) -> Graph {
+    let mut g = Graph::new(n);
+    let x = g.tensor("x", n, c.d_model);
+    g.push(Op::Embed {
+        table: WeightRef::global(TOKEN_EMBD),
+        out: x,
+    });
+    for (layer, spec) in c.layer_attention.iter().enumerate() {
+        g.push(Op::BeginLayer { layer });
+        let h = blocks::rms_norm(
+            &mut g,
+            x,
+            WeightRef::layer(ATTN_NORM),
+            c.rms_eps,
+            "attn_norm",
+        );
+        if ffn.needs_prepare() {
+            g.push(Op::FfnPrepare { layer, x: h });
+        }
+        let attn = blocks::attention(&mut g, layer, h, spec, policy_between_layers);
+        g.push(Op::Add { x, y: attn });
+        let h = blocks::rms_norm(&mut g, x, WeightRef::layer(FFN_NORM), c.rms_eps, "ffn_norm");
+        let out = g.scratch("ffn_out", n, c.d_model);
+        ffn.emit_ops(&mut g, layer, h, c.n_ff, out);
+        g.push(Op::Add { x, y: out });
+        g.push(Op::EndLayer);
+    }
+    let (first, rows) = match logits {
+        Logits::None => return g,
+        Logits::Last | Logits::Greedy => (n - 1, 1),
+        Logits::All => (0, n),
+    };
+    let out = blocks::head(&mut g, x, first, rows, c.rms_eps, c.vocab_size);
+    g.set_output(out, logits == Logits::Greedy);
+    g
+}
