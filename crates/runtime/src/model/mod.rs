@@ -167,14 +167,26 @@ struct Scratch {
     logits: Vec<f32>,
 }
 
-/// A loaded model: its configuration, where its weights come from, the backend that
-/// computes, and the MLP implementation.
-pub struct Model {
+/// What every handle on a loaded model shares, read-only: the configuration, the
+/// store the weights come from, and the backend that computes. Held once, however many
+/// sessions run on it.
+struct Shared {
     config: ModelConfig,
     store: Box<dyn WeightStore>,
     backend: Arc<dyn Backend>,
-    ffn: Box<dyn FeedForward>,
     passes: PassCounter,
+}
+
+/// A handle on a loaded model: the shared, read-only part (configuration, weights and
+/// their store, backend) and what one conversation needs to run passes on it (host
+/// activation buffers, the MLP lever with its state).
+///
+/// [`Model::share`] makes another handle on the same weights for another session: each
+/// session owns its handle, KV cache, positions and sampler, and sessions may run from
+/// different threads (a handle is `Send`); the weights are held once.
+pub struct Model {
+    shared: Arc<Shared>,
+    ffn: Box<dyn FeedForward>,
     scratch: Scratch,
 }
 
@@ -200,36 +212,59 @@ impl Model {
         ffn: Box<dyn FeedForward>,
     ) -> Model {
         Model {
-            config,
-            store,
-            backend,
+            shared: Arc::new(Shared {
+                config,
+                store,
+                backend,
+                passes: PassCounter::default(),
+            }),
             ffn,
-            passes: PassCounter::default(),
             scratch: Scratch::default(),
         }
     }
 
+    /// Another handle on the same weights, store and backend, with its own activation
+    /// buffers and the exact MLP: what a second session runs on. Nothing is copied but
+    /// a reference count.
+    pub fn share(&self) -> Model {
+        self.share_with_ffn(Box::new(DenseFfn::new()))
+    }
+
+    /// Like [`Model::share`], with `ffn` as this handle's MLP.
+    pub fn share_with_ffn(&self, ffn: Box<dyn FeedForward>) -> Model {
+        Model {
+            shared: self.shared.clone(),
+            ffn,
+            scratch: Scratch::default(),
+        }
+    }
+
+    /// True if `self` and `other` are handles on the same loaded weights.
+    pub fn shares_weights_with(&self, other: &Model) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
+
     /// The hyper-parameters.
     pub fn config(&self) -> &ModelConfig {
-        &self.config
+        &self.shared.config
     }
 
     /// The backend computing this model.
     pub fn backend(&self) -> &Arc<dyn Backend> {
-        &self.backend
+        &self.shared.backend
     }
 
     /// Where the weights come from.
     pub fn store(&self) -> &dyn WeightStore {
-        self.store.as_ref()
+        self.shared.store.as_ref()
     }
 
     /// The shape of the KV cache this model needs.
     pub fn kv_shape(&self) -> KvShape {
         KvShape {
-            n_layers: self.config.n_layers,
-            n_kv_heads: self.config.n_kv_heads,
-            head_dim: self.config.head_dim,
+            n_layers: self.shared.config.n_layers,
+            n_kv_heads: self.shared.config.n_kv_heads,
+            head_dim: self.shared.config.head_dim,
         }
     }
 
@@ -283,9 +318,10 @@ impl Model {
     /// The pass over `n` tokens as the architecture's builder emits it.
     fn build(&self, n: usize, logits: Logits, policy: Option<&dyn KvPolicy>) -> Graph {
         let between_layers = policy.is_some_and(|p| p.acts_between_layers());
-        match self.config.arch {
+        let config = &self.shared.config;
+        match config.arch {
             Architecture::Llama | Architecture::Qwen2 => {
-                llama::build(&self.config, n, logits, between_layers, self.ffn.as_ref())
+                llama::build(config, n, logits, between_layers, self.ffn.as_ref())
             }
         }
     }
@@ -301,11 +337,12 @@ impl Model {
         logits: Logits,
     ) -> Result<Option<u32>> {
         let graph = self.build(ids.len(), logits, policy.as_deref());
-        let pass = self.passes.next();
-        let store = &self.store;
+        let shared = &self.shared;
+        let pass = shared.passes.next();
+        let store = &shared.store;
         let globals = store.globals();
         let mut layers = |l| store.layer(pass, l);
-        if let Some(device) = self.backend.device_forward() {
+        if let Some(device) = shared.backend.device_forward() {
             if graph.host_syncs() == 0 {
                 let input = DeviceForwardInput {
                     globals,
@@ -318,7 +355,7 @@ impl Model {
         let s = &mut self.scratch;
         graph::run_on_host(
             &graph,
-            self.backend.as_ref(),
+            shared.backend.as_ref(),
             HostPass {
                 ids,
                 positions,

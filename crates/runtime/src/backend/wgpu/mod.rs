@@ -141,6 +141,10 @@ struct KvMirror {
     positions: GpuBuffer,
     /// Positions of the mirrored tokens (the host cache's layer 0 order).
     host_positions: Vec<u32>,
+    /// The address of the host cache mirrored: sessions sharing this backend each have
+    /// their own cache, and a pass for another one re-syncs the mirror from scratch,
+    /// since equal positions say nothing of equal keys.
+    owner: usize,
 }
 
 /// The wgpu backend. Weights are uploaded once, on first use, and kept on the device,
@@ -999,9 +1003,15 @@ impl WgpuBackend {
                     .ctx
                     .buffer((capacity.max(1) * 4) as u64, "kv positions")?,
                 host_positions: Vec::new(),
+                owner: 0,
             });
         }
         let mirror = slot.as_mut().expect("made above");
+        let owner = kv as *const dyn KvCache as *const () as usize;
+        if mirror.owner != owner {
+            mirror.owner = owner;
+            mirror.host_positions.clear();
+        }
         let view0 = kv.view(0);
         let host_positions: Vec<u32> = view0
             .segments
