@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::testing::{TinyModelSpec, TINY_VOCAB};
-use ballast_runtime::{Backend, CpuBackend, DenseKv, KvDtype, Model, Session};
+use ballast_runtime::{Backend, CpuBackend, Model, Session};
 
 const PROMPTS: [&[u32]; 2] = [&[72, 101, 108, 108, 111, 44, 32], &[3, 256, 17, 99]];
 const STEPS: usize = 12;
@@ -20,13 +20,11 @@ fn tiny(backend: Arc<dyn Backend>) -> Model {
     Model::load(file, backend, false).unwrap()
 }
 
-/// A session with an f32 cache. The wgpu backend keeps one device mirror of the KV
-/// cache and re-uploads it from the host cache when a pass is for another session; an
-/// f32 host cache makes that re-upload exact (an f16 one rounds keys the device had
-/// exact, which can flip a near-tie), so interleaved sessions equal separate runs.
+/// A session with the default cache (f16). The wgpu backend keeps a device mirror per
+/// session's cache, so interleaving sessions does not re-upload (and re-round) keys the
+/// device holds exactly.
 fn session(model: Model) -> Session {
-    let kv = DenseKv::with_dtype(model.kv_shape(), 64, KvDtype::F32);
-    Session::with_cache(model, Box::new(kv), None)
+    Session::new(model, 64)
 }
 
 /// Greedy ids after `prompt`, `STEPS` of them.

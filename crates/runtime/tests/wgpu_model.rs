@@ -484,3 +484,56 @@ fn a_policy_between_passes_keeps_the_whole_pass_on_the_device() {
         "some pass ran op by op"
     );
 }
+
+/// An MLP lever that computes on the host (the dense MLP through the backend's ops) and
+/// counts the attention inputs it is shown: the shape of a sparse MLP.
+struct HostMlp {
+    inner: DenseFfn,
+    prepared: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl ballast_runtime::FeedForward for HostMlp {
+    fn prepare(&mut self, _layer: usize, x: &[f32], n: usize) -> ballast_runtime::Result<()> {
+        assert!(x.len() % n == 0 && x.iter().all(|v| v.is_finite()));
+        self.prepared.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn forward(
+        &mut self,
+        backend: &dyn Backend,
+        weights: &LayerWeights,
+        x: &[f32],
+        n_tokens: usize,
+        out: &mut [f32],
+    ) -> ballast_runtime::Result<()> {
+        self.inner.forward(backend, weights, x, n_tokens, out)
+    }
+}
+
+/// A lever MLP keeps the pass on the device: each host sync point (prepare, forward) is
+/// one submission with one read-back, not a fall back to op by op, and the logits are
+/// those of the dense MLP recorded in the pass.
+#[test]
+fn a_host_mlp_costs_one_sync_per_point_on_the_device() {
+    let Some(ctx) = gpu() else { return };
+    let spec = TinyModelSpec::default();
+    let backend = Arc::new(WgpuBackend::new(ctx));
+    let want = all_logits(&mut load(&spec, backend.clone()), &IDS);
+    let prepared = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut lever = load(&spec, backend.clone()).share_with_ffn(Box::new(HostMlp {
+        inner: DenseFfn::new(),
+        prepared: prepared.clone(),
+    }));
+    let got = all_logits(&mut lever, &IDS);
+    let n_layers = lever.config().n_layers;
+    assert_eq!(prepared.load(Ordering::SeqCst), n_layers);
+    let report = backend.last_pass().unwrap();
+    assert_eq!(
+        report.submissions,
+        1 + 2 * n_layers,
+        "one submission, plus one per host sync point"
+    );
+    let d = max_rel_diff(&got, &want);
+    assert!(d < 1e-5, "host MLP on the device differs by {d}");
+}

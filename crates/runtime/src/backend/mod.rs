@@ -19,6 +19,7 @@ pub use self::wgpu::WgpuBackend;
 pub use cpu::CpuBackend;
 
 use crate::error::Result;
+use crate::ffn::FeedForward;
 use crate::graph::Graph;
 use crate::kv::{KvCache, KvView};
 use crate::weights::{GlobalWeights, LayerWeights, Weight};
@@ -217,18 +218,22 @@ pub struct DeviceForwardInput<'a> {
 
 /// A whole forward pass recorded and submitted at once on a device.
 pub trait DeviceForward: Send + Sync {
-    /// Records the ops of `graph` (which has no host sync point) with the cache `kv`,
-    /// taking layers from `layers` as [`crate::graph::Op::BeginLayer`] asks: appends the
-    /// new keys and values to `kv`, and puts the graph's logits in `out` (or returns the
-    /// greedy id when the graph wants only that). Weights whose bytes may not be cached
-    /// on the device ([`crate::weights::ByteSource::cache_on_device`]) are uploaded into
-    /// the backend's stream slots for this pass only.
+    /// Records the ops of `graph` with the cache `kv`, taking layers from `layers` as
+    /// [`crate::graph::Op::BeginLayer`] asks: appends the new keys and values to `kv`,
+    /// and puts the graph's logits in `out` (or returns the greedy id when the graph
+    /// wants only that). The MLP lever's host sync points ([`crate::graph::Op::FfnPrepare`],
+    /// [`crate::graph::Op::FeedForward`]) cost one read-back each, and `ffn`'s output is
+    /// uploaded back; a graph with a [`crate::graph::Op::KvPolicy`] is refused (it runs
+    /// on the host executor). Weights whose bytes may not be cached on the device
+    /// ([`crate::weights::ByteSource::cache_on_device`]) are uploaded into the backend's
+    /// stream slots for this pass only.
     fn forward(
         &self,
         graph: &Graph,
         input: &DeviceForwardInput<'_>,
         layers: &mut LayerSource<'_>,
         kv: &mut dyn KvCache,
+        ffn: &mut dyn FeedForward,
         out: &mut Vec<f32>,
     ) -> Result<Option<u32>>;
 }

@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::ffn::{DenseFfn, FeedForward};
 use crate::ggml_type::GgmlType;
 use crate::gguf::GgufFile;
-use crate::graph::{self, Graph, HostPass};
+use crate::graph::{self, Graph, HostPass, Op};
 use crate::kv::{KvCache, KvPolicy, KvShape};
 use crate::quant;
 use crate::store::{PassCounter, ResidentStore, WeightStore};
@@ -326,8 +326,9 @@ impl Model {
         }
     }
 
-    /// Runs the pass: on the backend's device as one recording when it has one and the
-    /// pass has no host sync point, else op by op on host activations.
+    /// Runs the pass: on the backend's device as one recording when it has one (the MLP
+    /// lever's host sync points are served there), else, or when a KV policy acts
+    /// between layers, op by op on host activations.
     fn run(
         &mut self,
         ids: &[u32],
@@ -342,14 +343,26 @@ impl Model {
         let store = &shared.store;
         let globals = store.globals();
         let mut layers = |l| store.layer(pass, l);
+        // A policy between layers edits the host cache mid-pass; that pass runs here.
+        let policy_sync = graph
+            .ops()
+            .iter()
+            .any(|op| matches!(op, Op::KvPolicy { .. }));
         if let Some(device) = shared.backend.device_forward() {
-            if graph.host_syncs() == 0 {
+            if !policy_sync {
                 let input = DeviceForwardInput {
                     globals,
                     ids,
                     positions,
                 };
-                return device.forward(&graph, &input, &mut layers, kv, &mut self.scratch.logits);
+                return device.forward(
+                    &graph,
+                    &input,
+                    &mut layers,
+                    kv,
+                    self.ffn.as_mut(),
+                    &mut self.scratch.logits,
+                );
             }
         }
         let s = &mut self.scratch;

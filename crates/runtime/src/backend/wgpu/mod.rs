@@ -142,10 +142,14 @@ struct KvMirror {
     /// Positions of the mirrored tokens (the host cache's layer 0 order).
     host_positions: Vec<u32>,
     /// The address of the host cache mirrored: sessions sharing this backend each have
-    /// their own cache, and a pass for another one re-syncs the mirror from scratch,
-    /// since equal positions say nothing of equal keys.
+    /// their own cache and mirror, since equal positions say nothing of equal keys.
     owner: usize,
+    /// When the mirror was last used, in passes: the least recent goes first.
+    last_use: u64,
 }
+
+/// Device KV mirrors a backend keeps at once (one per session recently run).
+pub const MAX_KV_MIRRORS: usize = 4;
 
 /// The wgpu backend. Weights are uploaded once, on first use, and kept on the device,
 /// unless their bytes say they may not be cached
@@ -158,7 +162,9 @@ pub struct WgpuBackend {
     /// Norm scales and biases on the device. Each entry holds the host `Arc`, so its
     /// address (the key) cannot be reused by another vector while cached.
     vectors: Mutex<HashMap<(usize, usize), CachedVector>>,
-    kv: Mutex<Option<KvMirror>>,
+    /// One device mirror per host cache recently run (sessions sharing the backend),
+    /// least recently used first out beyond [`MAX_KV_MIRRORS`].
+    kv: Mutex<Vec<KvMirror>>,
     stream: Mutex<StreamRing>,
     /// Largest weight chunk; the binding limit unless a test lowers it.
     max_chunk_bytes: u64,
@@ -972,46 +978,64 @@ impl Backend for WgpuBackend {
 }
 
 impl WgpuBackend {
-    /// Brings the device mirror of `kv` up to date: same capacity and shape, and the
-    /// same tokens (re-uploading what differs from the host cache).
-    fn sync_kv(&self, kv: &dyn KvCache, n_layers: usize, kv_dim: usize) -> Result<()> {
-        let mut slot = self.kv.lock().unwrap_or_else(|p| p.into_inner());
+    /// Brings the device mirror of `kv` up to date (same capacity and shape, and the
+    /// same tokens, re-uploading what differs from the host cache), making one if `kv`
+    /// has none; returns its index in `mirrors`.
+    fn sync_kv(
+        &self,
+        mirrors: &mut Vec<KvMirror>,
+        kv: &dyn KvCache,
+        n_layers: usize,
+        kv_dim: usize,
+    ) -> Result<usize> {
         let capacity = kv.capacity();
-        let fits = slot.as_ref().is_some_and(|m| {
-            m.capacity == capacity && m.kv_dim == kv_dim && m.keys.len() == n_layers
-        });
-        if !fits {
-            *slot = None;
-            // Exact sizes, not the pool's powers of two: the mirror is the largest
-            // buffer set after the weights, and a plan reserves what it needs.
-            let bytes = (capacity.max(1) * kv_dim * 4) as u64;
-            let usage = wgpu::BufferUsages::STORAGE
-                | wgpu::BufferUsages::COPY_DST
-                | wgpu::BufferUsages::COPY_SRC;
-            let mut keys = Vec::with_capacity(n_layers);
-            let mut values = Vec::with_capacity(n_layers);
-            for _ in 0..n_layers {
-                keys.push(self.ctx.buffer_with_usage(bytes, usage, "kv keys")?);
-                values.push(self.ctx.buffer_with_usage(bytes, usage, "kv values")?);
-            }
-            *slot = Some(KvMirror {
-                capacity,
-                kv_dim,
-                keys,
-                values,
-                positions: self
-                    .ctx
-                    .buffer((capacity.max(1) * 4) as u64, "kv positions")?,
-                host_positions: Vec::new(),
-                owner: 0,
-            });
-        }
-        let mirror = slot.as_mut().expect("made above");
         let owner = kv as *const dyn KvCache as *const () as usize;
-        if mirror.owner != owner {
-            mirror.owner = owner;
-            mirror.host_positions.clear();
-        }
+        let clock = mirrors.iter().map(|m| m.last_use).max().unwrap_or(0) + 1;
+        let found = mirrors.iter().position(|m| {
+            m.owner == owner
+                && m.capacity == capacity
+                && m.kv_dim == kv_dim
+                && m.keys.len() == n_layers
+        });
+        let at = match found {
+            Some(at) => at,
+            None => {
+                mirrors.retain(|m| m.owner != owner);
+                if mirrors.len() >= MAX_KV_MIRRORS {
+                    let oldest = (0..mirrors.len())
+                        .min_by_key(|&i| mirrors[i].last_use)
+                        .expect("not empty");
+                    mirrors.remove(oldest);
+                }
+                // Exact sizes, not the pool's powers of two: the mirror is the largest
+                // buffer set after the weights, and a plan reserves what it needs.
+                let bytes = (capacity.max(1) * kv_dim * 4) as u64;
+                let usage = wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_DST
+                    | wgpu::BufferUsages::COPY_SRC;
+                let mut keys = Vec::with_capacity(n_layers);
+                let mut values = Vec::with_capacity(n_layers);
+                for _ in 0..n_layers {
+                    keys.push(self.ctx.buffer_with_usage(bytes, usage, "kv keys")?);
+                    values.push(self.ctx.buffer_with_usage(bytes, usage, "kv values")?);
+                }
+                mirrors.push(KvMirror {
+                    capacity,
+                    kv_dim,
+                    keys,
+                    values,
+                    positions: self
+                        .ctx
+                        .buffer((capacity.max(1) * 4) as u64, "kv positions")?,
+                    host_positions: Vec::new(),
+                    owner,
+                    last_use: clock,
+                });
+                mirrors.len() - 1
+            }
+        };
+        let mirror = &mut mirrors[at];
+        mirror.last_use = clock;
         let view0 = kv.view(0);
         let host_positions: Vec<u32> = view0
             .segments
@@ -1026,7 +1050,7 @@ impl WgpuBackend {
             .take_while(|(a, b)| a == b)
             .count();
         if same == host_positions.len() && same == mirror.host_positions.len() {
-            return Ok(());
+            return Ok(at);
         }
         let queue = self.ctx.queue();
         for l in 0..n_layers {
@@ -1058,6 +1082,6 @@ impl WgpuBackend {
             );
         }
         mirror.host_positions = host_positions;
-        Ok(())
+        Ok(at)
     }
 }

@@ -1,7 +1,8 @@
 //! The device executor of a [`Graph`]: every op recorded into one command encoder, with
 //! activations in device buffers (one per tensor of the graph), weights uploaded once or
-//! streamed per use, and the device mirror of the KV cache. One submission (one per
-//! turn of the stream-slot ring when layers stream) and one read-back per pass.
+//! streamed per use, and the device mirror of the session's KV cache. One submission
+//! (one per turn of the stream-slot ring when layers stream) and one read-back per pass,
+//! plus one of each per host sync point of the MLP lever.
 //!
 //! Nothing here knows a model: the ops say what to compute, weights are resolved by the
 //! role the op names in the current layer's table.
@@ -9,12 +10,13 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::record::Params;
+use super::record::{Params, Recorder};
 use super::{rope_table, DeviceWeight, WgpuBackend, ARGMAX};
 use crate::backend::{DeviceForward, DeviceForwardInput, LayerSource, Rope};
 use crate::error::{Error, Result};
+use crate::ffn::FeedForward;
 use crate::gpu::GpuBuffer;
-use crate::graph::{Graph, Op, WeightRef};
+use crate::graph::{Graph, Op, TensorId, WeightRef};
 use crate::kv::KvCache;
 use crate::weights::LayerWeights;
 
@@ -49,6 +51,20 @@ impl WgpuBackend {
     }
 }
 
+impl WgpuBackend {
+    /// A host sync point: submits what `rec` holds and reads tensor `t` back.
+    fn read_tensor(
+        &self,
+        rec: &mut Recorder<'_>,
+        graph: &Graph,
+        t: TensorId,
+        buffer: &wgpu::Buffer,
+    ) -> Result<Vec<f32>> {
+        let bytes = rec.read_now(buffer, 0, (graph.desc(t).len() * 4) as u64)?;
+        Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+}
+
 impl DeviceForward for WgpuBackend {
     fn forward(
         &self,
@@ -56,6 +72,7 @@ impl DeviceForward for WgpuBackend {
         input: &DeviceForwardInput<'_>,
         layers: &mut LayerSource<'_>,
         kv: &mut dyn KvCache,
+        ffn: &mut dyn FeedForward,
         out: &mut Vec<f32>,
     ) -> Result<Option<u32>> {
         let start = Instant::now();
@@ -68,17 +85,22 @@ impl DeviceForward for WgpuBackend {
                 got: ids.len().min(positions.len()),
             });
         }
-        if let Some(op) = graph.ops().iter().find(|op| op.is_host_sync()) {
+        if let Some(op) = graph
+            .ops()
+            .iter()
+            .find(|op| matches!(op, Op::KvPolicy { .. }))
+        {
             return Err(Error::InvalidArgument {
                 what: format!("a device pass cannot run the host sync point {op:?}"),
             });
         }
         let shape = kv.shape();
         let (n_layers, kvd) = (shape.n_layers, shape.kv_dim());
-        self.sync_kv(kv, n_layers, kvd)?;
+        // Held for the whole pass: passes of sessions sharing this backend take turns.
+        let mut mirrors = self.kv.lock().unwrap_or_else(|p| p.into_inner());
+        let at = self.sync_kv(&mut mirrors, kv, n_layers, kvd)?;
         let cached = kv.len();
-        let mut slot = self.kv.lock().unwrap_or_else(|p| p.into_inner());
-        let mirror = slot.as_mut().expect("synced above");
+        let mirror = &mut mirrors[at];
         if cached + n > mirror.capacity {
             return Err(Error::ContextFull {
                 needed: cached + n,
@@ -98,7 +120,7 @@ impl DeviceForward for WgpuBackend {
             .iter()
             .map(|t| self.scratch(t.len().max(1) * 4, t.name))
             .collect::<Result<Vec<GpuBuffer>>>()?;
-        let buf = |t: crate::graph::TensorId| bufs[t.index()].raw();
+        let buf = |t: TensorId| bufs[t.index()].raw();
         // The new keys and values of every layer, read back with the logits.
         let new_kv_bytes = n * kvd * 4;
         let new_kv = self.scratch((2 * n_layers * new_kv_bytes).max(4), "new kv")?;
@@ -264,9 +286,21 @@ impl DeviceForward for WgpuBackend {
                         (len * 4) as u64,
                     );
                 }
-                Op::KvPolicy { .. } | Op::FfnPrepare { .. } | Op::FeedForward { .. } => {
-                    unreachable!("host sync points refused above")
+                Op::FfnPrepare { layer: l, x } => {
+                    let host = self.read_tensor(&mut rec, graph, *x, buf(*x))?;
+                    ffn.prepare(*l, &host, n)?;
                 }
+                Op::FeedForward { layer: l, x, out } => {
+                    let host = self.read_tensor(&mut rec, graph, *x, buf(*x))?;
+                    let w = host_layer.ok_or_else(|| Error::InvalidArgument {
+                        what: format!("FeedForward of layer {l} outside BeginLayer/EndLayer"),
+                    })?;
+                    let mut result = vec![0f32; graph.desc(*out).len()];
+                    ffn.forward(self, w, &host, n, &mut result)?;
+                    // Lands before the commands recorded next (read_now submitted the rest).
+                    queue.write_buffer(buf(*out), 0, bytemuck::cast_slice(&result));
+                }
+                Op::KvPolicy { .. } => unreachable!("refused above"),
             }
         }
         drop(layer);
@@ -307,7 +341,6 @@ impl DeviceForward for WgpuBackend {
         let (bytes, mut report) = rec.finish(&sources)?;
         // The device mirror now holds the new tokens; the host cache gets them too.
         mirror.host_positions.extend_from_slice(positions);
-        drop(slot);
         let kv_bytes = &bytes[..kv_total as usize];
         for l in 0..n_layers {
             let kb = &kv_bytes[2 * l * new_kv_bytes..(2 * l + 1) * new_kv_bytes];
@@ -316,9 +349,7 @@ impl DeviceForward for WgpuBackend {
             let values: Vec<f32> = bytemuck::pod_collect_to_vec(vb);
             if let Err(e) = kv.append(l, positions, &keys, &values) {
                 // Keep the mirror honest: it must not claim tokens the host refused.
-                if let Some(m) = self.kv.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
-                    m.host_positions.clear();
-                }
+                mirrors[at].host_positions.clear();
                 return Err(e);
             }
         }

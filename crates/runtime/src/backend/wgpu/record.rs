@@ -145,6 +145,30 @@ impl<'c> Recorder<'c> {
         self.ctx.check()
     }
 
+    /// Submits what is recorded so far, reads back `bytes` of `src` from `offset` (a host
+    /// sync point: a lever looks at an activation), and goes on in a new encoder. A
+    /// queue write after this (the lever's result) lands before the commands recorded
+    /// next.
+    pub(crate) fn read_now(
+        &mut self,
+        src: &wgpu::Buffer,
+        offset: u64,
+        bytes: u64,
+    ) -> Result<Vec<u8>> {
+        self.write_params()?;
+        let next = self
+            .ctx
+            .device()
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("ballast pass"),
+            });
+        let done = std::mem::replace(&mut self.encoder, next);
+        let out = self.ctx.submit_and_read(done, &[(src, offset, bytes)])?;
+        self.report.submissions += 1;
+        self.report.bytes_read_back += bytes;
+        Ok(out)
+    }
+
     /// Returns a recording error, else queues the kernels' parameters for the next
     /// submission.
     fn write_params(&mut self) -> Result<()> {
@@ -312,7 +336,7 @@ impl<'c> Recorder<'c> {
         let user_bytes: u64 = sources.iter().map(|s| s.2).sum();
         let mut bytes = self.ctx.submit_and_read(self.encoder, &all)?;
         self.report.submissions += 1;
-        self.report.bytes_read_back = user_bytes;
+        self.report.bytes_read_back += user_bytes;
         if let Some(t) = &self.timer {
             if n_queries > 0 {
                 let stamps: Vec<u64> = bytemuck::pod_collect_to_vec(&bytes[user_bytes as usize..]);
