@@ -38,7 +38,14 @@ fn gpu_context() -> Option<Arc<GpuContext>> {
 fn wgpu() -> Option<Arc<dyn Backend>> {
     static BACKEND: OnceLock<Option<Arc<WgpuBackend>>> = OnceLock::new();
     BACKEND
-        .get_or_init(|| gpu_context().map(|ctx| Arc::new(WgpuBackend::new(ctx))))
+        .get_or_init(|| {
+            gpu_context().map(|ctx| {
+                // Every scratch buffer starts as NaN: an output element a kernel leaves
+                // unwritten fails the comparison.
+                ctx.set_poison(true);
+                Arc::new(WgpuBackend::new(ctx))
+            })
+        })
         .clone()
         .map(|b| b as Arc<dyn Backend>)
 }

@@ -1,13 +1,6 @@
 // Greedy sampling on the device: the index of the largest logit (lowest index on ties).
 
-struct Params {
-    a: vec4<u32>,
-    b: vec4<u32>,
-    f: vec4<f32>,
-}
-
 // a: (n logits, first logit, 0, 0)
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> logits: array<f32>;
 @group(0) @binding(2) var<storage, read_write> best: array<u32>;
 

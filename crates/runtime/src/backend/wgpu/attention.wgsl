@@ -2,15 +2,8 @@
 // per (query head, token): scores of the cached tokens whose position is at most the
 // query's, softmax, weighted sum of the values (the CPU backend's order per element).
 
-struct Params {
-    a: vec4<u32>,
-    b: vec4<u32>,
-    f: vec4<f32>,
-}
-
 // a: (n_tokens, n_heads, n_kv_heads, head_dim); b: (cached tokens, score row stride);
 // f.x: 1/sqrt(head_dim).
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> q: array<f32>;
 @group(0) @binding(2) var<storage, read> kc: array<f32>;
 @group(0) @binding(3) var<storage, read> vc: array<f32>;

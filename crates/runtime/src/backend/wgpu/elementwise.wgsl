@@ -1,14 +1,7 @@
 // Element-wise ops: SwiGLU (with ggml's vectorized expf, as the CPU backend), residual
 // add, bias add.
 
-struct Params {
-    a: vec4<u32>,
-    b: vec4<u32>,
-    f: vec4<f32>,
-}
-
 // a: (n elements, bias length, 0, 0)
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read_write> x: array<f32>;
 @group(0) @binding(2) var<storage, read> y: array<f32>;
 @group(0) @binding(3) var<storage, read> z: array<f32>;

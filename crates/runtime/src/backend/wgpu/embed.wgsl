@@ -1,13 +1,6 @@
 // Embedding lookup: rows `ids` of a quantized table, dequantized to f32.
 
-struct Params {
-    a: vec4<u32>,
-    b: vec4<u32>,
-    f: vec4<f32>,
-}
-
 // a: (n_tokens, cols, first row of this table chunk, rows in the chunk); b.x: row bytes.
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> w: array<u32>;
 @group(0) @binding(2) var<storage, read> ids: array<u32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;

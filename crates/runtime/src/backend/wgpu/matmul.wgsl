@@ -6,15 +6,8 @@
 // (`matmul_f`) take the f32 activations. A workgroup computes 8 rows of one token, 8
 // invocations per row striding over the blocks.
 
-struct Params {
-    a: vec4<u32>,
-    b: vec4<u32>,
-    f: vec4<f32>,
-}
-
 // a: (rows in this weight chunk, k, n_tokens, output row stride);
 // b: (first output row of the chunk, row bytes, 0, 0).
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> w: array<u32>;
 @group(0) @binding(2) var<storage, read> aq: array<i32>;
 @group(0) @binding(3) var<storage, read> asc: array<f32>;

@@ -1,15 +1,8 @@
 // out[t][row] = dot(weight row, x[t]) for float weights (F32, F16, BF16), which take the
 // f32 activations as the CPU backend does. Same grid as matmul.wgsl.
 
-struct Params {
-    a: vec4<u32>,
-    b: vec4<u32>,
-    f: vec4<f32>,
-}
-
 // a: (rows in this weight chunk, k, n_tokens, output row stride);
 // b: (first output row of the chunk, row bytes, 0, 0).
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> w: array<u32>;
 @group(0) @binding(2) var<storage, read> xf: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;

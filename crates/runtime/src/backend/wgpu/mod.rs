@@ -41,39 +41,54 @@ use record::{Params, Recorder};
 
 pub(crate) const EMBED: Shader = Shader {
     name: "ballast.embed",
-    source: concat!(include_str!("embed.wgsl"), include_str!("blocks.wgsl")),
+    source: concat!(
+        include_str!("params.wgsl"),
+        include_str!("embed.wgsl"),
+        include_str!("blocks.wgsl")
+    ),
 };
 pub(crate) const MATMUL: Shader = Shader {
     name: "ballast.matmul",
-    source: concat!(include_str!("matmul.wgsl"), include_str!("blocks.wgsl")),
+    source: concat!(
+        include_str!("params.wgsl"),
+        include_str!("matmul.wgsl"),
+        include_str!("blocks.wgsl")
+    ),
 };
 pub(crate) const MATMUL_F: Shader = Shader {
     name: "ballast.matmul_f",
-    source: concat!(include_str!("matmul_f.wgsl"), include_str!("blocks.wgsl")),
+    source: concat!(
+        include_str!("params.wgsl"),
+        include_str!("matmul_f.wgsl"),
+        include_str!("blocks.wgsl")
+    ),
 };
 pub(crate) const QUANTIZE: Shader = Shader {
     name: "ballast.quantize",
-    source: include_str!("quantize.wgsl"),
+    source: concat!(include_str!("params.wgsl"), include_str!("quantize.wgsl")),
 };
 pub(crate) const RMS_NORM: Shader = Shader {
     name: "ballast.rms_norm",
-    source: include_str!("rms_norm.wgsl"),
+    source: concat!(include_str!("params.wgsl"), include_str!("rms_norm.wgsl")),
 };
 pub(crate) const ROPE: Shader = Shader {
     name: "ballast.rope",
-    source: include_str!("rope.wgsl"),
+    source: concat!(include_str!("params.wgsl"), include_str!("rope.wgsl")),
 };
 pub(crate) const ELEMENTWISE: Shader = Shader {
     name: "ballast.elementwise",
-    source: include_str!("elementwise.wgsl"),
+    source: concat!(
+        include_str!("params.wgsl"),
+        include_str!("elementwise.wgsl")
+    ),
 };
 pub(crate) const ATTENTION: Shader = Shader {
     name: "ballast.attention",
-    source: include_str!("attention.wgsl"),
+    source: concat!(include_str!("params.wgsl"), include_str!("attention.wgsl")),
 };
 pub(crate) const ARGMAX: Shader = Shader {
     name: "ballast.argmax",
-    source: include_str!("argmax.wgsl"),
+    source: concat!(include_str!("params.wgsl"), include_str!("argmax.wgsl")),
 };
 
 /// Weight types with a GPU kernel.

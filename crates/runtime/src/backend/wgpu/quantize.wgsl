@@ -4,14 +4,7 @@
 // d = 1/iscale as f32 and the 16 block sums. One invocation per block; quantized values
 // go one per i32 into `aq`, scales into `asc` (1, 2 or 17 floats per block).
 
-struct Params {
-    a: vec4<u32>,
-    b: vec4<u32>,
-    f: vec4<f32>,
-}
-
 // a: (n_tokens, k, 0, 0)
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> aq: array<i32>;
 @group(0) @binding(3) var<storage, read_write> asc: array<f32>;

@@ -3,14 +3,7 @@
 // here the sum is kept as an unevaluated pair of f32 (hi + lo, error-free additions),
 // which is as exact for these lengths, so both round the mean to the same f32.
 
-struct Params {
-    a: vec4<u32>,
-    b: vec4<u32>,
-    f: vec4<f32>,
-}
-
 // a: (rows, row length, first input row, 0); f.x: eps.
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read> scale: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;

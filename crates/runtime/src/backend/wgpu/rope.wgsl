@@ -2,14 +2,7 @@
 // recurrence as the CPU backend, so both rotate by identical factors). One invocation
 // per (token, head, pair).
 
-struct Params {
-    a: vec4<u32>,
-    b: vec4<u32>,
-    f: vec4<f32>,
-}
-
 // a: (n_tokens, n_heads, head_dim, n_dims); b.x: 0 = Normal (adjacent pairs), 1 = NeoX.
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read_write> x: array<f32>;
 @group(0) @binding(2) var<storage, read> cs: array<f32>;
 
