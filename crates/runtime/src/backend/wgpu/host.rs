@@ -1,0 +1,288 @@
+//! The [`Backend`] ops on host slices, one submission and one read-back each: the
+//! backend test suite holds every kernel to the CPU reference through them, and any
+//! lever that calls the trait works on the GPU.
+
+use super::*;
+
+impl WgpuBackend {
+    pub(super) fn timed<T>(&self, kind: OpKind, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let start = Instant::now();
+        let r = f();
+        self.times.add(kind, start.elapsed());
+        r
+    }
+
+    pub(super) fn read_f32(
+        &self,
+        rec: Recorder<'_>,
+        src: &wgpu::Buffer,
+        len: usize,
+    ) -> Result<Vec<f32>> {
+        let bytes = rec.finish(&[(src, 0, (len * 4) as u64)])?.0;
+        Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+
+    /// Runs one op on host data: `f` records it, `out` receives `len` floats.
+    pub(super) fn host_op(
+        &self,
+        kind: OpKind,
+        out: &mut [f32],
+        f: impl FnOnce(&mut Recorder<'_>) -> Result<GpuBuffer>,
+    ) -> Result<()> {
+        self.timed(kind, || {
+            let mut rec = self.recorder();
+            let dst = f(&mut rec)?;
+            let got = self.read_f32(rec, dst.raw(), out.len())?;
+            out.copy_from_slice(&got);
+            Ok(())
+        })
+    }
+}
+
+impl Backend for WgpuBackend {
+    fn name(&self) -> String {
+        format!("wgpu ({})", self.ctx.adapter())
+    }
+
+    fn n_threads(&self) -> usize {
+        1
+    }
+
+    fn op_times(&self) -> &OpTimes {
+        &self.times
+    }
+
+    fn matmul(&self, x: &[f32], n_tokens: usize, jobs: &mut [MatmulJob<'_>]) -> Result<()> {
+        let Some(first) = jobs.first() else {
+            return Ok(());
+        };
+        let k = first.weight.cols();
+        if x.len() != n_tokens * k {
+            return Err(Error::ShapeMismatch {
+                what: format!("input of {}", first.weight.name),
+                expected: n_tokens * k,
+                got: x.len(),
+            });
+        }
+        for job in jobs.iter() {
+            if job.weight.cols() != k || job.out.len() != n_tokens * job.weight.rows() {
+                return Err(Error::ShapeMismatch {
+                    what: format!("matmul with {}", job.weight.name),
+                    expected: n_tokens * job.weight.rows(),
+                    got: job.out.len(),
+                });
+            }
+        }
+        self.timed(OpKind::Matmul, || {
+            let weights: Vec<Arc<DeviceWeight>> = jobs
+                .iter()
+                .map(|j| self.weight(j.weight))
+                .collect::<Result<_>>()?;
+            let xb = self.upload(bytemuck::cast_slice(x), "matmul input")?;
+            let outs: Vec<GpuBuffer> = jobs
+                .iter()
+                .map(|j| self.scratch(j.out.len() * 4, "matmul output"))
+                .collect::<Result<_>>()?;
+            let mut rec = self.recorder();
+            let pairs: Vec<(&DeviceWeight, &wgpu::Buffer)> = weights
+                .iter()
+                .zip(&outs)
+                .map(|(w, o)| (w.as_ref(), o.raw()))
+                .collect();
+            self.record_matmul(&mut rec, xb.raw(), n_tokens, k, &pairs)?;
+            let sources: Vec<(&wgpu::Buffer, u64, u64)> = outs
+                .iter()
+                .zip(jobs.iter())
+                .map(|(o, j)| (o.raw(), 0, (j.out.len() * 4) as u64))
+                .collect();
+            let bytes = rec.finish(&sources)?.0;
+            let mut at = 0;
+            for job in jobs.iter_mut() {
+                let len = job.out.len() * 4;
+                job.out
+                    .copy_from_slice(&bytemuck::pod_collect_to_vec::<u8, f32>(
+                        &bytes[at..at + len],
+                    ));
+                at += len;
+            }
+            Ok(())
+        })
+    }
+
+    fn embed(&self, table: &Weight, ids: &[u32], out: &mut [f32]) -> Result<()> {
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= table.rows()) {
+            return Err(Error::TokenId {
+                id,
+                vocab: table.rows(),
+            });
+        }
+        if out.len() != ids.len() * table.cols() {
+            return Err(Error::ShapeMismatch {
+                what: format!("embedding rows of {}", table.name),
+                expected: ids.len() * table.cols(),
+                got: out.len(),
+            });
+        }
+        self.timed(OpKind::Other, || {
+            let t = self.weight(table)?;
+            let idb = self.upload(bytemuck::cast_slice(ids), "token ids")?;
+            let dst = self.scratch(out.len() * 4, "embeddings")?;
+            let mut rec = self.recorder();
+            self.record_embed(&mut rec, &t, idb.raw(), ids.len(), dst.raw());
+            let got = self.read_f32(rec, dst.raw(), out.len())?;
+            out.copy_from_slice(&got);
+            Ok(())
+        })
+    }
+
+    fn rms_norm(&self, x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
+        check_rows("RMSNorm input", x.len(), scale.len())?;
+        check_len("RMSNorm output", x.len(), out.len())?;
+        let n = scale.len();
+        let rows = x.len() / n.max(1);
+        self.host_op(OpKind::Other, out, |rec| {
+            let xb = self.upload(bytemuck::cast_slice(x), "norm input")?;
+            let sb = self.upload(bytemuck::cast_slice(scale), "norm scale")?;
+            let dst = self.scratch(rows * n * 4, "norm output")?;
+            self.record_rms_norm(rec, xb.raw(), 0, rows, sb.raw(), n, eps, dst.raw());
+            rec.keep(xb);
+            rec.keep(sb);
+            Ok(dst)
+        })
+    }
+
+    fn rope(
+        &self,
+        x: &mut [f32],
+        positions: &[u32],
+        n_heads: usize,
+        head_dim: usize,
+        rope: &Rope,
+    ) -> Result<()> {
+        check_len("RoPE input", positions.len() * n_heads * head_dim, x.len())?;
+        let input = x.to_vec();
+        self.host_op(OpKind::Other, x, |rec| {
+            let xb = self.upload(bytemuck::cast_slice(&input), "rope input")?;
+            let table = rope_table(positions, head_dim, rope);
+            let cs = self.upload(bytemuck::cast_slice(&table), "rope table")?;
+            self.record_rope(
+                rec,
+                xb.raw(),
+                cs.raw(),
+                positions.len(),
+                n_heads,
+                head_dim,
+                rope,
+            );
+            rec.keep(cs);
+            Ok(xb)
+        })
+    }
+
+    fn attention(
+        &self,
+        q: &[f32],
+        q_positions: &[u32],
+        kv: &KvView<'_>,
+        shape: &AttentionShape,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let width = shape.n_heads * shape.head_dim;
+        check_len("attention queries", q_positions.len() * width, q.len())?;
+        check_len("attention output", q.len(), out.len())?;
+        let (k, v, p) = flatten_view(kv);
+        self.host_op(OpKind::Attention, out, |rec| {
+            let qb = self.upload(bytemuck::cast_slice(q), "queries")?;
+            let kb = self.upload(bytemuck::cast_slice(&k), "keys")?;
+            let vb = self.upload(bytemuck::cast_slice(&v), "values")?;
+            let kp = self.upload(bytemuck::cast_slice(&p), "key positions")?;
+            let qp = self.upload(bytemuck::cast_slice(q_positions), "query positions")?;
+            let dst = self.scratch(q.len() * 4, "attention output")?;
+            self.record_attention(
+                rec,
+                qb.raw(),
+                kb.raw(),
+                vb.raw(),
+                kp.raw(),
+                qp.raw(),
+                q_positions.len(),
+                p.len(),
+                shape,
+                dst.raw(),
+            )?;
+            for b in [qb, kb, vb, kp, qp] {
+                rec.keep(b);
+            }
+            Ok(dst)
+        })
+    }
+
+    fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
+        check_len("SwiGLU up", gate.len(), up.len())?;
+        check_len("SwiGLU output", gate.len(), out.len())?;
+        self.host_op(OpKind::Other, out, |rec| {
+            let g = self.upload(bytemuck::cast_slice(gate), "gate")?;
+            let u = self.upload(bytemuck::cast_slice(up), "up")?;
+            let dst = self.scratch(gate.len() * 4, "swiglu output")?;
+            self.record_elementwise(rec, "swiglu", &[dst.raw(), g.raw(), u.raw()], gate.len(), 1);
+            rec.keep(g);
+            rec.keep(u);
+            Ok(dst)
+        })
+    }
+
+    fn add_assign(&self, x: &mut [f32], y: &[f32]) -> Result<()> {
+        check_len("addend", x.len(), y.len())?;
+        let input = x.to_vec();
+        self.host_op(OpKind::Other, x, |rec| {
+            let xb = self.upload(bytemuck::cast_slice(&input), "sum")?;
+            let yb = self.upload(bytemuck::cast_slice(y), "addend")?;
+            self.record_elementwise(rec, "add", &[xb.raw(), yb.raw()], input.len(), 1);
+            rec.keep(yb);
+            Ok(xb)
+        })
+    }
+
+    fn add_bias(&self, x: &mut [f32], bias: &[f32]) -> Result<()> {
+        check_rows("biased rows", x.len(), bias.len())?;
+        let input = x.to_vec();
+        self.host_op(OpKind::Other, x, |rec| {
+            let xb = self.upload(bytemuck::cast_slice(&input), "biased")?;
+            let bb = self.upload(bytemuck::cast_slice(bias), "bias")?;
+            self.record_elementwise(
+                rec,
+                "add_bias",
+                &[xb.raw(), bb.raw()],
+                input.len(),
+                bias.len(),
+            );
+            rec.keep(bb);
+            Ok(xb)
+        })
+    }
+
+    fn device_forward(&self) -> Option<&dyn DeviceForward> {
+        Some(self)
+    }
+
+    fn set_profiling(&self, on: bool) {
+        self.profile.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn last_pass(&self) -> Option<PassReport> {
+        Some(
+            self.report
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+        )
+    }
+
+    fn device_bytes(&self) -> Option<(u64, u64)> {
+        Some((self.ctx.memory().current(), self.ctx.memory().peak()))
+    }
+
+    fn set_stream_slots(&self, n: usize) {
+        WgpuBackend::set_stream_slots(self, n);
+    }
+}
