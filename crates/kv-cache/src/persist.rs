@@ -16,8 +16,8 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use ballast_runtime::gguf::GgufFile;
-use ballast_runtime::KvCache;
+use ballast_core::gguf::GgufFile;
+use ballast_core::KvCache;
 
 use crate::error::{Error, Result};
 use crate::modes::UpdateMode;

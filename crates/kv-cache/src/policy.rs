@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
-use ballast_runtime::backend::Rope;
-use ballast_runtime::{Backend, Error, KvCache, KvPolicy, Result};
+use ballast_core::backend::Rope;
+use ballast_core::{Backend, Error, KvCache, KvPolicy, Result};
 
 /// Which tokens a bounded cache keeps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

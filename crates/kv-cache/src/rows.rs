@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use ballast_runtime::{KvRows, Q8_BLOCK};
+use ballast_core::{KvRows, Q8_BLOCK};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 

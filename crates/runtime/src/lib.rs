@@ -1,7 +1,10 @@
-//! The core of Ballast: GGUF loading, quantized CPU kernels, the tokenizer, the
-//! transformer forward pass, sampling, and the traits the Ballast levers plug into.
+//! The Ballast runtime: GGUF loading, quantized CPU kernels, the tokenizer, the
+//! transformer forward pass, sampling, and the backends.
 //!
-//! The forward pass ([`Model::forward`]) is written once against five traits:
+//! The forward pass ([`Model::forward`]) is written once against five traits, defined
+//! in `ballast-core` and re-exported here with the rest of that crate's modules
+//! (`error`, `ggml_type`, `gguf`, `weights`, `store`, `kv`, `graph`, `ffn`, and
+//! `backend`'s trait and types; `model::blocks` and `ModelConfig`), at the same paths:
 //!
 //! - [`Backend`]: the ops (matrix products on quantized weights, norms, RoPE,
 //!   attention). [`CpuBackend`] is native and the numerical reference.
@@ -16,8 +19,8 @@
 //! false`) the crate is CPU only and does not compile wgpu.
 //!
 //! The lever crates (`ballast-kv-cache`, `ballast-tier-stream`,
-//! `ballast-weight-codec`, `ballast-sparse-mlp`) implement those traits; nothing in
-//! the model changes when one is swapped in.
+//! `ballast-weight-codec`, `ballast-sparse-mlp`) implement those traits on
+//! `ballast-core` alone; nothing in the model changes when one is swapped in.
 //!
 //! # Example
 //!
@@ -52,25 +55,21 @@
 
 pub mod backend;
 pub mod chat;
-pub mod error;
-pub mod ffn;
-pub mod ggml_type;
-pub mod gguf;
 #[cfg(feature = "gpu")]
 pub mod gpu;
-pub mod graph;
-pub mod kv;
 pub mod memory;
 pub mod model;
 pub mod model_cache;
 pub mod quant;
 pub mod sampler;
 pub mod session;
-pub mod store;
 pub mod testing;
 pub mod threadpool;
 pub mod tokenizer;
-pub mod weights;
+
+// The traits, the types they exchange, GGUF and the error type live in `ballast-core`
+// (which the lever crates build on without this crate); they keep their paths here.
+pub use ballast_core::{error, ffn, ggml_type, gguf, graph, kv, store, weights};
 
 #[cfg(feature = "gpu")]
 pub use backend::WgpuBackend;

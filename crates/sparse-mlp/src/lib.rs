@@ -4,8 +4,8 @@
 //! own issue is taken. Nothing here works, and nothing pretends to.
 //!
 //! What it will hold (see `shared/seeds/004_*`): an implementation of
-//! `ballast_runtime::FeedForward` that predicts the active neurons of each MLP block
+//! `ballast_core::FeedForward` that predicts the active neurons of each MLP block
 //! from the attention input, keeps the hot ones resident and fetches the rest, and
 //! computes only those. It is approximate, and will be measured by perplexity and
-//! token agreement against `ballast_runtime::DenseFfn`, which is exact.
+//! token agreement against `ballast_core::DenseFfn`, which is exact.
 #![deny(missing_docs)]

@@ -14,7 +14,7 @@
 //!   activations, scratch, a margin). The placement rule and its reason are in the
 //!   [`plan`](mod@plan) module. [`Plan::predict`] simulates the pipeline and gives
 //!   the time per token and the bottleneck for given [`Speeds`].
-//! - [`TieredStore`] implements `ballast_runtime::WeightStore`: resident layers are
+//! - [`TieredStore`] implements `ballast_core::WeightStore`: resident layers are
 //!   read once, streamed ones are read per use by reader threads into a ring of slots
 //!   (prefetch depth = slots), through [`io::DirectFile`] (`O_DIRECT`, or reads plus
 //!   `posix_fadvise(DONTNEED)`), so the page cache does not silently spend the budget.
@@ -146,9 +146,10 @@ pub enum Error {
     /// The reader threads are gone (one panicked).
     #[error("the prefetch pipeline stopped")]
     PipelineClosed,
-    /// An error of the runtime (a tensor missing from the file, a bad range).
+    /// An error of `ballast-core` (a tensor missing from the file, a bad range), the
+    /// error type the runtime shares.
     #[error(transparent)]
-    Runtime(#[from] ballast_runtime::Error),
+    Runtime(#[from] ballast_core::Error),
 }
 
 /// This crate's result.

@@ -99,7 +99,7 @@ impl ModelShape {
             kv_dim,
             n_ff,
             vocab,
-            kv_value_bytes: ballast_runtime::kv::KvDtype::default().bytes() as u64,
+            kv_value_bytes: ballast_core::kv::KvDtype::default().bytes() as u64,
         }
     }
 

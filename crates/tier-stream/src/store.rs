@@ -9,10 +9,10 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use ballast_runtime::gguf::GgufFile;
-use ballast_runtime::store::PassId;
-use ballast_runtime::weights::{ByteSource, GlobalWeights, LayerWeights, WeightBytes};
-use ballast_runtime::{ModelConfig, TierBytes, WeightStore};
+use ballast_core::gguf::GgufFile;
+use ballast_core::store::PassId;
+use ballast_core::weights::{ByteSource, GlobalWeights, LayerWeights, WeightBytes};
+use ballast_core::{ModelConfig, TierBytes, WeightStore};
 use crossbeam_channel::{Receiver, Sender};
 
 use crate::io::{AlignedBuf, ReadAt};
@@ -181,7 +181,7 @@ enum Beneath {
     File(Arc<dyn ReadAt>),
     Store {
         inner: Arc<dyn WeightStore>,
-        passes: ballast_runtime::store::PassCounter,
+        passes: ballast_core::store::PassCounter,
     },
 }
 
@@ -442,7 +442,7 @@ pub fn model_shape(
         kv_dim: config.kv_dim() as u64,
         n_ff: config.n_ff as u64,
         vocab: config.vocab_size as u64,
-        kv_value_bytes: ballast_runtime::kv::KvDtype::default().bytes() as u64,
+        kv_value_bytes: ballast_core::kv::KvDtype::default().bytes() as u64,
     }
 }
 
@@ -568,7 +568,7 @@ impl TieredStore {
         options: TieredOptions,
     ) -> Result<TieredStore> {
         check_plan(plan, inner.n_layers())?;
-        let passes = ballast_runtime::store::PassCounter::default();
+        let passes = ballast_core::store::PassCounter::default();
         let layouts: Vec<LayerLayout> = (0..inner.n_layers())
             .map(|i| Ok(LayerLayout::packed(&*inner.layer(passes.next(), i)?)))
             .collect::<Result<_>>()?;
@@ -870,9 +870,9 @@ impl WeightStore for TieredStore {
         &self.globals
     }
 
-    fn layer(&self, _pass: PassId, index: usize) -> ballast_runtime::Result<Arc<LayerWeights>> {
+    fn layer(&self, _pass: PassId, index: usize) -> ballast_core::Result<Arc<LayerWeights>> {
         if index >= self.tiers.len() {
-            return Err(ballast_runtime::Error::LayerIndex {
+            return Err(ballast_core::Error::LayerIndex {
                 index,
                 n_layers: self.tiers.len(),
             });
@@ -885,14 +885,14 @@ impl WeightStore for TieredStore {
                 let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
                 self.collect(&mut ring);
                 self.prefetch(&mut ring, index)
-                    .map_err(|e| ballast_runtime::Error::Store {
+                    .map_err(|e| ballast_core::Error::Store {
                         source: Box::new(e),
                     })?;
             }
             return Ok(l);
         }
         self.streamed_layer(index)
-            .map_err(|e| ballast_runtime::Error::Store {
+            .map_err(|e| ballast_core::Error::Store {
                 source: Box::new(e),
             })
     }

@@ -21,12 +21,6 @@ use crate::quant;
 use crate::store::{PassCounter, ResidentStore, WeightStore};
 use crate::weights::{ByteSource, GlobalWeights, LayerWeights, Weight, WeightBytes};
 
-impl ByteSource for GgufFile {
-    fn bytes(&self) -> &[u8] {
-        self.as_bytes()
-    }
-}
-
 /// Which rows of logits a forward pass computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Logits {

@@ -21,10 +21,10 @@
 //! # Example
 //!
 //! ```
-//! use ballast_runtime::ggml_type::GgmlType;
-//! use ballast_runtime::gguf::{GgufFile, GgufWriter, Value};
+//! use ballast_core::ggml_type::GgmlType;
+//! use ballast_core::gguf::{GgufFile, GgufWriter, Value};
 //!
-//! # fn main() -> ballast_runtime::error::Result<()> {
+//! # fn main() -> ballast_core::error::Result<()> {
 //! let mut w = GgufWriter::new();
 //! w.add_metadata("general.architecture", "llama")?;
 //! w.add_metadata("llama.block_count", 2u32)?;

@@ -1,11 +1,11 @@
-//! The one error type of `ballast-runtime`.
+//! The one error type of `ballast-core` and `ballast-runtime` (which re-exports it).
 
 use std::path::PathBuf;
 
 use crate::ggml_type::GgmlType;
 
-/// Everything that can go wrong in `ballast-runtime`. Each variant names the file,
-/// tensor, key or limit concerned.
+/// Everything that can go wrong in `ballast-core` and `ballast-runtime`. Each variant
+/// names the file, tensor, key or limit concerned.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {

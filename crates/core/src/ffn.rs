@@ -2,9 +2,9 @@
 //! SwiGLU MLP.
 
 use crate::backend::{Backend, MatmulJob};
+use crate::blocks;
 use crate::error::Result;
 use crate::graph::{Graph, Op, TensorId};
-use crate::model::blocks;
 use crate::weights::LayerWeights;
 
 /// The MLP block. An implementation emits its part of the pass

@@ -1,5 +1,5 @@
 //! The forward pass as a list of ops over tensor handles: what an architecture's
-//! builder emits once ([`crate::model`]), and what every backend executes.
+//! builder emits once (`ballast_runtime::model`), and what every backend executes.
 //!
 //! A [`Graph`] holds the activation tensors of one pass (token-major f32 rows, each
 //! with a name for dumps and errors) and the [`Op`]s over them, in order. Weights are
@@ -16,7 +16,7 @@
 //! are host sync points ([`Op::is_host_sync`]).
 //!
 //! ```
-//! use ballast_runtime::graph::{Graph, Op, WeightRef};
+//! use ballast_core::graph::{Graph, Op, WeightRef};
 //!
 //! let mut g = Graph::new(2);
 //! let x = g.tensor("x", 2, 8);

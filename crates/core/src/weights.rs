@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::ggml_type::GgmlType;
+use crate::gguf::GgufFile;
 
 /// Anything that owns a block of bytes that weights can point into: a memory-mapped
 /// GGUF file, a buffer read into RAM, a decompressed layer.
@@ -25,6 +26,14 @@ pub trait ByteSource: Send + Sync {
 impl ByteSource for Vec<u8> {
     fn bytes(&self) -> &[u8] {
         self
+    }
+}
+
+/// A GGUF file's bytes (memory-mapped or read into RAM): the weights loaded from it
+/// point into it.
+impl ByteSource for GgufFile {
+    fn bytes(&self) -> &[u8] {
+        self.as_bytes()
     }
 }
 

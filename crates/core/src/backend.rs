@@ -1,0 +1,284 @@
+//! [`Backend`]: the ops of the forward pass, and where their time goes.
+//!
+//! The model is written once against this trait. `ballast-runtime` implements it: its
+//! CPU backend is the numerical reference that every other backend is tested against,
+//! and its wgpu backend runs whole passes on a GPU ([`DeviceForward`]). Weights arrive
+//! quantized, exactly as packed in the GGUF file; a backend dequantizes inside its
+//! kernels and never keeps an f32 copy of a weight.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::ffn::FeedForward;
+use crate::graph::Graph;
+use crate::kv::{KvCache, KvView};
+use crate::weights::{GlobalWeights, LayerWeights, Weight};
+
+/// How RoPE pairs the dimensions it rotates; llama.cpp's rope-type table assigns one
+/// per architecture.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs `(x[2i], x[2i+1])` (`LLAMA_ROPE_TYPE_NORM`: llama).
+    Normal,
+    /// Pairs `(x[i], x[i + n/2])` (`LLAMA_ROPE_TYPE_NEOX`: qwen2, gemma).
+    Neox,
+}
+
+/// Rotary position embedding parameters, from the GGUF metadata.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rope {
+    /// Pairing of the rotated dimensions.
+    pub style: RopeStyle,
+    /// Number of leading dimensions of each head that are rotated.
+    pub n_dims: usize,
+    /// `rope.freq_base`.
+    pub freq_base: f32,
+}
+
+/// The head layout of attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionShape {
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (grouped-query attention when fewer than `n_heads`).
+    pub n_kv_heads: usize,
+    /// Size of one head.
+    pub head_dim: usize,
+}
+
+/// One matrix product in a batch: `out = x · weightᵀ`.
+pub struct MatmulJob<'a> {
+    /// The weight, `rows × cols`.
+    pub weight: &'a Weight,
+    /// Output, `n_tokens × rows`, token-major.
+    pub out: &'a mut [f32],
+}
+
+/// Where the time of the forward pass went, by op family.
+#[derive(Debug, Default)]
+pub struct OpTimes {
+    matmul_ns: AtomicU64,
+    attention_ns: AtomicU64,
+    other_ns: AtomicU64,
+}
+
+/// A snapshot of [`OpTimes`].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct OpTimesSnapshot {
+    /// Matrix products, activation quantization included.
+    pub matmul: Duration,
+    /// Attention over the cache (scores, softmax, weighted sum).
+    pub attention: Duration,
+    /// Everything else: norms, RoPE, SwiGLU, residuals, embedding.
+    pub other: Duration,
+}
+
+/// The op family a timing belongs to.
+#[derive(Clone, Copy, Debug)]
+pub enum OpKind {
+    /// Matrix products.
+    Matmul,
+    /// Attention.
+    Attention,
+    /// The rest.
+    Other,
+}
+
+impl OpTimes {
+    /// Adds `elapsed` to `kind`.
+    pub fn add(&self, kind: OpKind, elapsed: Duration) {
+        let slot = match kind {
+            OpKind::Matmul => &self.matmul_ns,
+            OpKind::Attention => &self.attention_ns,
+            OpKind::Other => &self.other_ns,
+        };
+        slot.fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// The totals so far.
+    pub fn snapshot(&self) -> OpTimesSnapshot {
+        let d = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
+        OpTimesSnapshot {
+            matmul: d(&self.matmul_ns),
+            attention: d(&self.attention_ns),
+            other: d(&self.other_ns),
+        }
+    }
+
+    /// Sets every total back to zero.
+    pub fn reset(&self) {
+        for a in [&self.matmul_ns, &self.attention_ns, &self.other_ns] {
+            a.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The ops of the transformer forward pass. Activations are token-major f32 rows
+/// (`n_tokens × width`) in host memory; weights are quantized [`Weight`]s.
+pub trait Backend: Send + Sync {
+    /// A human-readable name: the device, and the SIMD level or adapter.
+    fn name(&self) -> String;
+    /// Threads the backend computes with.
+    fn n_threads(&self) -> usize;
+    /// Time spent per op family.
+    fn op_times(&self) -> &OpTimes;
+    /// Matrix products that share one input: for each job, `job.out = x · job.weightᵀ`
+    /// (`x` is `n_tokens × cols`). Batching q/k/v or gate/up this way quantizes `x`
+    /// once and runs one parallel region.
+    fn matmul(&self, x: &[f32], n_tokens: usize, jobs: &mut [MatmulJob<'_>]) -> Result<()>;
+    /// Rows of `table` for `ids`, dequantized into `out` (`ids.len() × cols`).
+    fn embed(&self, table: &Weight, ids: &[u32], out: &mut [f32]) -> Result<()>;
+    /// RMSNorm of each row of `x` (rows of `scale.len()`), times `scale`, into `out`.
+    fn rms_norm(&self, x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) -> Result<()>;
+    /// Rotates each head of each row of `x` (`positions.len()` rows of
+    /// `n_heads × head_dim`) by its token's position.
+    fn rope(
+        &self,
+        x: &mut [f32],
+        positions: &[u32],
+        n_heads: usize,
+        head_dim: usize,
+        rope: &Rope,
+    ) -> Result<()>;
+    /// Causal attention of the queries `q` (`q_positions.len()` rows of
+    /// `n_heads × head_dim`) over the cached tokens whose position is at most the
+    /// query's, into `out` (same layout as `q`).
+    fn attention(
+        &self,
+        q: &[f32],
+        q_positions: &[u32],
+        kv: &KvView<'_>,
+        shape: &AttentionShape,
+        out: &mut [f32],
+    ) -> Result<()>;
+    /// `out[i] = silu(gate[i]) * up[i]`.
+    fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()>;
+    /// `x[i] += y[i]`.
+    fn add_assign(&self, x: &mut [f32], y: &[f32]) -> Result<()>;
+    /// Adds `bias` to each row of `x`.
+    fn add_bias(&self, x: &mut [f32], bias: &[f32]) -> Result<()> {
+        for row in x.chunks_exact_mut(bias.len().max(1)) {
+            self.add_assign(row, bias)?;
+        }
+        Ok(())
+    }
+    /// A way to run whole forward passes on the backend's own device, keeping
+    /// activations and a mirror of the KV cache there. `None` (the CPU backend): the
+    /// model calls the ops above one by one on host memory.
+    fn device_forward(&self) -> Option<&dyn DeviceForward> {
+        None
+    }
+    /// Asks for per-kernel timings in [`Backend::last_pass`] (where the device has
+    /// timestamp queries).
+    fn set_profiling(&self, on: bool) {
+        let _ = on;
+    }
+    /// Figures of the last device pass: traffic, dispatches, kernel timings.
+    fn last_pass(&self) -> Option<PassReport> {
+        None
+    }
+    /// Sets how many streamed layers a backend with its own memory holds at once: the
+    /// device slots that layers whose bytes may not be cached on the device are
+    /// uploaded into (a tiered store's plan sizes them). Backends that compute from host
+    /// memory have no slots and ignore it.
+    fn set_stream_slots(&self, n: usize) {
+        let _ = n;
+    }
+    /// Device bytes held now and at the peak, for backends with their own memory.
+    fn device_bytes(&self) -> Option<(u64, u64)> {
+        None
+    }
+}
+
+/// Hands a device pass layer `i`'s weights for this pass (the model asks its
+/// [`crate::WeightStore`]). The pass drops each layer's `Arc` before asking for the
+/// next, so a streaming store gets its slot back.
+pub type LayerSource<'a> = dyn FnMut(usize) -> Result<std::sync::Arc<LayerWeights>> + 'a;
+
+/// What a device pass needs besides its [`Graph`]: the tokens and the global weights.
+/// Layers come one at a time from a [`LayerSource`].
+pub struct DeviceForwardInput<'a> {
+    /// Embedding table, final norm, output head.
+    pub globals: &'a GlobalWeights,
+    /// Token ids.
+    pub ids: &'a [u32],
+    /// Their positions.
+    pub positions: &'a [u32],
+}
+
+/// A whole forward pass recorded and submitted at once on a device.
+pub trait DeviceForward: Send + Sync {
+    /// Records the ops of `graph` with the cache `kv`, taking layers from `layers` as
+    /// [`crate::graph::Op::BeginLayer`] asks: appends the new keys and values to `kv`,
+    /// and puts the graph's logits in `out` (or returns the greedy id when the graph
+    /// wants only that). The MLP lever's host sync points ([`crate::graph::Op::FfnPrepare`],
+    /// [`crate::graph::Op::FeedForward`]) cost one read-back each, and `ffn`'s output is
+    /// uploaded back; a graph with a [`crate::graph::Op::KvPolicy`] is refused (it runs
+    /// on the host executor). Weights whose bytes may not be cached on the device
+    /// ([`crate::weights::ByteSource::cache_on_device`]) are uploaded into the backend's
+    /// stream slots for this pass only.
+    fn forward(
+        &self,
+        graph: &Graph,
+        input: &DeviceForwardInput<'_>,
+        layers: &mut LayerSource<'_>,
+        kv: &mut dyn KvCache,
+        ffn: &mut dyn FeedForward,
+        out: &mut Vec<f32>,
+    ) -> Result<Option<u32>>;
+}
+
+/// Time of one kernel over a pass, from timestamp queries.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct KernelTime {
+    /// Kernel name.
+    pub name: String,
+    /// Dispatches in the pass.
+    pub count: u32,
+    /// Total device time in nanoseconds.
+    pub nanos: f64,
+}
+
+/// What one device pass did: bytes moved (as the kernels read and write them),
+/// submissions, dispatches and, when profiling with timestamps, time per kernel.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PassReport {
+    /// Tokens in the pass.
+    pub tokens: usize,
+    /// Wall time from the call to the read-back.
+    pub wall: Duration,
+    /// Command submissions (one per pass).
+    pub submissions: usize,
+    /// Compute dispatches.
+    pub dispatches: usize,
+    /// Weight bytes read by the matrix products and the embedding lookup.
+    pub weight_bytes_read: u64,
+    /// Key and value bytes read by attention.
+    pub kv_bytes_read: u64,
+    /// Activation bytes read (inputs, norms, biases, quantized activations).
+    pub activation_bytes_read: u64,
+    /// Bytes written by kernels and copies (KV appends included).
+    pub bytes_written: u64,
+    /// Bytes copied back to the host.
+    pub bytes_read_back: u64,
+    /// Weight bytes uploaded from the host for this pass (streamed layers: a store's RAM
+    /// tier or disk slots); zero when every weight is resident on the device.
+    pub bytes_uploaded: u64,
+    /// True if the device has timestamp queries.
+    pub timestamps: bool,
+    /// Time per kernel (empty unless profiling on a device with timestamps).
+    pub kernels: Vec<KernelTime>,
+    /// A recording error, reported when the pass is submitted.
+    pub error: Option<String>,
+}
+
+impl PassReport {
+    /// Every byte the pass moved through device memory.
+    pub fn bytes_moved(&self) -> u64 {
+        self.weight_bytes_read
+            + self.kv_bytes_read
+            + self.activation_bytes_read
+            + self.bytes_written
+    }
+}

@@ -1,0 +1,176 @@
+//! The shared blocks architecture builders compose a pass from, as llama.cpp's graph
+//! builders compose `build_norm`, `build_attn` and `build_ffn`: each appends its ops
+//! to a [`Graph`] and names the tensors it reads by their GGUF role.
+
+use crate::backend::{AttentionShape, Rope};
+use crate::graph::{Graph, Op, TensorId, WeightRef};
+
+/// `attn_norm.weight`: RMSNorm scale before attention.
+pub const ATTN_NORM: &str = "attn_norm.weight";
+/// `attn_q.weight`: query projection.
+pub const ATTN_Q: &str = "attn_q.weight";
+/// `attn_k.weight`: key projection.
+pub const ATTN_K: &str = "attn_k.weight";
+/// `attn_v.weight`: value projection.
+pub const ATTN_V: &str = "attn_v.weight";
+/// `attn_q.bias` (qwen2).
+pub const ATTN_Q_BIAS: &str = "attn_q.bias";
+/// `attn_k.bias` (qwen2).
+pub const ATTN_K_BIAS: &str = "attn_k.bias";
+/// `attn_v.bias` (qwen2).
+pub const ATTN_V_BIAS: &str = "attn_v.bias";
+/// `attn_output.weight`: attention output projection.
+pub const ATTN_OUTPUT: &str = "attn_output.weight";
+/// `ffn_norm.weight`: RMSNorm scale before the MLP.
+pub const FFN_NORM: &str = "ffn_norm.weight";
+/// `ffn_gate.weight`: MLP gate projection.
+pub const FFN_GATE: &str = "ffn_gate.weight";
+/// `ffn_up.weight`: MLP up projection.
+pub const FFN_UP: &str = "ffn_up.weight";
+/// `ffn_down.weight`: MLP down projection.
+pub const FFN_DOWN: &str = "ffn_down.weight";
+/// `token_embd.weight`: the embedding table.
+pub const TOKEN_EMBD: &str = "token_embd.weight";
+/// `output_norm.weight`: the final RMSNorm scale.
+pub const OUTPUT_NORM: &str = "output_norm.weight";
+/// `output.weight`: the output head (the embedding table when tied).
+pub const OUTPUT: &str = "output.weight";
+
+/// How one layer attends: head sizes and RoPE. Read from the GGUF per layer, so an
+/// architecture whose layers differ (a RoPE base per layer kind) states it here.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionSpec {
+    /// Heads.
+    pub shape: AttentionShape,
+    /// RoPE of queries and keys.
+    pub rope: Rope,
+}
+
+/// RMSNorm of `x` with the scale `scale`, into the scratch tensor `name`.
+pub fn rms_norm(
+    g: &mut Graph,
+    x: TensorId,
+    scale: WeightRef,
+    eps: f32,
+    name: &'static str,
+) -> TensorId {
+    let d = g.desc(x).clone();
+    let out = g.scratch(name, d.rows, d.width);
+    g.push(Op::RmsNorm { x, scale, eps, out });
+    out
+}
+
+/// Self-attention of layer `layer` on the normed input `h`: q/k/v (with their biases
+/// when the layer has them), RoPE, the KV write, the policy's host sync point when it
+/// acts between layers, attention over the cache, and the output projection. Returns
+/// the projected output (`n_tokens × width of h`).
+pub fn attention(
+    g: &mut Graph,
+    layer: usize,
+    h: TensorId,
+    spec: &AttentionSpec,
+    policy_between_layers: bool,
+) -> TensorId {
+    let n = g.desc(h).rows;
+    let d = g.desc(h).width;
+    let s = spec.shape;
+    let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
+    let q = g.scratch("q", n, qd);
+    let k = g.scratch("k", n, kvd);
+    let v = g.scratch("v", n, kvd);
+    g.push(Op::Matmul {
+        x: h,
+        jobs: vec![
+            (WeightRef::layer(ATTN_Q), q),
+            (WeightRef::layer(ATTN_K), k),
+            (WeightRef::layer(ATTN_V), v),
+        ],
+    });
+    for (x, bias) in [(q, ATTN_Q_BIAS), (k, ATTN_K_BIAS), (v, ATTN_V_BIAS)] {
+        g.push(Op::AddBias {
+            x,
+            bias: WeightRef::layer(bias),
+        });
+    }
+    for (x, n_heads) in [(q, s.n_heads), (k, s.n_kv_heads)] {
+        g.push(Op::Rope {
+            x,
+            n_heads,
+            head_dim: s.head_dim,
+            rope: spec.rope,
+        });
+    }
+    g.push(Op::KvWrite { layer, k, v });
+    if policy_between_layers {
+        g.push(Op::KvPolicy { layer });
+    }
+    let attn = g.scratch("attn", n, qd);
+    g.push(Op::Attention {
+        layer,
+        q,
+        shape: s,
+        out: attn,
+    });
+    let out = g.scratch("attn_out", n, d);
+    g.push(Op::Matmul {
+        x: attn,
+        jobs: vec![(WeightRef::layer(ATTN_OUTPUT), out)],
+    });
+    out
+}
+
+/// The dense SwiGLU MLP: `out = down(silu(gate(x)) * up(x))`, `n_ff` hidden values
+/// per token.
+pub fn ffn_swiglu(g: &mut Graph, x: TensorId, n_ff: usize, out: TensorId) {
+    let n = g.desc(x).rows;
+    let gate = g.scratch("ffn_gate", n, n_ff);
+    let up = g.scratch("ffn_up", n, n_ff);
+    let hidden = g.scratch("ffn_hidden", n, n_ff);
+    g.push(Op::Matmul {
+        x,
+        jobs: vec![
+            (WeightRef::layer(FFN_GATE), gate),
+            (WeightRef::layer(FFN_UP), up),
+        ],
+    });
+    g.push(Op::Swiglu {
+        gate,
+        up,
+        out: hidden,
+    });
+    g.push(Op::Matmul {
+        x: hidden,
+        jobs: vec![(WeightRef::layer(FFN_DOWN), out)],
+    });
+}
+
+/// The final norm and the output head over rows `first..first + rows` of the residual
+/// stream `x`; returns the logits tensor (`rows × vocab`).
+pub fn head(
+    g: &mut Graph,
+    x: TensorId,
+    first: usize,
+    rows: usize,
+    eps: f32,
+    vocab: usize,
+) -> TensorId {
+    let d = g.desc(x).clone();
+    let src = if first == 0 && rows == d.rows {
+        x
+    } else {
+        let last = g.tensor("head_rows", rows, d.width);
+        g.push(Op::Rows {
+            x,
+            first,
+            out: last,
+        });
+        last
+    };
+    let normed = rms_norm(g, src, WeightRef::global(OUTPUT_NORM), eps, "output_norm");
+    let logits = g.tensor("logits", rows, vocab);
+    g.push(Op::Matmul {
+        x: normed,
+        jobs: vec![(WeightRef::global(OUTPUT), logits)],
+    });
+    logits
+}
