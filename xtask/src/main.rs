@@ -11,6 +11,7 @@
 
 mod tier_bench;
 
+use ballast_runtime::backend::ops::*;
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
@@ -208,7 +209,7 @@ fn bench(quick: bool) -> Result<()> {
 fn bench_kv() -> Result<()> {
     use ballast_kv_cache::{new_cache, set_update_threads, Precision, UpdateMode};
     use ballast_runtime::backend::AttentionShape;
-    use ballast_runtime::{Backend, CpuBackend, KvShape};
+    use ballast_runtime::{CpuBackend, KvShape};
     use std::time::Instant;
 
     let shape = KvShape {

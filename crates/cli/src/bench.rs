@@ -281,13 +281,19 @@ pub fn run(args: BenchArgs) -> Result<()> {
             }
             let at = session.tokens().len();
             session.feed_greedy(&tokens[tokens.len() - 1..])?;
-            let plain = backend.last_pass().unwrap_or_default();
+            let memory = backend.device_memory();
+            let last = || memory.and_then(|m| m.last_pass()).unwrap_or_default();
+            let plain = last();
             session.rewind(at);
-            backend.set_profiling(true);
+            if let Some(m) = memory {
+                m.set_profiling(true);
+            }
             session.feed_greedy(&tokens[tokens.len() - 1..])?;
-            backend.set_profiling(false);
-            let profiled = backend.last_pass().unwrap_or_default();
-            let peak = backend.device_bytes().map_or(0, |b| b.1);
+            if let Some(m) = memory {
+                m.set_profiling(false);
+            }
+            let profiled = last();
+            let peak = memory.map_or(0, |m| m.bytes().1);
             device_report = Some((plain, profiled, peak));
         }
     }

@@ -220,7 +220,12 @@ pub fn run(args: RunArgs) -> Result<()> {
         let m = crate::tiered::measured(before, t.stats.get(), generated.saturating_sub(1));
         // With a separate device, the last decode pass's uploads (tiers B and C).
         let uploaded = (!t.plan.unified)
-            .then(|| backend.last_pass().map(|r| r.bytes_uploaded))
+            .then(|| {
+                backend
+                    .device_memory()
+                    .and_then(|m| m.last_pass())
+                    .map(|r| r.bytes_uploaded)
+            })
             .flatten();
         (
             m,
@@ -251,7 +256,7 @@ pub fn run(args: RunArgs) -> Result<()> {
                     "stall_ms_per_token": m.stall_per_token.as_secs_f64() * 1e3,
                     "read_ms_per_token": m.read_time_per_token.as_secs_f64() * 1e3,
                 })),
-                "peak_device_bytes": backend.device_bytes().map(|b| b.1),
+                "peak_device_bytes": backend.device_memory().map(|m| m.bytes().1),
             }})
         )?;
     } else {
@@ -284,7 +289,7 @@ pub fn run(args: RunArgs) -> Result<()> {
                 m.read_time_per_token.as_secs_f64() * 1e3,
             );
         }
-        if let Some((_, device_peak)) = backend.device_bytes() {
+        if let Some((_, device_peak)) = backend.device_memory().map(|m| m.bytes()) {
             eprintln!("peak device memory: {}", common::human_bytes(device_peak));
         }
     }

@@ -188,7 +188,9 @@ pub fn build(
     )?;
     if !p.unified {
         // Tiers B and C are uploaded per use into the device slots the plan sized.
-        backend.set_stream_slots(p.device_slots.max(1));
+        if let Some(memory) = backend.device_memory() {
+            memory.set_stream_slots(p.device_slots.max(1));
+        }
     }
     // Loading touched each layer's norms through the memory map: let those pages go.
     io::release_mapped_pages(file.as_bytes());

@@ -114,23 +114,25 @@ impl OpTimes {
     }
 }
 
-/// The ops of the transformer forward pass. Activations are token-major f32 rows
-/// (`n_tokens × width`) in host memory; weights are quantized [`Weight`]s.
-pub trait Backend: Send + Sync {
-    /// A human-readable name: the device, and the SIMD level or adapter.
-    fn name(&self) -> String;
-    /// Threads the backend computes with.
-    fn n_threads(&self) -> usize;
-    /// Time spent per op family.
-    fn op_times(&self) -> &OpTimes;
+/// Matrix products on quantized weights, and the embedding lookup (rows of a
+/// quantized table). Weights stay as packed in the file; kernels dequantize inside.
+pub trait LinearOps {
     /// Matrix products that share one input: for each job, `job.out = x · job.weightᵀ`
     /// (`x` is `n_tokens × cols`). Batching q/k/v or gate/up this way quantizes `x`
     /// once and runs one parallel region.
     fn matmul(&self, x: &[f32], n_tokens: usize, jobs: &mut [MatmulJob<'_>]) -> Result<()>;
     /// Rows of `table` for `ids`, dequantized into `out` (`ids.len() × cols`).
     fn embed(&self, table: &Weight, ids: &[u32], out: &mut [f32]) -> Result<()>;
+}
+
+/// Normalization.
+pub trait NormOps {
     /// RMSNorm of each row of `x` (rows of `scale.len()`), times `scale`, into `out`.
     fn rms_norm(&self, x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) -> Result<()>;
+}
+
+/// Rotary position embedding.
+pub trait RopeOps {
     /// Rotates each head of each row of `x` (`positions.len()` rows of
     /// `n_heads × head_dim`) by its token's position.
     fn rope(
@@ -141,6 +143,10 @@ pub trait Backend: Send + Sync {
         head_dim: usize,
         rope: &Rope,
     ) -> Result<()>;
+}
+
+/// Attention over a KV cache.
+pub trait AttentionOps {
     /// Causal attention of the queries `q` (`q_positions.len()` rows of
     /// `n_heads × head_dim`) over the cached tokens whose position is at most the
     /// query's, into `out` (same layout as `q`).
@@ -152,6 +158,10 @@ pub trait Backend: Send + Sync {
         shape: &AttentionShape,
         out: &mut [f32],
     ) -> Result<()>;
+}
+
+/// Element-wise ops: activations and residuals.
+pub trait ElementwiseOps {
     /// `out[i] = silu(gate[i]) * up[i]`.
     fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()>;
     /// `x[i] += y[i]`.
@@ -163,32 +173,55 @@ pub trait Backend: Send + Sync {
         }
         Ok(())
     }
+}
+
+/// A compute backend: the op families of the forward pass on token-major f32 rows
+/// (`n_tokens × width`) in host memory, plus, for a backend with a device of its own, a
+/// whole-pass executor ([`Backend::device_forward`]) and its memory
+/// ([`Backend::device_memory`]).
+///
+/// Bring the families into scope to call them on a `&dyn Backend`:
+/// `use ballast_core::backend::ops::*;`.
+pub trait Backend:
+    LinearOps + NormOps + RopeOps + AttentionOps + ElementwiseOps + Send + Sync
+{
+    /// A human-readable name: the device, and the SIMD level or adapter.
+    fn name(&self) -> String;
+    /// Threads the backend computes with.
+    fn n_threads(&self) -> usize;
+    /// Time spent per op family.
+    fn op_times(&self) -> &OpTimes;
     /// A way to run whole forward passes on the backend's own device, keeping
     /// activations and a mirror of the KV cache there. `None` (the CPU backend): the
-    /// model calls the ops above one by one on host memory.
+    /// model runs the pass op by op on host memory.
     fn device_forward(&self) -> Option<&dyn DeviceForward> {
         None
     }
-    /// Asks for per-kernel timings in [`Backend::last_pass`] (where the device has
+    /// The backend's own memory, if it computes from memory other than the host's.
+    fn device_memory(&self) -> Option<&dyn DeviceMemory> {
+        None
+    }
+}
+
+/// The op families, to bring into scope at once: `use ballast_core::backend::ops::*;`.
+pub mod ops {
+    pub use super::{AttentionOps, ElementwiseOps, LinearOps, NormOps, RopeOps};
+}
+
+/// The memory of a backend that computes from a device of its own (a GPU): stream
+/// slots, byte accounting, and the figures of its passes.
+pub trait DeviceMemory: Send + Sync {
+    /// Sets how many streamed layers the device holds at once: the slots that layers
+    /// whose bytes may not be cached on the device are uploaded into (a tiered store's
+    /// plan sizes them).
+    fn set_stream_slots(&self, n: usize);
+    /// Device bytes held now and at the peak.
+    fn bytes(&self) -> (u64, u64);
+    /// Asks for per-kernel timings in [`DeviceMemory::last_pass`] (where the device has
     /// timestamp queries).
-    fn set_profiling(&self, on: bool) {
-        let _ = on;
-    }
+    fn set_profiling(&self, on: bool);
     /// Figures of the last device pass: traffic, dispatches, kernel timings.
-    fn last_pass(&self) -> Option<PassReport> {
-        None
-    }
-    /// Sets how many streamed layers a backend with its own memory holds at once: the
-    /// device slots that layers whose bytes may not be cached on the device are
-    /// uploaded into (a tiered store's plan sizes them). Backends that compute from host
-    /// memory have no slots and ignore it.
-    fn set_stream_slots(&self, n: usize) {
-        let _ = n;
-    }
-    /// Device bytes held now and at the peak, for backends with their own memory.
-    fn device_bytes(&self) -> Option<(u64, u64)> {
-        None
-    }
+    fn last_pass(&self) -> Option<PassReport>;
 }
 
 /// Hands a device pass layer `i`'s weights for this pass (the model asks its

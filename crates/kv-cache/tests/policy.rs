@@ -5,8 +5,9 @@
 use std::sync::Arc;
 
 use ballast_kv_cache::{new_cache, Precision, StreamingLlm, UpdateMode};
+use ballast_runtime::backend::ops::*;
 use ballast_runtime::backend::{AttentionShape, Rope, RopeStyle};
-use ballast_runtime::{Backend, CpuBackend, DenseKv, KvCache, KvDtype, KvPolicy, KvShape};
+use ballast_runtime::{CpuBackend, DenseKv, KvCache, KvDtype, KvPolicy, KvShape};
 
 const SHAPE: KvShape = KvShape {
     n_layers: 2,

@@ -10,6 +10,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use ballast_runtime::backend::DeviceMemory;
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::gpu::GpuContext;

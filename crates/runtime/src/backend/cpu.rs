@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use super::attention::{attend_head, HeadSlot};
 use super::elementwise;
+use super::ops::*;
 use super::{AttentionShape, Backend, MatmulJob, OpKind, OpTimes, Rope};
 use crate::error::{Error, Result};
 use crate::ggml_type::GgmlType;
@@ -83,7 +84,9 @@ impl Backend for CpuBackend {
     fn op_times(&self) -> &OpTimes {
         &self.times
     }
+}
 
+impl LinearOps for CpuBackend {
     fn matmul(&self, x: &[f32], n_tokens: usize, jobs: &mut [MatmulJob<'_>]) -> Result<()> {
         let start = Instant::now();
         let Some(first) = jobs.first() else {
@@ -208,7 +211,9 @@ impl Backend for CpuBackend {
             Ok(())
         })
     }
+}
 
+impl NormOps for CpuBackend {
     fn rms_norm(&self, x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
         check_rows("RMSNorm input", x.len(), scale.len())?;
         check_len("RMSNorm output", x.len(), out.len())?;
@@ -225,7 +230,9 @@ impl Backend for CpuBackend {
         });
         Ok(())
     }
+}
 
+impl RopeOps for CpuBackend {
     fn rope(
         &self,
         x: &mut [f32],
@@ -240,7 +247,9 @@ impl Backend for CpuBackend {
         });
         Ok(())
     }
+}
 
+impl AttentionOps for CpuBackend {
     fn attention(
         &self,
         q: &[f32],
@@ -300,7 +309,9 @@ impl Backend for CpuBackend {
         self.times.add(OpKind::Attention, start.elapsed());
         Ok(())
     }
+}
 
+impl ElementwiseOps for CpuBackend {
     fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
         check_len("SwiGLU up", gate.len(), up.len())?;
         check_len("SwiGLU output", gate.len(), out.len())?;

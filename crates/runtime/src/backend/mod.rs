@@ -13,8 +13,9 @@ mod elementwise;
 mod wgpu;
 
 pub use ballast_core::backend::{
-    AttentionShape, Backend, DeviceForward, DeviceForwardInput, KernelTime, LayerSource, MatmulJob,
-    OpKind, OpTimes, OpTimesSnapshot, PassReport, Rope, RopeStyle,
+    ops, AttentionOps, AttentionShape, Backend, DeviceForward, DeviceForwardInput, DeviceMemory,
+    ElementwiseOps, KernelTime, LayerSource, LinearOps, MatmulJob, NormOps, OpKind, OpTimes,
+    OpTimesSnapshot, PassReport, Rope, RopeOps, RopeStyle,
 };
 
 #[cfg(feature = "gpu")]

@@ -52,6 +52,16 @@ impl Backend for WgpuBackend {
         &self.times
     }
 
+    fn device_forward(&self) -> Option<&dyn DeviceForward> {
+        Some(self)
+    }
+
+    fn device_memory(&self) -> Option<&dyn DeviceMemory> {
+        Some(self)
+    }
+}
+
+impl LinearOps for WgpuBackend {
     fn matmul(&self, x: &[f32], n_tokens: usize, jobs: &mut [MatmulJob<'_>]) -> Result<()> {
         let Some(first) = jobs.first() else {
             return Ok(());
@@ -134,7 +144,9 @@ impl Backend for WgpuBackend {
             Ok(())
         })
     }
+}
 
+impl NormOps for WgpuBackend {
     fn rms_norm(&self, x: &[f32], scale: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
         check_rows("RMSNorm input", x.len(), scale.len())?;
         check_len("RMSNorm output", x.len(), out.len())?;
@@ -150,7 +162,9 @@ impl Backend for WgpuBackend {
             Ok(dst)
         })
     }
+}
 
+impl RopeOps for WgpuBackend {
     fn rope(
         &self,
         x: &mut [f32],
@@ -178,7 +192,9 @@ impl Backend for WgpuBackend {
             Ok(xb)
         })
     }
+}
 
+impl AttentionOps for WgpuBackend {
     fn attention(
         &self,
         q: &[f32],
@@ -216,7 +232,9 @@ impl Backend for WgpuBackend {
             Ok(dst)
         })
     }
+}
 
+impl ElementwiseOps for WgpuBackend {
     fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
         check_len("SwiGLU up", gate.len(), up.len())?;
         check_len("SwiGLU output", gate.len(), out.len())?;
@@ -260,11 +278,9 @@ impl Backend for WgpuBackend {
             Ok(xb)
         })
     }
+}
 
-    fn device_forward(&self) -> Option<&dyn DeviceForward> {
-        Some(self)
-    }
-
+impl DeviceMemory for WgpuBackend {
     fn set_profiling(&self, on: bool) {
         self.profile.store(on, std::sync::atomic::Ordering::Relaxed);
     }
@@ -278,8 +294,8 @@ impl Backend for WgpuBackend {
         )
     }
 
-    fn device_bytes(&self) -> Option<(u64, u64)> {
-        Some((self.ctx.memory().current(), self.ctx.memory().peak()))
+    fn bytes(&self) -> (u64, u64) {
+        (self.ctx.memory().current(), self.ctx.memory().peak())
     }
 
     fn set_stream_slots(&self, n: usize) {

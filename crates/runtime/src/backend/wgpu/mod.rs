@@ -39,8 +39,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::cpu::{check_len, check_rows};
+use super::ops::*;
 use super::{
-    AttentionShape, Backend, DeviceForward, MatmulJob, OpKind, OpTimes, PassReport, Rope, RopeStyle,
+    AttentionShape, Backend, DeviceForward, DeviceMemory, MatmulJob, OpKind, OpTimes, PassReport,
+    Rope, RopeStyle,
 };
 use crate::error::{Error, Result};
 use crate::ggml_type::GgmlType;
