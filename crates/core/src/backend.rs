@@ -222,6 +222,10 @@ pub trait DeviceMemory: Send + Sync {
     fn set_profiling(&self, on: bool);
     /// Figures of the last device pass: traffic, dispatches, kernel timings.
     fn last_pass(&self) -> Option<PassReport>;
+    /// Drops the device copies of the weights read from file `file`
+    /// ([`crate::weights::WeightId::file`]): a model going away gives its weights' device
+    /// memory back.
+    fn release_file(&self, file: u64);
 }
 
 /// Hands a device pass layer `i`'s weights for this pass (the model asks its

@@ -26,7 +26,7 @@
 //! use std::sync::Arc;
 //! use ballast_core::ggml_type::GgmlType;
 //! use ballast_core::gguf::{GgufFile, GgufWriter};
-//! use ballast_core::weights::{Weight, WeightBytes};
+//! use ballast_core::weights::{Weight, WeightBytes, WeightId};
 //!
 //! # fn main() -> ballast_core::Result<()> {
 //! let mut w = GgufWriter::new();
@@ -38,6 +38,7 @@
 //! let range = info.offset as usize..(info.offset + info.n_bytes) as usize;
 //! let weight = Weight {
 //!     name: info.name.clone(),
+//!     id: WeightId { file: file.id(), offset: info.offset },
 //!     ty: info.ty,
 //!     dims: vec![3, 2],
 //!     bytes: WeightBytes::new(file.clone(), range)?,

@@ -95,6 +95,33 @@ impl std::fmt::Debug for WeightBytes {
     }
 }
 
+/// A weight's stable identity: the opened file it was read from and its byte offset
+/// there. A device keeps weight copies by this key, which no other weight can take
+/// (unlike an address, which a freed buffer hands to the next allocation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WeightId {
+    /// [`crate::gguf::GgufFile::id`], or a [`next_file_id`] for weights made in memory.
+    pub file: u64,
+    /// Offset of the tensor's data in the file.
+    pub offset: u64,
+}
+
+impl WeightId {
+    /// An id of its own, for a weight made in memory (tests, tools).
+    pub fn fresh() -> WeightId {
+        WeightId {
+            file: next_file_id(),
+            offset: 0,
+        }
+    }
+}
+
+/// A new file identity, unique in the process.
+pub fn next_file_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// One weight tensor: its GGUF name, element type, shape and bytes.
 ///
 /// `dims` are in ggml order: `dims[0]` is the length of a row (the input size of a
@@ -103,6 +130,9 @@ impl std::fmt::Debug for WeightBytes {
 pub struct Weight {
     /// The tensor's name in the GGUF file, for error messages and tables.
     pub name: String,
+    /// Stable identity (file, offset): what a device keys its copy by. A store that
+    /// moves the bytes (into a slot, into RAM) keeps the id.
+    pub id: WeightId,
     /// Element type.
     pub ty: GgmlType,
     /// Shape in ggml order (row length first).

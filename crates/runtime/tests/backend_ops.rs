@@ -17,7 +17,7 @@ use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::gpu::GpuContext;
 use ballast_runtime::kv::{DenseKv, KvCache, KvRows, KvSegment, KvShape, KvView};
 use ballast_runtime::quant;
-use ballast_runtime::weights::{Weight, WeightBytes};
+use ballast_runtime::weights::{Weight, WeightBytes, WeightId};
 #[cfg(feature = "gpu")]
 use ballast_runtime::WgpuBackend;
 use ballast_runtime::{Backend, CpuBackend};
@@ -73,6 +73,7 @@ fn weight(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Weight {
     let bytes = quant::quantize(ty, &values(seed, rows * cols, 1.0)).unwrap();
     Weight {
         name: format!("test.{}.weight", ty.name()),
+        id: WeightId::fresh(),
         ty,
         dims: vec![cols, rows],
         bytes: WeightBytes::from_vec(bytes),
@@ -597,6 +598,7 @@ fn an_activation_type_as_weight_is_a_named_error() {
     let Some(be) = wgpu() else { return };
     let w = Weight {
         name: "blk.0.odd.weight".into(),
+        id: WeightId::fresh(),
         ty: GgmlType::Q8_K,
         dims: vec![256, 1],
         bytes: WeightBytes::from_vec(vec![0; GgmlType::Q8_K.block_bytes()]),

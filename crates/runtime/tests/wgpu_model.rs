@@ -542,3 +542,33 @@ fn a_host_mlp_costs_one_sync_per_point_on_the_device() {
     let d = max_rel_diff(&got, &want);
     assert!(d < 1e-5, "host MLP on the device differs by {d}");
 }
+
+/// Weights are kept on the device by their stable id (file, offset), and the last handle
+/// on a model gives their device memory back; a model loaded again from the same bytes
+/// (another file) uploads its own copies and computes the same logits.
+#[test]
+fn dropping_a_model_releases_its_device_weights() {
+    let Some(ctx) = gpu() else { return };
+    let spec = TinyModelSpec::default();
+    let backend = Arc::new(WgpuBackend::new(ctx));
+    let mut model = load(&spec, backend.clone());
+    let first = all_logits(&mut model, &IDS);
+    let held = backend.bytes().0;
+    let matrices: u64 = (0..model.config().n_layers)
+        .map(|l| {
+            let layer = model.store().layer(PassId(0), l).unwrap();
+            layer.weights().map(|w| w.bytes.len() as u64).sum::<u64>()
+        })
+        .sum();
+    let second_handle = model.share();
+    drop(model);
+    assert_eq!(backend.bytes().0, held, "a handle is still alive");
+    drop(second_handle);
+    let released = held - backend.bytes().0;
+    assert!(
+        released >= matrices,
+        "released {released} B of device memory, the layers' matrices alone are {matrices} B"
+    );
+    let again = all_logits(&mut load(&spec, backend.clone()), &IDS);
+    assert_eq!(again, first);
+}

@@ -59,6 +59,10 @@ impl TensorInfo {
 /// tensor lists. A malformed file is therefore rejected before any large allocation, whatever
 /// counts and lengths it claims.
 pub struct GgufFile {
+    /// This opened file's identity ([`crate::weights::next_file_id`]): weights read from
+    /// it are known by (file id, offset), so a device keeps their copies by a key no other
+    /// file can reuse.
+    id: u64,
     path: PathBuf,
     storage: Storage,
     version: u32,
@@ -113,6 +117,7 @@ impl GgufFile {
     fn from_storage(path: PathBuf, storage: Storage) -> Result<GgufFile> {
         let parsed = parse(&path, storage.bytes())?;
         Ok(GgufFile {
+            id: crate::weights::next_file_id(),
             path,
             storage,
             version: parsed.version,
@@ -121,6 +126,12 @@ impl GgufFile {
             metadata: parsed.metadata,
             tensors: parsed.tensors,
         })
+    }
+
+    /// The identity of this opened file, unique in the process (two opens of one path
+    /// are two files): the `file` half of every [`crate::weights::WeightId`] read from it.
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// All the bytes of the file (memory-mapped or read into RAM).

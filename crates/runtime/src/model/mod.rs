@@ -19,7 +19,7 @@ use crate::graph::{self, Graph, HostPass, Op};
 use crate::kv::{KvCache, KvPolicy, KvShape};
 use crate::quant;
 use crate::store::{PassCounter, ResidentStore, WeightStore};
-use crate::weights::{ByteSource, GlobalWeights, LayerWeights, Weight, WeightBytes};
+use crate::weights::{ByteSource, GlobalWeights, LayerWeights, Weight, WeightBytes, WeightId};
 
 /// Which rows of logits a forward pass computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,6 +57,10 @@ fn weight(file: &Arc<GgufFile>, name: &str, dims: &[usize]) -> Result<Weight> {
     let source: Arc<dyn ByteSource> = file.clone();
     Ok(Weight {
         name: name.to_string(),
+        id: WeightId {
+            file: file.id(),
+            offset: info.offset,
+        },
         ty: info.ty,
         dims: got,
         bytes: WeightBytes::new(source, start..start + info.n_bytes as usize)?,
@@ -169,6 +173,20 @@ struct Shared {
     store: Box<dyn WeightStore>,
     backend: Arc<dyn Backend>,
     passes: PassCounter,
+}
+
+impl Drop for Shared {
+    /// The last handle gone, a device backend gives back the memory of this model's
+    /// weights (all read from the file of its embedding table).
+    fn drop(&mut self) {
+        if let Some(memory) = self.backend.device_memory() {
+            let globals = self.store.globals();
+            memory.release_file(globals.token_embd.id.file);
+            if globals.output.id.file != globals.token_embd.id.file {
+                memory.release_file(globals.output.id.file);
+            }
+        }
+    }
 }
 
 /// A handle on a loaded model: the shared, read-only part (configuration, weights and

@@ -301,4 +301,8 @@ impl DeviceMemory for WgpuBackend {
     fn set_stream_slots(&self, n: usize) {
         WgpuBackend::set_stream_slots(self, n);
     }
+
+    fn release_file(&self, file: u64) {
+        self.release_weights_of(file);
+    }
 }

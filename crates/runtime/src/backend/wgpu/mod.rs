@@ -49,7 +49,7 @@ use crate::ggml_type::GgmlType;
 use crate::gpu::{GpuBuffer, GpuContext, Shader};
 use crate::kv::{KvCache, KvView};
 use crate::quant;
-use crate::weights::{Weight, WeightBytes};
+use crate::weights::{Weight, WeightId};
 use kv::{flatten_view, KvMirror};
 use ops::rope_table;
 use record::{Params, Recorder};
@@ -116,7 +116,7 @@ pub(crate) const ARGMAX: Shader = Shader {
 pub struct WgpuBackend {
     ctx: Arc<GpuContext>,
     times: OpTimes,
-    weights: Mutex<HashMap<(usize, usize), Arc<DeviceWeight>>>,
+    weights: Mutex<HashMap<WeightId, Arc<DeviceWeight>>>,
     /// Norm scales and biases on the device. Each entry holds the host `Arc`, so its
     /// address (the key) cannot be reused by another vector while cached.
     vectors: Mutex<HashMap<(usize, usize), CachedVector>>,

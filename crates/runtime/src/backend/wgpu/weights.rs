@@ -1,6 +1,8 @@
 //! Weights on the device: uploaded as the file packs them, split by rows where one
-//! binding would exceed the device's limit, cached by host address when their bytes
-//! allow; small f32 vectors (norm scales, biases) uploaded once.
+//! binding would exceed the device's limit, kept by their stable id (file, offset) when
+//! the store's bytes allow ([`crate::weights::WeightBytes::cache_on_device`]) until the file is released
+//! ([`crate::backend::DeviceMemory::release_file`]); small f32 vectors (norm scales,
+//! biases) uploaded once.
 
 use super::*;
 
@@ -17,9 +19,6 @@ pub(crate) struct DeviceWeight {
     pub(super) cols: usize,
     pub(super) row_bytes: usize,
     pub(super) chunks: Vec<WeightChunk>,
-    /// For a cached weight, keeps the host bytes alive, so the address that keys the
-    /// cache is never reused.
-    pub(super) _host: Option<WeightBytes>,
 }
 
 pub(super) struct WeightChunk {
@@ -34,12 +33,19 @@ pub(super) struct WeightChunk {
 pub(super) type CachedVector = (Arc<[f32]>, Arc<GpuBuffer>);
 
 impl WgpuBackend {
+    /// Drops the device copies of every weight read from file `file`.
+    pub(super) fn release_weights_of(&self, file: u64) {
+        self.weights
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|id, _| id.file != file);
+    }
+
     /// The device copy of `w`: uploaded on first use and cached when its bytes allow
     /// ([`WeightBytes::cache_on_device`]), else uploaded for this one use.
     pub(crate) fn weight(&self, w: &Weight) -> Result<Arc<DeviceWeight>> {
-        let bytes = w.bytes.as_slice();
         let cache = w.bytes.cache_on_device();
-        let key = (bytes.as_ptr() as usize, bytes.len());
+        let key = w.id;
         if cache {
             if let Some(d) = self
                 .weights
@@ -50,14 +56,12 @@ impl WgpuBackend {
                 return Ok(d.clone());
             }
         }
-        let mut d = self.split_weight(w, |piece| {
+        let d = Arc::new(self.split_weight(w, |piece| {
             Ok(Arc::new(self.ctx.weight_buffer(piece, &w.name)?))
-        })?;
+        })?);
         if !cache {
-            return Ok(Arc::new(d));
+            return Ok(d);
         }
-        d._host = Some(w.bytes.clone());
-        let d = Arc::new(d);
         self.weights
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -115,7 +119,6 @@ impl WgpuBackend {
             cols,
             row_bytes,
             chunks,
-            _host: None,
         })
     }
 
