@@ -111,12 +111,12 @@ impl fmt::Display for AdapterSummary {
 
 /// Bytes held on the device: now, and the most at any moment.
 #[derive(Debug, Default)]
-pub struct DeviceMemory {
+pub struct MemoryCount {
     current: AtomicU64,
     peak: AtomicU64,
 }
 
-impl DeviceMemory {
+impl MemoryCount {
     fn add(&self, bytes: u64) {
         let now = self.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
         self.peak.fetch_max(now, Ordering::Relaxed);
@@ -131,7 +131,7 @@ impl DeviceMemory {
         self.current.load(Ordering::Relaxed)
     }
 
-    /// Most bytes held at once since the context was made (or [`DeviceMemory::reset_peak`]).
+    /// Most bytes held at once since the context was made (or [`MemoryCount::reset_peak`]).
     pub fn peak(&self) -> u64 {
         self.peak.load(Ordering::Relaxed)
     }
@@ -142,13 +142,13 @@ impl DeviceMemory {
     }
 }
 
-/// A device buffer, counted in [`DeviceMemory`] while it exists. Buffers from the pool
+/// A device buffer, counted in [`MemoryCount`] while it exists. Buffers from the pool
 /// return to it when dropped (and stay counted); weight buffers are destroyed.
 pub struct GpuBuffer {
     buffer: Option<wgpu::Buffer>,
     size: u64,
     pool: Option<Arc<BufferPool>>,
-    memory: Arc<DeviceMemory>,
+    memory: Arc<MemoryCount>,
 }
 
 impl GpuBuffer {
@@ -224,7 +224,7 @@ pub struct GpuContext {
     pipelines: Mutex<HashMap<PipelineKey, Arc<wgpu::ComputePipeline>>>,
     modules: Mutex<HashMap<&'static str, wgpu::ShaderModule>>,
     pool: Arc<BufferPool>,
-    memory: Arc<DeviceMemory>,
+    memory: Arc<MemoryCount>,
     /// The first error the device reported since it was last checked.
     device_error: Arc<Mutex<Option<String>>>,
     /// Fill every scratch buffer with NaN bits when handed out (tests).
@@ -403,7 +403,7 @@ impl GpuContext {
     }
 
     /// Bytes held on the device.
-    pub fn memory(&self) -> &DeviceMemory {
+    pub fn memory(&self) -> &MemoryCount {
         &self.memory
     }
 
