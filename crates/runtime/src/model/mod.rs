@@ -327,6 +327,12 @@ impl Model {
             })
     }
 
+    /// The ops of a pass over `n` tokens, as this handle would run it with `policy`:
+    /// for inspection, dumps and tests (every tensor and weight is named).
+    pub fn pass_graph(&self, n: usize, logits: Logits, policy: Option<&dyn KvPolicy>) -> Graph {
+        self.build(n, logits, policy)
+    }
+
     /// The pass over `n` tokens as the architecture's builder emits it.
     fn build(&self, n: usize, logits: Logits, policy: Option<&dyn KvPolicy>) -> Graph {
         let between_layers = policy.is_some_and(|p| p.acts_between_layers());
