@@ -145,6 +145,36 @@ fn json_output_is_one_object_per_token_then_timings() {
 }
 
 #[test]
+fn inspect_graph_prints_the_ops_of_a_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let o = ballast(&[
+        "inspect",
+        model.to_str().unwrap(),
+        "--graph",
+        "--tokens",
+        "3",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("layer 1:")
+            && out.contains("= attention(q[3x")
+            && out.contains("blk.1.ffn_down.weight")
+            && out.contains("output: argmax of logits[1x"),
+        "{out}"
+    );
+    let o = ballast(&[
+        "inspect",
+        model.to_str().unwrap(),
+        "--graph",
+        "--tokens",
+        "0",
+    ]);
+    assert!(!o.status.success() && stderr(&o).contains("--tokens"));
+}
+
+#[test]
 fn inspect_prints_metadata_and_tensors() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());

@@ -356,6 +356,77 @@ impl Graph {
     }
 }
 
+/// One op per line, tensors by name and shape, weights by role: how the builder
+/// composed the pass (`ballast inspect --graph` prints it).
+impl std::fmt::Display for Graph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let t = |id: &TensorId| {
+            let d = self.desc(*id);
+            format!("{}[{}x{}]", d.name, d.rows, d.width)
+        };
+        let mut layer: Option<usize> = None;
+        for op in &self.ops {
+            match op {
+                Op::BeginLayer { layer: l } => layer = Some(*l),
+                Op::EndLayer => layer = None,
+                _ => {}
+            }
+            let w = |r: &WeightRef| match (r, layer) {
+                (WeightRef::Layer(role), Some(l)) => format!("blk.{l}.{role}"),
+                (WeightRef::Layer(role), None) => format!("blk.?.{role}"),
+                (WeightRef::Global(role), _) => role.to_string(),
+            };
+            let depth = usize::from(layer.is_some() && !matches!(op, Op::BeginLayer { .. }));
+            let line = match op {
+                Op::Embed { table, out } => format!("{} = embed({})", t(out), w(table)),
+                Op::BeginLayer { layer } => format!("layer {layer}:"),
+                Op::EndLayer => "end layer".to_string(),
+                Op::RmsNorm { x, scale, eps, out } => {
+                    format!("{} = rms_norm({}, {}, eps {eps})", t(out), t(x), w(scale))
+                }
+                Op::Matmul { x, jobs } => jobs
+                    .iter()
+                    .map(|(wr, o)| format!("{} = {} · {}ᵀ", t(o), t(x), w(wr)))
+                    .collect::<Vec<_>>()
+                    .join("; "),
+                Op::AddBias { x, bias } => format!("{} += {} (if present)", t(x), w(bias)),
+                Op::Rope {
+                    x,
+                    n_heads,
+                    head_dim,
+                    rope,
+                } => format!(
+                    "rope({}, {n_heads} heads of {head_dim}, {:?}, {} dims, base {})",
+                    t(x),
+                    rope.style,
+                    rope.n_dims,
+                    rope.freq_base
+                ),
+                Op::KvWrite { layer, k, v } => format!("kv[{layer}] <- {}, {}", t(k), t(v)),
+                Op::KvPolicy { layer } => format!("host sync: kv policy before attention {layer}"),
+                Op::Attention { layer, q, out, .. } => {
+                    format!("{} = attention({}, kv[{layer}])", t(out), t(q))
+                }
+                Op::Add { x, y } => format!("{} += {}", t(x), t(y)),
+                Op::Swiglu { gate, up, out } => {
+                    format!("{} = silu({}) * {}", t(out), t(gate), t(up))
+                }
+                Op::FfnPrepare { layer, x } => format!("host sync: mlp prepare {layer} ({})", t(x)),
+                Op::FeedForward { layer, x, out } => {
+                    format!("host sync: {} = mlp {layer}({})", t(out), t(x))
+                }
+                Op::Rows { x, first, out } => format!("{} = rows of {} from {first}", t(out), t(x)),
+            };
+            writeln!(f, "{:indent$}{line}", "", indent = depth * 2)?;
+        }
+        match self.logits {
+            Some(l) if self.greedy => writeln!(f, "output: argmax of {}", t(&l)),
+            Some(l) => writeln!(f, "output: {}", t(&l)),
+            None => writeln!(f, "output: none"),
+        }
+    }
+}
+
 /// What the host executor needs besides the graph: the pass's tokens, the weights, the
 /// cache and the levers that act on the host.
 pub struct HostPass<'a, 's> {
