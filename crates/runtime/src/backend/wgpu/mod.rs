@@ -45,11 +45,11 @@ use super::{
 use crate::error::{Error, Result};
 use crate::ggml_type::GgmlType;
 use crate::gpu::{GpuBuffer, GpuContext, Shader};
-use crate::kv::{KvCache, KvView};
+use crate::kv::{KvCache, KvRows, KvView};
 use crate::quant;
 use crate::weights::{Weight, WeightBytes};
-use kv::{flatten_view, KvMirror};
-use ops::rope_table;
+use kv::KvMirror;
+use ops::{rope_table, PackedRows};
 use record::{Params, Recorder};
 use stream::StreamRing;
 pub use stream::DEFAULT_STREAM_SLOTS;
