@@ -102,6 +102,10 @@ pub(crate) const ATTENTION: Shader = Shader {
     name: "ballast.attention",
     source: concat!(include_str!("params.wgsl"), include_str!("attention.wgsl")),
 };
+pub(crate) const KV_WRITE: Shader = Shader {
+    name: "ballast.kv_write",
+    source: concat!(include_str!("params.wgsl"), include_str!("kv_write.wgsl")),
+};
 pub(crate) const ARGMAX: Shader = Shader {
     name: "ballast.argmax",
     source: concat!(include_str!("params.wgsl"), include_str!("argmax.wgsl")),

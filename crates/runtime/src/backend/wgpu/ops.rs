@@ -1,7 +1,7 @@
 //! The encoders: each records one op's dispatches (with the bytes it moves) into a
 //! [`Recorder`]. The device pass and the host-slice ops both use them. Also the device
 //! layout of cached keys and values in their stored type ([`KvElem`]), which the
-//! attention kernel reads.
+//! attention and KV-write kernels share.
 
 use super::*;
 use crate::kv::Q8_BLOCK;
@@ -339,6 +339,98 @@ impl WgpuBackend {
         );
         rec.add_kv_read(kv_read);
         Ok(())
+    }
+
+    /// Records the conversion of `n` f32 rows of `dim` values (the start of `src`) into
+    /// `elem` and their write at row slots `slots[..n]` (u32; distinct) of `dst`, a
+    /// buffer of `capacity` rows in `elem`'s layout ([`KvElem::buffer_bytes`]). Rounds
+    /// exactly as the host cache does, so the device rows equal the host's bit for bit.
+    /// Slots at or past `capacity` are skipped. q8 rows must be a multiple of
+    /// [`Q8_BLOCK`] long (as the cache requires), so each row's quants start on a word.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn record_kv_write(
+        &self,
+        rec: &mut Recorder<'_>,
+        elem: KvElem,
+        src: &wgpu::Buffer,
+        n: usize,
+        dim: usize,
+        slots: &wgpu::Buffer,
+        dst: &wgpu::Buffer,
+        capacity: usize,
+    ) -> Result<()> {
+        if elem == KvElem::Q8 && dim % Q8_BLOCK != 0 {
+            return Err(Error::InvalidArgument {
+                what: format!("q8 KV rows must be a multiple of {Q8_BLOCK} long, these are {dim}"),
+            });
+        }
+        let (entry, invocations) = match elem {
+            KvElem::F32 => ("kv_write_f32", n * dim),
+            KvElem::F16 => ("kv_write_f16", n * (dim / 2 + 1)),
+            KvElem::Q8 => ("kv_write_q8", n * dim / Q8_BLOCK),
+        };
+        rec.dispatch(
+            &KV_WRITE,
+            entry,
+            &[],
+            &[src, slots, dst],
+            Params::new(
+                [
+                    n as u32,
+                    dim as u32,
+                    elem.scale_word(capacity * dim) as u32,
+                    capacity as u32,
+                ],
+                [0; 4],
+                [0.0; 4],
+            ),
+            [invocations.div_ceil(64) as u32, 1, 1],
+            "kv_write",
+            (n * (dim + 1) * 4) as u64,
+            elem.read_bytes(n * dim),
+            0,
+        );
+        Ok(())
+    }
+
+    /// Test hook for the KV-write kernel (`tests/kv_write.rs`): uploads `cache` (whole
+    /// rows of `dim`, in their stored type), writes the f32 `rows` at the distinct
+    /// `slots` with [`WgpuBackend::record_kv_write`], and returns the buffer's bytes in
+    /// the device layout: elements little-endian, and for q8 the quants, then from the
+    /// next 4-byte boundary the scales.
+    #[doc(hidden)]
+    pub fn write_kv_rows_for_test(
+        &self,
+        cache: KvRows<'_>,
+        dim: usize,
+        rows: &[f32],
+        slots: &[u32],
+    ) -> Result<Vec<u8>> {
+        check_len("KV rows to write", slots.len() * dim, rows.len())?;
+        let capacity = cache.len() / dim.max(1);
+        check_len("KV cache rows", capacity * dim, cache.len())?;
+        if let Some(&s) = slots.iter().find(|&&s| s as usize >= capacity) {
+            return Err(Error::InvalidArgument {
+                what: format!("KV slot {s} is past the capacity, {capacity} rows"),
+            });
+        }
+        let packed = PackedRows::new("rows", &[cache])?;
+        let buf = self.upload(&packed.bytes, "kv rows")?;
+        let src = self.upload(bytemuck::cast_slice(rows), "kv rows to write")?;
+        let sb = self.upload(bytemuck::cast_slice(slots), "kv slots")?;
+        let mut rec = self.recorder();
+        self.record_kv_write(
+            &mut rec,
+            packed.elem,
+            src.raw(),
+            slots.len(),
+            dim,
+            sb.raw(),
+            buf.raw(),
+            capacity,
+        )?;
+        let bytes = rec.finish(&[(buf.raw(), 0, packed.bytes.len() as u64)])?.0;
+        Ok(bytes)
     }
 }
 
