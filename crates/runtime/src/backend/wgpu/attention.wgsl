@@ -23,40 +23,33 @@
 override KTYPE: u32 = 0u;
 override VTYPE: u32 = 0u;
 
-// Element e of a q8 buffer: its quant word, the word holding its block's scale.
-fn q8_elem(quants: u32, scales: u32, e: u32) -> f32 {
-    let qv = extractBits(bitcast<i32>(quants), (e & 3u) * 8u, 8u);
-    return f32(qv) * unpack2x16float(scales)[(e >> 5u) & 1u];
+// Element e of a buffer of type `ty` (0 f32, 1 f16, 2 q8: the type is also log2 of
+// the elements per word) from its word and, for q8, the word holding its block's scale;
+// dequantized as KvRows::read_f32 does (q * scale).
+fn decode(ty: u32, word: u32, scales: u32, e: u32) -> f32 {
+    switch ty {
+        case 1u: {
+            return unpack2x16float(word)[e & 1u];
+        }
+        case 2u: {
+            let qv = extractBits(bitcast<i32>(word), (e & 3u) * 8u, 8u);
+            return f32(qv) * unpack2x16float(scales)[(e >> 5u) & 1u];
+        }
+        default: {
+            return bitcast<f32>(word);
+        }
+    }
 }
 
-// Element e of the keys as f32 (dequantized as KvRows::read_f32 does: q * scale).
+// Element e of the keys, of the values. The scale word is used for q8 only (the first
+// scale word is 0 for the others, so its index stays in the buffer); with the type an
+// override constant, the compiler drops the unused load.
 fn key(e: u32) -> f32 {
-    switch KTYPE {
-        case 1u: {
-            return unpack2x16float(kc[e >> 1u])[e & 1u];
-        }
-        case 2u: {
-            return q8_elem(kc[e >> 2u], kc[p.b.z + (e >> 6u)], e);
-        }
-        default: {
-            return bitcast<f32>(kc[e]);
-        }
-    }
+    return decode(KTYPE, kc[e >> KTYPE], kc[p.b.z + (e >> 6u)], e);
 }
 
-// Element e of the values, as `key`.
 fn value(e: u32) -> f32 {
-    switch VTYPE {
-        case 1u: {
-            return unpack2x16float(vc[e >> 1u])[e & 1u];
-        }
-        case 2u: {
-            return q8_elem(vc[e >> 2u], vc[p.b.w + (e >> 6u)], e);
-        }
-        default: {
-            return bitcast<f32>(vc[e]);
-        }
-    }
+    return decode(VTYPE, vc[e >> VTYPE], vc[p.b.w + (e >> 6u)], e);
 }
 
 var<workgroup> red: array<f32, 64>;

@@ -23,8 +23,19 @@
 @group(0) @binding(2) var<storage, read> slots: array<u32>;
 @group(0) @binding(3) var<storage, read_write> dst: array<atomic<u32>>;
 
-fn invocation(gid: vec3<u32>, nwg: vec3<u32>) -> u32 {
-    return gid.x + gid.y * nwg.x * 64u;
+const NONE: u32 = 0xffffffffu;
+
+// What invocation `gid` does when each row takes `per_row` invocations: (row, item of
+// the row, slot), the slot NONE when there is nothing to do (past the last row, or the
+// row's slot past the capacity).
+fn job(gid: vec3<u32>, nwg: vec3<u32>, per_row: u32) -> vec3<u32> {
+    let i = gid.x + gid.y * nwg.x * 64u;
+    if (i >= p.a.x * per_row) {
+        return vec3<u32>(0u, 0u, NONE);
+    }
+    let r = i / per_row;
+    let slot = slots[r];
+    return vec3<u32>(r, i % per_row, select(slot, NONE, slot >= p.a.w));
 }
 
 // Half `hi` (0: bits 0..16, 1: bits 16..32) of word `w` set to `h`, the other kept.
@@ -121,16 +132,11 @@ fn round_away(v: f32) -> f32 {
 @compute @workgroup_size(64)
 fn kv_write_f32(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let dim = p.a.y;
-    let i = invocation(gid, nwg);
-    if (i >= p.a.x * dim) {
+    let at = job(gid, nwg, dim);
+    if (at.z == NONE) {
         return;
     }
-    let r = i / dim;
-    let slot = slots[r];
-    if (slot >= p.a.w) {
-        return;
-    }
-    atomicStore(&dst[slot * dim + i % dim], src[i]);
+    atomicStore(&dst[at.z * dim + at.y], src[at.x * dim + at.y]);
 }
 
 // One invocation per word a row touches (dim / 2 + 1 of them; the last is idle when the
@@ -138,24 +144,18 @@ fn kv_write_f32(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_work
 @compute @workgroup_size(64)
 fn kv_write_f16(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let dim = p.a.y;
-    let per_row = dim / 2u + 1u;
-    let i = invocation(gid, nwg);
-    if (i >= p.a.x * per_row) {
+    let at = job(gid, nwg, dim / 2u + 1u);
+    if (at.z == NONE) {
         return;
     }
-    let r = i / per_row;
-    let slot = slots[r];
-    if (slot >= p.a.w) {
-        return;
-    }
-    let g0 = slot * dim;
-    let w = g0 / 2u + i % per_row;
+    let g0 = at.z * dim;
+    let w = g0 / 2u + at.y;
     if (2u * w >= g0 + dim) {
         return;
     }
     let lo_in = 2u * w >= g0;
     let hi_in = 2u * w + 1u < g0 + dim;
-    let s = r * dim + 2u * w - g0;
+    let s = at.x * dim + 2u * w - g0;
     if (lo_in && hi_in) {
         atomicStore(&dst[w], f16_bits(src[s]) | (f16_bits(src[s + 1u]) << 16u));
     } else if (lo_in) {
@@ -171,16 +171,13 @@ fn kv_write_f16(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_work
 fn kv_write_q8(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let dim = p.a.y;
     let nb = dim / 32u;
-    let i = invocation(gid, nwg);
-    if (i >= p.a.x * nb) {
+    let at = job(gid, nwg, nb);
+    if (at.z == NONE) {
         return;
     }
-    let r = i / nb;
-    let b = i % nb;
-    let slot = slots[r];
-    if (slot >= p.a.w) {
-        return;
-    }
+    let r = at.x;
+    let b = at.y;
+    let slot = at.z;
     let base = r * dim + b * 32u;
     // The largest magnitude, compared as bits (the order of non-negative floats).
     var amax = 0u;
