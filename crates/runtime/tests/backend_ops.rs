@@ -15,7 +15,9 @@ use ballast_runtime::backend::{AttentionShape, MatmulJob, Rope, RopeStyle};
 use ballast_runtime::ggml_type::GgmlType;
 #[cfg(feature = "gpu")]
 use ballast_runtime::gpu::GpuContext;
-use ballast_runtime::kv::{DenseKv, KvCache, KvRows, KvSegment, KvShape, KvView};
+use ballast_runtime::kv::{
+    DenseKv, KvCache, KvRows, KvSegment, KvShape, KvView, MASKED_POSITION, Q8_BLOCK,
+};
 use ballast_runtime::quant;
 use ballast_runtime::weights::{Weight, WeightBytes, WeightId};
 #[cfg(feature = "gpu")]
@@ -308,6 +310,18 @@ fn rope_case(
     check_close("rope", &got, &want, &mag, 1e-6)
 }
 
+/// The element type of the cache in an attention case.
+#[derive(Clone, Copy, Debug)]
+enum KvElem {
+    F32,
+    F16,
+    Q8,
+}
+
+fn kv_elem() -> impl Strategy<Value = KvElem> {
+    prop_oneof![Just(KvElem::F32), Just(KvElem::F16), Just(KvElem::Q8)]
+}
+
 #[allow(clippy::too_many_arguments)]
 fn attention_case(
     be: &dyn Backend,
@@ -317,9 +331,15 @@ fn attention_case(
     cached: usize,
     n: usize,
     split: usize,
-    half: bool,
+    elem: KvElem,
     seed: u64,
 ) -> Result<(), TestCaseError> {
+    // A q8 cache holds whole blocks per row (the cache refuses other lengths), so each
+    // segment starts on a block.
+    let head_dim = match elem {
+        KvElem::Q8 => head_dim.div_ceil(Q8_BLOCK) * Q8_BLOCK,
+        _ => head_dim,
+    };
     let shape = AttentionShape {
         n_heads: n_kv_heads * group,
         n_kv_heads,
@@ -329,21 +349,39 @@ fn attention_case(
     let kv_dim = n_kv_heads * head_dim;
     let keys = values(seed, total * kv_dim, 1.0);
     let vals = values(seed + 1, total * kv_dim, 1.0);
-    let positions: Vec<u32> = (0..total as u32).collect();
+    // About one slot in six masked, as a cache that reuses slots in place shows them.
+    let masks = values(seed + 3, total, 1.0);
+    let positions: Vec<u32> = (0..total as u32)
+        .zip(&masks)
+        .map(|(p, &m)| if m > 0.66 { MASKED_POSITION } else { p })
+        .collect();
     let q = values(seed + 2, n * shape.n_heads * head_dim, 2.0);
-    let q_pos = &positions[cached..];
+    let q_pos: Vec<u32> = (cached as u32..total as u32).collect();
     let keys16: Vec<f16> = keys.iter().map(|&v| f16::from_f32(v)).collect();
     let vals16: Vec<f16> = vals.iter().map(|&v| f16::from_f32(v)).collect();
+    // Any quants and scales are a valid q8 cache: no need to quantize.
+    let quants = |x: &[f32]| -> Vec<i8> { x.iter().map(|&v| (v * 127.0) as i8).collect() };
+    let scales = |s: u64| -> Vec<f16> {
+        values(s, (total * kv_dim).div_ceil(Q8_BLOCK), 0.5)
+            .iter()
+            .map(|&v| f16::from_f32((v + 1.0) / 127.0))
+            .collect()
+    };
+    let (keys8, vals8) = (quants(&keys), quants(&vals));
+    let (kscales, vscales) = (scales(seed + 4), scales(seed + 5));
     let rows = |f: &'static str, r: std::ops::Range<usize>| -> KvRows<'_> {
-        let (a, b) = if f == "k" {
-            (&keys, &keys16)
+        let (a, b, q, s) = if f == "k" {
+            (&keys, &keys16, &keys8, &kscales)
         } else {
-            (&vals, &vals16)
+            (&vals, &vals16, &vals8, &vscales)
         };
-        if half {
-            KvRows::F16(&b[r])
-        } else {
-            KvRows::F32(&a[r])
+        match elem {
+            KvElem::F32 => KvRows::F32(&a[r]),
+            KvElem::F16 => KvRows::F16(&b[r]),
+            KvElem::Q8 => KvRows::Q8 {
+                scales: &s[r.start / Q8_BLOCK..r.end.div_ceil(Q8_BLOCK)],
+                quants: &q[r],
+            },
         }
     };
     // Two segments, as a ring buffer presents its live region.
@@ -364,14 +402,18 @@ fn attention_case(
     };
     let mut got = vec![f32::NAN; q.len()];
     let mut want = vec![f32::NAN; q.len()];
-    be.attention(&q, q_pos, &view, &shape, &mut got).unwrap();
+    be.attention(&q, &q_pos, &view, &shape, &mut got).unwrap();
     reference()
-        .attention(&q, q_pos, &view, &shape, &mut want)
+        .attention(&q, &q_pos, &view, &shape, &mut want)
         .unwrap();
-    // An f32 cache: float order only. An f16 cache: the CPU backend follows llama.cpp
-    // and rounds the query and its running sums to f16 at every key (the GPU keeps f32
-    // sums over the same f16 keys and values), so about 2^-11 per key, relative.
-    let tolerance = if half { 5e-3 } else { 1e-5 };
+    // An f32 cache: float order only; a q8 cache too (both dequantize to the same
+    // `q * scale` and sum in f32). An f16 cache: the CPU backend follows llama.cpp and
+    // rounds the query and its running sums to f16 at every key (the GPU keeps f32 sums
+    // over the same f16 keys and values), so about 2^-11 per key, relative.
+    let tolerance = match elem {
+        KvElem::F16 => 5e-3,
+        KvElem::F32 | KvElem::Q8 => 1e-5,
+    };
     let mag: Vec<f64> = want.iter().map(|_| 1.0).collect();
     check_close("attention", &got, &want, &mag, tolerance)
 }
@@ -480,11 +522,11 @@ macro_rules! backend_suite {
                     cached in 0usize..40,
                     n in 1usize..5,
                     split in 0usize..50,
-                    half in any::<bool>(),
+                    elem in kv_elem(),
                     seed in any::<u64>(),
                 ) {
                     let Some(be) = $make() else { return Ok(()) };
-                    attention_case(be.as_ref(), n_kv_heads, group, head_dim, cached, n, split, half, seed)?;
+                    attention_case(be.as_ref(), n_kv_heads, group, head_dim, cached, n, split, elem, seed)?;
                 }
 
                 #[test]
@@ -615,4 +657,43 @@ fn an_activation_type_as_weight_is_a_named_error() {
         )
         .unwrap_err();
     assert!(err.to_string().contains("blk.0.odd.weight"), "{err}");
+}
+
+/// The wgpu backend uploads a view's rows as stored, so a view whose segments mix
+/// element types is an error naming the segment, not a silent conversion.
+#[test]
+#[cfg(feature = "gpu")]
+fn a_view_mixing_element_types_is_a_named_error() {
+    let Some(be) = wgpu() else { return };
+    let shape = AttentionShape {
+        n_heads: 1,
+        n_kv_heads: 1,
+        head_dim: 32,
+    };
+    let full = [0.5f32; 32];
+    let halves = [f16::from_f32(0.5); 32];
+    let view = KvView {
+        segments: vec![
+            KvSegment {
+                keys: KvRows::F32(&full),
+                values: KvRows::F32(&full),
+                positions: &[0],
+            },
+            KvSegment {
+                keys: KvRows::F16(&halves),
+                values: KvRows::F32(&full),
+                positions: &[1],
+            },
+        ],
+    };
+    let mut out = vec![7.0f32; 32];
+    let err = be
+        .attention(&[1.0; 32], &[1], &view, &shape, &mut out)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("keys of segment 1 are f16"), "{err}");
+    assert!(
+        out.iter().all(|&v| v == 7.0),
+        "the op wrote despite the error"
+    );
 }

@@ -1,16 +1,56 @@
-// Causal grouped-query attention over the device KV cache of one layer. One workgroup
-// per (query head, token): scores of the cached tokens whose position is at most the
-// query's, softmax, weighted sum of the values (the CPU backend's order per element).
+// Causal grouped-query attention over the cached keys and values of one layer. One
+// workgroup per (query head, token): scores of the cached tokens whose position is at
+// most the query's (a masked slot, MASKED_POSITION = u32::MAX, is never), softmax,
+// weighted sum of the values (the CPU backend's order per element).
+//
+// Keys and values are read in the type they are stored in, so a cache never has an f32
+// copy: KTYPE (keys) and VTYPE (values) are 0 = f32 (one per u32), 1 = f16 (two per
+// u32, the lower half first) or 2 = q8 (four int8 per u32, the lowest byte first; then,
+// from word b.z for keys or b.w for values, one f16 scale per 32 elements, two per u32:
+// KvRows::Q8 with the scales after the quants). Elements are counted from the start of
+// the buffer, so q8 blocks are too.
 
-// a: (n_tokens, n_heads, n_kv_heads, head_dim); b: (cached tokens, score row stride);
-// f.x: 1/sqrt(head_dim).
+// a: (n_tokens, n_heads, n_kv_heads, head_dim); b: (cached tokens, score row stride,
+// first scale word of the keys, of the values); f.x: 1/sqrt(head_dim).
 @group(0) @binding(1) var<storage, read> q: array<f32>;
-@group(0) @binding(2) var<storage, read> kc: array<f32>;
-@group(0) @binding(3) var<storage, read> vc: array<f32>;
+@group(0) @binding(2) var<storage, read> kc: array<u32>;
+@group(0) @binding(3) var<storage, read> vc: array<u32>;
 @group(0) @binding(4) var<storage, read> kpos: array<u32>;
 @group(0) @binding(5) var<storage, read> qpos: array<u32>;
 @group(0) @binding(6) var<storage, read_write> scores: array<f32>;
 @group(0) @binding(7) var<storage, read_write> out: array<f32>;
+
+override KTYPE: u32 = 0u;
+override VTYPE: u32 = 0u;
+
+// Element e of a buffer of type `ty` (0 f32, 1 f16, 2 q8: the type is also log2 of
+// the elements per word) from its word and, for q8, the word holding its block's scale;
+// dequantized as KvRows::read_f32 does (q * scale).
+fn decode(ty: u32, word: u32, scales: u32, e: u32) -> f32 {
+    switch ty {
+        case 1u: {
+            return unpack2x16float(word)[e & 1u];
+        }
+        case 2u: {
+            let qv = extractBits(bitcast<i32>(word), (e & 3u) * 8u, 8u);
+            return f32(qv) * unpack2x16float(scales)[(e >> 5u) & 1u];
+        }
+        default: {
+            return bitcast<f32>(word);
+        }
+    }
+}
+
+// Element e of the keys, of the values. The scale word is used for q8 only (the first
+// scale word is 0 for the others, so its index stays in the buffer); with the type an
+// override constant, the compiler drops the unused load.
+fn key(e: u32) -> f32 {
+    return decode(KTYPE, kc[e >> KTYPE], kc[p.b.z + (e >> 6u)], e);
+}
+
+fn value(e: u32) -> f32 {
+    return decode(VTYPE, vc[e >> VTYPE], vc[p.b.w + (e >> 6u)], e);
+}
 
 var<workgroup> red: array<f32, 64>;
 
@@ -21,7 +61,7 @@ fn dot_cpu_order(qo: u32, ko: u32, hd: u32) -> f32 {
     let whole = hd / 8u * 8u;
     for (var d = 0u; d < whole; d += 8u) {
         for (var l = 0u; l < 8u; l++) {
-            acc[l] += q[qo + d + l] * kc[ko + d + l];
+            acc[l] += q[qo + d + l] * key(ko + d + l);
         }
     }
     var s = 0.0;
@@ -29,7 +69,7 @@ fn dot_cpu_order(qo: u32, ko: u32, hd: u32) -> f32 {
         s += acc[l];
     }
     for (var d = whole; d < hd; d++) {
-        s += q[qo + d] * kc[ko + d];
+        s += q[qo + d] * key(ko + d);
     }
     return s;
 }
@@ -105,7 +145,7 @@ fn attention(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id
         for (var i = 0u; i < n; i++) {
             let wgt = scores[sb + i] * inv;
             if (wgt != 0.0) {
-                acc += wgt * vc[i * kv_dim + kvh * hd + d];
+                acc += wgt * value(i * kv_dim + kvh * hd + d);
             }
         }
         out[qo + d] = acc;

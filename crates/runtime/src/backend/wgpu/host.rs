@@ -206,19 +206,43 @@ impl AttentionOps for WgpuBackend {
         let width = shape.n_heads * shape.head_dim;
         check_len("attention queries", q_positions.len() * width, q.len())?;
         check_len("attention output", q.len(), out.len())?;
-        let (k, v, p) = flatten_view(kv);
+        // Keys and values go up as stored (4, 2 or 1.0625 bytes per element) and the
+        // kernel dequantizes them: no f32 copy of a cache is made.
+        let row_len = shape.n_kv_heads * shape.head_dim;
+        for (i, seg) in kv.segments.iter().enumerate() {
+            for (what, rows) in [("keys", &seg.keys), ("values", &seg.values)] {
+                check_len(
+                    &format!("{what} of KV segment {i}"),
+                    seg.positions.len() * row_len,
+                    rows.len(),
+                )?;
+            }
+        }
+        let part = |values: bool| -> Vec<KvRows<'_>> {
+            kv.segments
+                .iter()
+                .map(|s| if values { s.values } else { s.keys })
+                .collect()
+        };
+        let keys = PackedRows::new("keys", &part(false))?;
+        let values = PackedRows::new("values", &part(true))?;
+        let p: Vec<u32> = kv
+            .segments
+            .iter()
+            .flat_map(|s| s.positions.iter().copied())
+            .collect();
         self.host_op(OpKind::Attention, out, |rec| {
             let qb = self.upload(bytemuck::cast_slice(q), "queries")?;
-            let kb = self.upload(bytemuck::cast_slice(&k), "keys")?;
-            let vb = self.upload(bytemuck::cast_slice(&v), "values")?;
+            let kb = self.upload(&keys.bytes, "keys")?;
+            let vb = self.upload(&values.bytes, "values")?;
             let kp = self.upload(bytemuck::cast_slice(&p), "key positions")?;
             let qp = self.upload(bytemuck::cast_slice(q_positions), "query positions")?;
             let dst = self.scratch(q.len() * 4, "attention output")?;
-            self.record_attention(
+            self.record_attention_stored(
                 rec,
                 qb.raw(),
-                kb.raw(),
-                vb.raw(),
+                keys.binding(kb.raw()),
+                values.binding(vb.raw()),
                 kp.raw(),
                 qp.raw(),
                 q_positions.len(),

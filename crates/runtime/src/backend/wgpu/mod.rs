@@ -47,11 +47,11 @@ use super::{
 use crate::error::{Error, Result};
 use crate::ggml_type::GgmlType;
 use crate::gpu::{GpuBuffer, GpuContext, Shader};
-use crate::kv::{KvCache, KvView};
+use crate::kv::{KvCache, KvRows, KvView};
 use crate::quant;
 use crate::weights::{Weight, WeightId};
-use kv::{flatten_view, KvMirror};
-use ops::rope_table;
+use kv::KvMirror;
+use ops::{rope_table, PackedRows};
 use record::{Params, Recorder};
 use stream::StreamRing;
 pub use stream::DEFAULT_STREAM_SLOTS;
@@ -103,6 +103,10 @@ pub(crate) const ELEMENTWISE: Shader = Shader {
 pub(crate) const ATTENTION: Shader = Shader {
     name: "ballast.attention",
     source: concat!(include_str!("params.wgsl"), include_str!("attention.wgsl")),
+};
+pub(crate) const KV_WRITE: Shader = Shader {
+    name: "ballast.kv_write",
+    source: concat!(include_str!("params.wgsl"), include_str!("kv_write.wgsl")),
 };
 pub(crate) const ARGMAX: Shader = Shader {
     name: "ballast.argmax",

@@ -1,7 +1,10 @@
 //! The encoders: each records one op's dispatches (with the bytes it moves) into a
-//! [`Recorder`]. The device pass and the host-slice ops both use them.
+//! [`Recorder`]. The device pass and the host-slice ops both use them. Also the device
+//! layout of cached keys and values in their stored type ([`KvElem`]), which the
+//! attention and KV-write kernels share.
 
 use super::*;
+use crate::kv::Q8_BLOCK;
 
 /// Floats of activation scales per block for an activation type.
 pub(super) fn scales_per_block(act: GgmlType) -> usize {
@@ -248,6 +251,7 @@ impl WgpuBackend {
         );
     }
 
+    /// Records attention over the device pass's f32 KV mirror.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn record_attention(
         &self,
@@ -262,18 +266,56 @@ impl WgpuBackend {
         shape: &AttentionShape,
         out: &wgpu::Buffer,
     ) -> Result<()> {
+        let f32_rows = |buffer| KvBinding {
+            buffer,
+            elem: KvElem::F32,
+            scale_word: 0,
+        };
+        self.record_attention_stored(
+            rec,
+            q,
+            f32_rows(keys),
+            f32_rows(values),
+            kpos,
+            qpos,
+            n_tokens,
+            n_cached,
+            shape,
+            out,
+        )
+    }
+
+    /// Records attention of `n_tokens` queries over `n_cached` rows of keys and values
+    /// read in their stored type (the kernel dequantizes as it reads), counting the
+    /// stored bytes as KV bytes read.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn record_attention_stored(
+        &self,
+        rec: &mut Recorder<'_>,
+        q: &wgpu::Buffer,
+        keys: KvBinding<'_>,
+        values: KvBinding<'_>,
+        kpos: &wgpu::Buffer,
+        qpos: &wgpu::Buffer,
+        n_tokens: usize,
+        n_cached: usize,
+        shape: &AttentionShape,
+        out: &wgpu::Buffer,
+    ) -> Result<()> {
         let stride = n_cached.max(1);
         let scores = rec.scratch(
             "attention scores",
             0,
             (n_tokens * shape.n_heads * stride * 4) as u64,
         )?;
-        let kv_read = (n_tokens * shape.n_heads * n_cached * shape.head_dim * 2 * 4) as u64;
+        // Every (query head, token) reads its KV head's rows.
+        let elems = n_tokens * shape.n_heads * n_cached * shape.head_dim;
+        let kv_read = keys.elem.read_bytes(elems) + values.elem.read_bytes(elems);
         rec.dispatch(
             &ATTENTION,
             "attention",
-            &[],
-            &[q, keys, values, kpos, qpos, &scores, out],
+            &[("KTYPE", keys.elem.id()), ("VTYPE", values.elem.id())],
+            &[q, keys.buffer, values.buffer, kpos, qpos, &scores, out],
             Params::new(
                 [
                     n_tokens as u32,
@@ -281,7 +323,12 @@ impl WgpuBackend {
                     shape.n_kv_heads as u32,
                     shape.head_dim as u32,
                 ],
-                [n_cached as u32, stride as u32, 0, 0],
+                [
+                    n_cached as u32,
+                    stride as u32,
+                    keys.scale_word as u32,
+                    values.scale_word as u32,
+                ],
                 [1.0 / (shape.head_dim as f32).sqrt(), 0.0, 0.0, 0.0],
             ),
             [shape.n_heads as u32, n_tokens as u32, 1],
@@ -292,5 +339,370 @@ impl WgpuBackend {
         );
         rec.add_kv_read(kv_read);
         Ok(())
+    }
+
+    /// Records the conversion of `n` f32 rows of `dim` values (the start of `src`) into
+    /// `elem` and their write at row slots `slots[..n]` (u32; distinct) of `dst`, a
+    /// buffer of `capacity` rows in `elem`'s layout ([`KvElem::buffer_bytes`]). Rounds
+    /// exactly as the host cache does, so the device rows equal the host's bit for bit.
+    /// Slots at or past `capacity` are skipped. q8 rows must be a multiple of
+    /// [`Q8_BLOCK`] long (as the cache requires), so each row's quants start on a word.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn record_kv_write(
+        &self,
+        rec: &mut Recorder<'_>,
+        elem: KvElem,
+        src: &wgpu::Buffer,
+        n: usize,
+        dim: usize,
+        slots: &wgpu::Buffer,
+        dst: &wgpu::Buffer,
+        capacity: usize,
+    ) -> Result<()> {
+        if elem == KvElem::Q8 && dim % Q8_BLOCK != 0 {
+            return Err(Error::InvalidArgument {
+                what: format!("q8 KV rows must be a multiple of {Q8_BLOCK} long, these are {dim}"),
+            });
+        }
+        let (entry, invocations) = match elem {
+            KvElem::F32 => ("kv_write_f32", n * dim),
+            KvElem::F16 => ("kv_write_f16", n * (dim / 2 + 1)),
+            KvElem::Q8 => ("kv_write_q8", n * dim / Q8_BLOCK),
+        };
+        rec.dispatch(
+            &KV_WRITE,
+            entry,
+            &[],
+            &[src, slots, dst],
+            Params::new(
+                [
+                    n as u32,
+                    dim as u32,
+                    elem.scale_word(capacity * dim) as u32,
+                    capacity as u32,
+                ],
+                [0; 4],
+                [0.0; 4],
+            ),
+            [invocations.div_ceil(64) as u32, 1, 1],
+            "kv_write",
+            (n * (dim + 1) * 4) as u64,
+            elem.read_bytes(n * dim),
+            0,
+        );
+        Ok(())
+    }
+
+    /// Test hook for the KV-write kernel (`tests/kv_write.rs`): uploads `cache` (whole
+    /// rows of `dim`, in their stored type), writes the f32 `rows` at the distinct
+    /// `slots` with [`WgpuBackend::record_kv_write`], and returns the buffer's bytes in
+    /// the device layout: elements little-endian, and for q8 the quants, then from the
+    /// next 4-byte boundary the scales.
+    #[doc(hidden)]
+    pub fn write_kv_rows_for_test(
+        &self,
+        cache: KvRows<'_>,
+        dim: usize,
+        rows: &[f32],
+        slots: &[u32],
+    ) -> Result<Vec<u8>> {
+        check_len("KV rows to write", slots.len() * dim, rows.len())?;
+        let capacity = cache.len() / dim.max(1);
+        check_len("KV cache rows", capacity * dim, cache.len())?;
+        if let Some(&s) = slots.iter().find(|&&s| s as usize >= capacity) {
+            return Err(Error::InvalidArgument {
+                what: format!("KV slot {s} is past the capacity, {capacity} rows"),
+            });
+        }
+        let packed = PackedRows::new("rows", &[cache])?;
+        let buf = self.upload(&packed.bytes, "kv rows")?;
+        let src = self.upload(bytemuck::cast_slice(rows), "kv rows to write")?;
+        let sb = self.upload(bytemuck::cast_slice(slots), "kv slots")?;
+        let mut rec = self.recorder();
+        self.record_kv_write(
+            &mut rec,
+            packed.elem,
+            src.raw(),
+            slots.len(),
+            dim,
+            sb.raw(),
+            buf.raw(),
+            capacity,
+        )?;
+        let bytes = rec.finish(&[(buf.raw(), 0, packed.bytes.len() as u64)])?.0;
+        Ok(bytes)
+    }
+}
+
+/// The element type keys and values are stored in on the device. Layout of a buffer of
+/// `n` elements (what attention.wgsl reads and kv_write.wgsl writes): f32, one per word;
+/// f16, two per word, the lower half first; q8, four int8 per word, lowest byte first,
+/// then from word [`KvElem::scale_word`] one f16 scale per [`Q8_BLOCK`] elements, two
+/// per word ([`KvRows::Q8`] with the scales after the quants). Each part is padded to a
+/// whole word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum KvElem {
+    F32,
+    F16,
+    Q8,
+}
+
+impl KvElem {
+    pub(super) fn of(rows: &KvRows<'_>) -> KvElem {
+        match rows {
+            KvRows::F32(_) => KvElem::F32,
+            KvRows::F16(_) => KvElem::F16,
+            KvRows::Q8 { .. } => KvElem::Q8,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            KvElem::F32 => "f32",
+            KvElem::F16 => "f16",
+            KvElem::Q8 => "q8",
+        }
+    }
+
+    /// The kernels' override constant (KTYPE, VTYPE).
+    fn id(self) -> f64 {
+        match self {
+            KvElem::F32 => 0.0,
+            KvElem::F16 => 1.0,
+            KvElem::Q8 => 2.0,
+        }
+    }
+
+    /// First word of the q8 scales in a buffer of `elems` elements (0 for the others).
+    pub(super) fn scale_word(self, elems: usize) -> usize {
+        match self {
+            KvElem::Q8 => elems.div_ceil(4),
+            _ => 0,
+        }
+    }
+
+    /// Bytes of a buffer of `elems` elements.
+    pub(super) fn buffer_bytes(self, elems: usize) -> usize {
+        match self {
+            KvElem::F32 => 4 * elems,
+            KvElem::F16 => 4 * elems.div_ceil(2),
+            KvElem::Q8 => 4 * (self.scale_word(elems) + elems.div_ceil(Q8_BLOCK).div_ceil(2)),
+        }
+    }
+
+    /// Bytes `elems` elements take as stored: 4, 2, or 34 per 32 (1.0625 each).
+    pub(super) fn read_bytes(self, elems: usize) -> u64 {
+        let e = elems as u64;
+        match self {
+            KvElem::F32 => 4 * e,
+            KvElem::F16 => 2 * e,
+            KvElem::Q8 => e + 2 * e.div_ceil(Q8_BLOCK as u64),
+        }
+    }
+}
+
+/// A keys or values buffer as the attention kernel reads it.
+#[derive(Clone, Copy)]
+pub(super) struct KvBinding<'a> {
+    pub(super) buffer: &'a wgpu::Buffer,
+    pub(super) elem: KvElem,
+    /// First word of the q8 scales ([`KvElem::scale_word`] of the buffer's elements).
+    pub(super) scale_word: usize,
+}
+
+/// Cached rows of several segments, concatenated as stored (no conversion) in the
+/// device layout of [`KvElem`], for upload.
+pub(super) struct PackedRows {
+    pub(super) elem: KvElem,
+    pub(super) elems: usize,
+    pub(super) bytes: Vec<u8>,
+}
+
+impl PackedRows {
+    /// Packs `parts` (the keys, or the values, of a view's segments: `what` says which,
+    /// for errors). Parts of different types are an error naming the segment, and so
+    /// are q8 parts that cannot be concatenated: scales not one per block, or a part
+    /// other than the last ending inside a block (the next part's blocks would shift).
+    pub(super) fn new(what: &str, parts: &[KvRows<'_>]) -> Result<PackedRows> {
+        let elem = parts.first().map_or(KvElem::F32, KvElem::of);
+        let elems: usize = parts.iter().map(KvRows::len).sum();
+        let mut bytes = Vec::with_capacity(elem.buffer_bytes(elems));
+        for (i, rows) in parts.iter().enumerate() {
+            let other = KvElem::of(rows);
+            if other != elem {
+                return Err(Error::InvalidArgument {
+                    what: format!(
+                        "the KV view mixes element types: {what} of segment {i} are {}, of \
+                         segment 0 {}",
+                        other.name(),
+                        elem.name()
+                    ),
+                });
+            }
+            match rows {
+                KvRows::F32(v) => bytes.extend_from_slice(bytemuck::cast_slice(v)),
+                KvRows::F16(v) => bytes.extend_from_slice(bytemuck::cast_slice(v)),
+                KvRows::Q8 { quants, scales } => {
+                    check_len(
+                        &format!("scales of the q8 {what} of KV segment {i}"),
+                        quants.len().div_ceil(Q8_BLOCK),
+                        scales.len(),
+                    )?;
+                    if i + 1 < parts.len() && quants.len() % Q8_BLOCK != 0 {
+                        return Err(Error::InvalidArgument {
+                            what: format!(
+                                "the q8 {what} of KV segment {i} end inside a block ({} \
+                                 elements): only the last segment may",
+                                quants.len()
+                            ),
+                        });
+                    }
+                    bytes.extend_from_slice(bytemuck::cast_slice(quants));
+                }
+            }
+        }
+        if elem == KvElem::Q8 {
+            bytes.resize(elem.scale_word(elems) * 4, 0);
+            for rows in parts {
+                if let KvRows::Q8 { scales, .. } = rows {
+                    bytes.extend_from_slice(bytemuck::cast_slice(scales));
+                }
+            }
+        }
+        bytes.resize(elem.buffer_bytes(elems), 0);
+        Ok(PackedRows { elem, elems, bytes })
+    }
+
+    /// These rows, uploaded to `buffer`, as the attention kernel binds them.
+    pub(super) fn binding<'a>(&self, buffer: &'a wgpu::Buffer) -> KvBinding<'a> {
+        KvBinding {
+            buffer,
+            elem: self.elem,
+            scale_word: self.elem.scale_word(self.elems),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::KvSegment;
+    use half::f16;
+
+    /// A two-segment view of `rows` rows of `dim` in `elem`, positions 0.., and its
+    /// element count per side.
+    fn with_view<R>(elem: KvElem, rows: usize, dim: usize, f: impl FnOnce(&KvView<'_>) -> R) -> R {
+        let n = rows * dim;
+        let full: Vec<f32> = (0..n).map(|i| i as f32 * 0.01).collect();
+        let halves: Vec<f16> = full.iter().map(|&v| f16::from_f32(v)).collect();
+        let quants: Vec<i8> = (0..n).map(|i| (i % 100) as i8).collect();
+        let scales = vec![f16::from_f32(0.01); n.div_ceil(Q8_BLOCK)];
+        let positions: Vec<u32> = (0..rows as u32).collect();
+        let cut = rows / 2;
+        let part = |r: std::ops::Range<usize>| match elem {
+            KvElem::F32 => KvRows::F32(&full[r]),
+            KvElem::F16 => KvRows::F16(&halves[r]),
+            KvElem::Q8 => KvRows::Q8 {
+                scales: &scales[r.start / Q8_BLOCK..r.end / Q8_BLOCK],
+                quants: &quants[r],
+            },
+        };
+        let seg = |r: std::ops::Range<usize>| KvSegment {
+            keys: part(r.start * dim..r.end * dim),
+            values: part(r.start * dim..r.end * dim),
+            positions: &positions[r],
+        };
+        f(&KvView {
+            segments: vec![seg(0..cut), seg(cut..rows)],
+        })
+    }
+
+    /// A view goes up as stored: 4, 2 and 1.0625 bytes per element for f32, f16 and
+    /// q8, the q8 scales after all the quants.
+    #[test]
+    fn views_pack_as_stored() {
+        let (rows, dim) = (6, 64);
+        for (elem, per_16) in [(KvElem::F32, 64), (KvElem::F16, 32), (KvElem::Q8, 17)] {
+            with_view(elem, rows, dim, |view| {
+                let keys: Vec<KvRows<'_>> = view.segments.iter().map(|s| s.keys).collect();
+                let packed = PackedRows::new("keys", &keys).unwrap();
+                assert_eq!(packed.elem, elem);
+                assert_eq!(packed.bytes.len(), rows * dim * per_16 / 16, "{elem:?}");
+                assert_eq!(
+                    elem.read_bytes(rows * dim),
+                    (rows * dim * per_16 / 16) as u64
+                );
+                if elem == KvElem::Q8 {
+                    assert_eq!(
+                        packed.bytes[..rows * dim],
+                        (0..rows * dim).map(|i| (i % 100) as u8).collect::<Vec<_>>()
+                    );
+                    assert_eq!(
+                        &packed.bytes[rows * dim..rows * dim + 2],
+                        &f16::from_f32(0.01).to_le_bytes()
+                    );
+                }
+            });
+        }
+    }
+
+    /// The KV bytes a pass reports reading are the stored bytes of the rows each
+    /// (query head, token) reads.
+    #[test]
+    fn attention_counts_the_stored_bytes_it_reads() {
+        let Some(ctx) = crate::testing::gpu_for_tests() else {
+            return;
+        };
+        let be = WgpuBackend::new(ctx);
+        let shape = AttentionShape {
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 32,
+        };
+        let (rows, n_tokens) = (5, 2);
+        for elem in [KvElem::F32, KvElem::F16, KvElem::Q8] {
+            let report = with_view(elem, rows, shape.n_kv_heads * shape.head_dim, |view| {
+                let part = |values: bool| -> Vec<KvRows<'_>> {
+                    view.segments
+                        .iter()
+                        .map(|s| if values { s.values } else { s.keys })
+                        .collect()
+                };
+                let keys = PackedRows::new("keys", &part(false)).unwrap();
+                let values = PackedRows::new("values", &part(true)).unwrap();
+                let q = vec![0.5f32; n_tokens * shape.n_heads * shape.head_dim];
+                let upload = |b: &[u8]| be.upload(b, "test").unwrap();
+                let (qb, kb, vb) = (
+                    upload(bytemuck::cast_slice(&q)),
+                    upload(&keys.bytes),
+                    upload(&values.bytes),
+                );
+                let kp = upload(bytemuck::cast_slice(&[0u32, 1, 2, 3, 4]));
+                let qp = upload(bytemuck::cast_slice(&[3u32, 4]));
+                let out = be.scratch(q.len() * 4, "out").unwrap();
+                let mut rec = be.recorder();
+                be.record_attention_stored(
+                    &mut rec,
+                    qb.raw(),
+                    keys.binding(kb.raw()),
+                    values.binding(vb.raw()),
+                    kp.raw(),
+                    qp.raw(),
+                    n_tokens,
+                    rows,
+                    &shape,
+                    out.raw(),
+                )
+                .unwrap();
+                rec.finish(&[(out.raw(), 0, 4)]).unwrap().1
+            });
+            let elems = (n_tokens * shape.n_heads * rows * shape.head_dim) as u64;
+            let per_16 = match elem {
+                KvElem::F32 => 64,
+                KvElem::F16 => 32,
+                KvElem::Q8 => 17,
+            };
+            assert_eq!(report.kv_bytes_read, 2 * elems * per_16 / 16, "{elem:?}");
+        }
     }
 }
