@@ -15,7 +15,7 @@ use serde_json::json;
 
 use crate::common::{self, human_bytes};
 use crate::tiered::{self, StoreArgs, StoreKind};
-use ballast_kv_cache::Precision;
+use ballast_kv_cache::{Precision, UpdateMode};
 
 /// Flags of `ballast bench` (as llama-bench's).
 #[derive(Args, Debug)]
@@ -137,7 +137,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     // One spinner line on stderr while the tests run; stdout holds only the results.
     let progress = indicatif::ProgressBar::new_spinner();
     progress.enable_steady_tick(std::time::Duration::from_millis(120));
-    let mut device_report: Option<(PassReport, PassReport, u64)> = None;
+    let mut device_report: Option<DeviceReport> = None;
     for &t in &threads {
         let backend = common::backend(args.device, t)?;
         let on_device = backend.device_forward().is_some();
@@ -294,7 +294,23 @@ pub fn run(args: BenchArgs) -> Result<()> {
             }
             let profiled = last();
             let peak = memory.map_or(0, |m| m.bytes().1);
-            device_report = Some((plain, profiled, peak));
+            // The device's KV cache per element type: one short pass on a cache of
+            // each (same context), reading what the pass says it attended over.
+            let shape = session.model().kv_shape();
+            let mut kv_device = Vec::new();
+            for p in [Precision::F32, Precision::F16, Precision::Q8] {
+                let cache = ballast_kv_cache::new_cache(UpdateMode::PointerShift, shape, ctx, p)?;
+                let mut s = Session::with_cache(session.model().share(), cache, None);
+                s.feed_greedy(&tokens[..tokens.len().min(2)])?;
+                kv_device.push((p.name(), last().kv_device_bytes));
+            }
+            device_report = Some(DeviceReport {
+                plain,
+                profiled,
+                peak,
+                context: ctx,
+                kv_device,
+            });
         }
     }
     // KV-cache memory per cached token (keys and values of every layer) per precision.
@@ -352,7 +368,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .collect();
         // Before the device report, which stays the last line.
         println!("{}", json!({ "kv_bytes_per_token": kv }));
-        if let Some((plain, profiled, peak)) = &device_report {
+        if let Some(DeviceReport {
+            plain,
+            profiled,
+            peak,
+            kv_device,
+            ..
+        }) = &device_report
+        {
             let kernels: Vec<_> = profiled
                 .kernels
                 .iter()
@@ -363,6 +386,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 json!({
                     "backend": backend_name,
                     "peak_device_bytes": peak,
+                    "device_kv_bytes": kv_device
+                        .iter()
+                        .map(|(name, b)| (name.to_string(), json!(b)))
+                        .collect::<serde_json::Map<String, serde_json::Value>>(),
                     "decode_token": {
                         "context_tokens": plain.tokens + args.n_gen.max(1) - 1,
                         "submissions": plain.submissions,
@@ -463,8 +490,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(kib) = peak_rss_kib() {
         println!("peak resident memory: {}", human_bytes(kib * 1024));
     }
-    if let Some((plain, profiled, peak)) = &device_report {
-        print_device_report(plain, profiled, *peak, args.n_gen.max(1));
+    if let Some(report) = &device_report {
+        print_device_report(report, args.n_gen.max(1));
     }
     let shown: Vec<String> = kv_per_token
         .iter()
@@ -475,10 +502,31 @@ pub fn run(args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-fn print_device_report(plain: &PassReport, profiled: &PassReport, peak: u64, context: usize) {
+/// What the device backend reported: a decoded token as is and profiled, the peak
+/// device memory, and the device's KV cache per element type at `context` tokens.
+struct DeviceReport {
+    plain: PassReport,
+    profiled: PassReport,
+    peak: u64,
+    context: usize,
+    kv_device: Vec<(&'static str, u64)>,
+}
+
+fn print_device_report(report: &DeviceReport, context: usize) {
+    let (plain, profiled) = (&report.plain, &report.profiled);
     println!(
         "peak device memory: {} (every buffer the backend allocated)",
-        human_bytes(peak)
+        human_bytes(report.peak)
+    );
+    let kv: Vec<String> = report
+        .kv_device
+        .iter()
+        .map(|(name, b)| format!("{name} {}", human_bytes(*b)))
+        .collect();
+    println!(
+        "device KV cache at a context of {} tokens (--kv-dtype): {}",
+        report.context,
+        kv.join(", ")
     );
     println!(
         "one decoded token at context {context}: {} submission(s), {} dispatches, {} moved \

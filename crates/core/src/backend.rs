@@ -302,6 +302,9 @@ pub struct PassReport {
     /// Weight bytes uploaded from the host for this pass (streamed layers: a store's RAM
     /// tier or disk slots); zero when every weight is resident on the device.
     pub bytes_uploaded: u64,
+    /// Device bytes of the KV cache the pass attended over (keys, values and positions
+    /// of every layer, at the cache's capacity, in the device's element type).
+    pub kv_device_bytes: u64,
     /// True if the device has timestamp queries.
     pub timestamps: bool,
     /// Time per kernel (empty unless profiling on a device with timestamps).

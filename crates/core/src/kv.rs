@@ -47,6 +47,29 @@ impl KvDtype {
     }
 }
 
+/// The element type a cache stores rows in, as [`KvRows`] shows them: what a device
+/// that keeps the cache's rows stores too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvElement {
+    /// f32.
+    F32,
+    /// f16.
+    F16,
+    /// int8 with an f16 scale per [`Q8_BLOCK`] elements.
+    Q8,
+}
+
+impl KvElement {
+    /// Bytes a row of `dim` elements takes: 4, 2 or 34/32 per element.
+    pub fn row_bytes(self, dim: usize) -> usize {
+        match self {
+            KvElement::F32 => 4 * dim,
+            KvElement::F16 => 2 * dim,
+            KvElement::Q8 => dim + 2 * dim.div_ceil(Q8_BLOCK),
+        }
+    }
+}
+
 /// Elements per scale of [`KvRows::Q8`]: the rows are cut into blocks of this many
 /// consecutive elements (counted from the start of the slice), each with one scale.
 pub const Q8_BLOCK: usize = 32;
@@ -153,6 +176,8 @@ impl KvView<'_> {
 pub trait KvCache: Send {
     /// Shape of the cached keys and values.
     fn shape(&self) -> KvShape;
+    /// The element type rows are stored in.
+    fn element(&self) -> KvElement;
     /// Most tokens this cache can hold.
     fn capacity(&self) -> usize;
     /// Number of tokens cached in layer 0 (all layers, between passes).
@@ -402,6 +427,13 @@ impl DenseKv {
 impl KvCache for DenseKv {
     fn shape(&self) -> KvShape {
         self.shape
+    }
+
+    fn element(&self) -> KvElement {
+        match self.dtype {
+            KvDtype::F32 => KvElement::F32,
+            KvDtype::F16 => KvElement::F16,
+        }
     }
 
     fn capacity(&self) -> usize {

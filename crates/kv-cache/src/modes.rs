@@ -7,7 +7,9 @@ use std::io::{Read, Write};
 use std::ops::Range;
 
 use ballast_core::store::TierBytes;
-use ballast_core::{Error, KvCache, KvSegment, KvShape, KvView, Result, MASKED_POSITION};
+use ballast_core::{
+    Error, KvCache, KvElement, KvSegment, KvShape, KvView, Result, MASKED_POSITION,
+};
 
 use crate::rows::{Precision, Rows};
 
@@ -825,6 +827,13 @@ macro_rules! kv_cache_impl {
                 self.core.moved +=
                     (positions.len() * (self.core.precision.row_bytes(dim) + 4)) as u64;
                 Ok(())
+            }
+            fn element(&self) -> KvElement {
+                match self.core.precision {
+                    Precision::F32 => KvElement::F32,
+                    Precision::F16 => KvElement::F16,
+                    Precision::Q8 => KvElement::Q8,
+                }
             }
             fn held_bytes(&self) -> TierBytes {
                 self.core.held()

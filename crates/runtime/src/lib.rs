@@ -77,8 +77,8 @@ pub use backend::{Backend, CpuBackend};
 pub use error::{Error, Result};
 pub use ffn::{DenseFfn, FeedForward};
 pub use kv::{
-    DenseKv, KvCache, KvDtype, KvPolicy, KvRows, KvSegment, KvShape, KvView, MASKED_POSITION,
-    Q8_BLOCK,
+    DenseKv, KvCache, KvDtype, KvElement, KvPolicy, KvRows, KvSegment, KvShape, KvView,
+    MASKED_POSITION, Q8_BLOCK,
 };
 pub use model::{Model, ModelConfig};
 pub use sampler::{Sampler, SamplerConfig};

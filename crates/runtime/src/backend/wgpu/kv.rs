@@ -2,14 +2,15 @@
 //! from the host cache where they differ, appended to by the pass itself.
 
 use super::*;
+use crate::kv::{KvElement, Q8_BLOCK};
+use ops::KvElem;
 
-/// The device's copy of the KV cache, mirroring the host [`KvCache`] of a session. It
-/// holds f32: new keys and values stay as computed (the host cache rounds them to its
-/// own storage type on append, f16 by default); tokens re-uploaded from the host carry
-/// the host's rounding. Rounding the device copy to f16 as well, with attention still
-/// summed in f32, was tried: it moved the default model's greedy ids off llama.cpp's
-/// at a 0.06 margin, so the device keeps the exact values.
+/// The device's copy of the KV cache, mirroring the host [`KvCache`] of a session, in
+/// the element type [`mirror_element`] gives: the pass writes new rows into it with
+/// `kv_write` (rounded exactly as the host rounds them) and attention reads it as
+/// stored, so the device holds what the host holds.
 pub(super) struct KvMirror {
+    pub(super) elem: KvElem,
     pub(super) capacity: usize,
     pub(super) kv_dim: usize,
     pub(super) keys: Vec<GpuBuffer>,
@@ -26,6 +27,67 @@ pub(super) struct KvMirror {
 
 /// Device KV mirrors a backend keeps at once (one per session recently run).
 pub const MAX_KV_MIRRORS: usize = 4;
+
+/// The element type a device mirror of a host cache of `host` elements stores: the
+/// same, except f16, which the device keeps in f32, exact as computed. Rounding the
+/// device copy to f16 with attention summed in f32 moved the default model's greedy ids
+/// off llama.cpp's at a 0.06 margin (the CPU backend rounds the query and the running
+/// sums to f16 at every key, as llama.cpp does); until the device attention does the
+/// same, an f16 cache costs f32 on the device.
+pub(super) fn mirror_element(host: KvElement) -> KvElem {
+    match host {
+        KvElement::F32 | KvElement::F16 => KvElem::F32,
+        KvElement::Q8 => KvElem::Q8,
+    }
+}
+
+/// Writes rows `from..rows` of `packed` (a cache's `rows` rows of `dim` elements, as
+/// stored) into a mirror buffer of `capacity` rows. Starts at an even row, so every
+/// region starts on a 4-byte boundary, and pads the tail to whole words (the rows after
+/// `rows` are unused).
+fn write_rows(
+    queue: &wgpu::Queue,
+    buffer: &wgpu::Buffer,
+    packed: &PackedRows,
+    rows: usize,
+    from: usize,
+    dim: usize,
+    capacity: usize,
+) {
+    let write = |at: usize, bytes: &[u8]| {
+        if bytes.is_empty() {
+            return;
+        }
+        if bytes.len() % 4 == 0 {
+            queue.write_buffer(buffer, at as u64, bytes);
+        } else {
+            let mut padded = bytes.to_vec();
+            padded.resize(bytes.len().next_multiple_of(4), 0);
+            queue.write_buffer(buffer, at as u64, &padded);
+        }
+    };
+    let from = from & !1;
+    match packed.elem {
+        KvElem::F32 => write(
+            from * dim * 4,
+            &packed.bytes[from * dim * 4..rows * dim * 4],
+        ),
+        KvElem::F16 => write(
+            from * dim * 2,
+            &packed.bytes[from * dim * 2..rows * dim * 2],
+        ),
+        KvElem::Q8 => {
+            write(from * dim, &packed.bytes[from * dim..rows * dim]);
+            let per_row = 2 * dim.div_ceil(Q8_BLOCK);
+            let src = KvElem::Q8.scale_word(rows * dim) * 4;
+            let dst = KvElem::Q8.scale_word(capacity * dim) * 4;
+            write(
+                dst + from * per_row,
+                &packed.bytes[src + from * per_row..src + rows * per_row],
+            );
+        }
+    }
+}
 
 /// Cached keys, values and positions of `kv` as flat host f32 arrays.
 pub(super) fn flatten_view(kv: &KvView<'_>) -> (Vec<f32>, Vec<f32>, Vec<u32>) {
@@ -54,8 +116,10 @@ impl WgpuBackend {
         let capacity = kv.capacity();
         let owner = kv as *const dyn KvCache as *const () as usize;
         let clock = mirrors.iter().map(|m| m.last_use).max().unwrap_or(0) + 1;
+        let elem = mirror_element(kv.element());
         let found = mirrors.iter().position(|m| {
             m.owner == owner
+                && m.elem == elem
                 && m.capacity == capacity
                 && m.kv_dim == kv_dim
                 && m.keys.len() == n_layers
@@ -72,7 +136,7 @@ impl WgpuBackend {
                 }
                 // Exact sizes, not the pool's powers of two: the mirror is the largest
                 // buffer set after the weights, and a plan reserves what it needs.
-                let bytes = (capacity.max(1) * kv_dim * 4) as u64;
+                let bytes = elem.buffer_bytes(capacity.max(1) * kv_dim) as u64;
                 let usage = wgpu::BufferUsages::STORAGE
                     | wgpu::BufferUsages::COPY_DST
                     | wgpu::BufferUsages::COPY_SRC;
@@ -83,6 +147,7 @@ impl WgpuBackend {
                     values.push(self.ctx.buffer_with_usage(bytes, usage, "kv values")?);
                 }
                 mirrors.push(KvMirror {
+                    elem,
                     capacity,
                     kv_dim,
                     keys,
@@ -117,23 +182,47 @@ impl WgpuBackend {
         }
         let queue = self.ctx.queue();
         for l in 0..n_layers {
-            let (k, v, _) = flatten_view(&kv.view(l));
-            if k.len() != host_positions.len() * kv_dim {
+            let view = kv.view(l);
+            let rows: usize = view.segments.iter().map(|s| s.positions.len()).sum();
+            if rows != host_positions.len() {
                 return Err(Error::KvFormat {
                     why: format!("layer {l} holds a different number of tokens than layer 0"),
                 });
             }
-            let from = same * kv_dim;
-            if from < k.len() {
-                queue.write_buffer(
-                    mirror.keys[l].raw(),
-                    (from * 4) as u64,
-                    bytemuck::cast_slice(&k[from..]),
-                );
-                queue.write_buffer(
-                    mirror.values[l].raw(),
-                    (from * 4) as u64,
-                    bytemuck::cast_slice(&v[from..]),
+            if same >= rows {
+                continue;
+            }
+            let (k, v) = if elem == KvElem::F32 {
+                // An f16 host cache widened to the f32 mirror (see mirror_element).
+                let (k, v, _) = flatten_view(&view);
+                let as_packed = |x: Vec<f32>| PackedRows {
+                    elem,
+                    elems: x.len(),
+                    bytes: bytemuck::cast_slice(&x).to_vec(),
+                };
+                (as_packed(k), as_packed(v))
+            } else {
+                let keys: Vec<KvRows<'_>> = view.segments.iter().map(|s| s.keys).collect();
+                let values: Vec<KvRows<'_>> = view.segments.iter().map(|s| s.values).collect();
+                (
+                    PackedRows::new("keys", &keys)?,
+                    PackedRows::new("values", &values)?,
+                )
+            };
+            for (packed, buffer) in [(&k, &mirror.keys[l]), (&v, &mirror.values[l])] {
+                if packed.elem != elem {
+                    return Err(Error::KvFormat {
+                        why: format!("layer {l}'s rows are not stored as the cache says"),
+                    });
+                }
+                write_rows(
+                    queue,
+                    buffer.raw(),
+                    packed,
+                    rows,
+                    same,
+                    kv_dim,
+                    mirror.capacity,
                 );
             }
         }

@@ -251,40 +251,6 @@ impl WgpuBackend {
         );
     }
 
-    /// Records attention over the device pass's f32 KV mirror.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn record_attention(
-        &self,
-        rec: &mut Recorder<'_>,
-        q: &wgpu::Buffer,
-        keys: &wgpu::Buffer,
-        values: &wgpu::Buffer,
-        kpos: &wgpu::Buffer,
-        qpos: &wgpu::Buffer,
-        n_tokens: usize,
-        n_cached: usize,
-        shape: &AttentionShape,
-        out: &wgpu::Buffer,
-    ) -> Result<()> {
-        let f32_rows = |buffer| KvBinding {
-            buffer,
-            elem: KvElem::F32,
-            scale_word: 0,
-        };
-        self.record_attention_stored(
-            rec,
-            q,
-            f32_rows(keys),
-            f32_rows(values),
-            kpos,
-            qpos,
-            n_tokens,
-            n_cached,
-            shape,
-            out,
-        )
-    }
-
     /// Records attention of `n_tokens` queries over `n_cached` rows of keys and values
     /// read in their stored type (the kernel dequantizes as it reads), counting the
     /// stored bytes as KV bytes read.

@@ -10,6 +10,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::ops::{KvBinding, KvElem};
 use super::record::{Params, Recorder};
 use super::{rope_table, DeviceWeight, WgpuBackend, ARGMAX};
 use crate::backend::{DeviceForward, DeviceForwardInput, LayerSource, Rope};
@@ -114,6 +115,9 @@ impl DeviceForward for WgpuBackend {
             bytemuck::cast_slice(positions),
         );
         let idb = self.upload(bytemuck::cast_slice(ids), "token ids")?;
+        // The mirror rows the new tokens take (kv_write's slot list).
+        let new_slots: Vec<u32> = (cached as u32..(cached + n) as u32).collect();
+        let slots = self.upload(bytemuck::cast_slice(&new_slots), "kv slots")?;
         let qpos = self.upload(bytemuck::cast_slice(positions), "positions")?;
         let bufs = graph
             .tensors()
@@ -226,10 +230,27 @@ impl DeviceForward for WgpuBackend {
                             values: graph.desc(*v).len(),
                         });
                     }
-                    let at = (cached * kvd * 4) as u64;
                     let len = new_kv_bytes as u64;
-                    rec.copy(buf(*k), 0, mirror.keys[l].raw(), at, len);
-                    rec.copy(buf(*v), 0, mirror.values[l].raw(), at, len);
+                    if mirror.elem == KvElem::F32 {
+                        let at = (cached * kvd * 4) as u64;
+                        rec.copy(buf(*k), 0, mirror.keys[l].raw(), at, len);
+                        rec.copy(buf(*v), 0, mirror.values[l].raw(), at, len);
+                    } else {
+                        // Rounded into the mirror's type exactly as the host cache
+                        // rounds what it is handed below.
+                        for (src, dst) in [(k, &mirror.keys[l]), (v, &mirror.values[l])] {
+                            self.record_kv_write(
+                                &mut rec,
+                                mirror.elem,
+                                buf(*src),
+                                n,
+                                kvd,
+                                slots.raw(),
+                                dst.raw(),
+                                mirror.capacity,
+                            )?;
+                        }
+                    }
                     rec.copy(buf(*k), 0, new_kv.raw(), (2 * l) as u64 * len, len);
                     rec.copy(buf(*v), 0, new_kv.raw(), (2 * l + 1) as u64 * len, len);
                 }
@@ -248,11 +269,16 @@ impl DeviceForward for WgpuBackend {
                             })
                         }
                     };
-                    self.record_attention(
+                    let binding = |buffer| KvBinding {
+                        buffer,
+                        elem: mirror.elem,
+                        scale_word: mirror.elem.scale_word(mirror.capacity * kvd),
+                    };
+                    self.record_attention_stored(
                         &mut rec,
                         buf(*q),
-                        keys,
-                        values,
+                        binding(keys),
+                        binding(values),
                         mirror.positions.raw(),
                         qpos.raw(),
                         n,
@@ -365,6 +391,14 @@ impl DeviceForward for WgpuBackend {
             }
             None => None,
         };
+        let m = &mirrors[at];
+        report.kv_device_bytes = m
+            .keys
+            .iter()
+            .chain(&m.values)
+            .map(|b| b.size())
+            .sum::<u64>()
+            + m.positions.size();
         report.wall = start.elapsed();
         report.tokens = n;
         *self.report.lock().unwrap_or_else(|p| p.into_inner()) = report;
