@@ -32,8 +32,12 @@ pub const MAX_KV_MIRRORS: usize = 4;
 /// same, except f16, which the device keeps in f32, exact as computed. Rounding the
 /// device copy to f16 with attention summed in f32 moved the default model's greedy ids
 /// off llama.cpp's at a 0.06 margin (the CPU backend rounds the query and the running
-/// sums to f16 at every key, as llama.cpp does); until the device attention does the
-/// same, an f16 cache costs f32 on the device.
+/// sums to f16 at every key, as llama.cpp does); an attention kernel in that exact order
+/// (online softmax, f16 running sums, ggml's 64-lane dot order) was tried too and still
+/// moved them (a step where llama.cpp's margin is wide came out at a 0.0005 gap: the
+/// device's matmul order differs anyway, and the f32 copy happens to stay on the path).
+/// So an f16 cache costs f32 on the device until the device pass is held to llama.cpp
+/// by something less brittle than greedy ids.
 pub(super) fn mirror_element(host: KvElement) -> KvElem {
     match host {
         KvElement::F32 | KvElement::F16 => KvElem::F32,
