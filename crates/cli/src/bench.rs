@@ -394,6 +394,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                         "context_tokens": plain.tokens + args.n_gen.max(1) - 1,
                         "submissions": plain.submissions,
                         "dispatches": plain.dispatches,
+                        "bind_groups_made": plain.bind_groups_made,
                         "bytes_moved": plain.bytes_moved(),
                         "weight_bytes_read": plain.weight_bytes_read,
                         "kv_bytes_read": plain.kv_bytes_read,
@@ -529,11 +530,12 @@ fn print_device_report(report: &DeviceReport, context: usize) {
         kv.join(", ")
     );
     println!(
-        "one decoded token at context {context}: {} submission(s), {} dispatches, {} moved \
-         (weights {}, KV {}, activations {}, writes {}), {} read back, {} of streamed \
-         weights uploaded",
+        "one decoded token at context {context}: {} submission(s), {} dispatches ({} new bind \
+         groups), {} moved (weights {}, KV {}, activations {}, writes {}), {} read back, {} \
+         of streamed weights uploaded",
         plain.submissions,
         plain.dispatches,
+        plain.bind_groups_made,
         human_bytes(plain.bytes_moved()),
         human_bytes(plain.weight_bytes_read),
         human_bytes(plain.kv_bytes_read),

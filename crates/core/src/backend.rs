@@ -289,6 +289,9 @@ pub struct PassReport {
     pub submissions: usize,
     /// Compute dispatches.
     pub dispatches: usize,
+    /// Bind groups made on the device context while the pass was recorded (the others
+    /// came from its cache).
+    pub bind_groups_made: u64,
     /// Weight bytes read by the matrix products and the embedding lookup.
     pub weight_bytes_read: u64,
     /// Key and value bytes read by attention.

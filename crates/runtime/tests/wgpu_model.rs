@@ -572,3 +572,29 @@ fn dropping_a_model_releases_its_device_weights() {
     let again = all_logits(&mut load(&spec, backend.clone()), &IDS);
     assert_eq!(again, first);
 }
+
+/// A decode pass binds the buffers the previous one bound (the backend keeps a pass's
+/// buffers): once warm, it makes no new bind group.
+#[test]
+fn decode_passes_reuse_their_bind_groups() {
+    if gpu().is_none() {
+        return;
+    }
+    // A context of its own: the count is per context, and other tests run beside this.
+    let ctx = GpuContext::new().unwrap();
+    let spec = TinyModelSpec::default();
+    let backend = Arc::new(WgpuBackend::new(ctx.clone()));
+    let mut session = Session::new(load(&spec, backend), 64);
+    let mut next = session.feed_greedy(&IDS).unwrap();
+    let mut made = Vec::new();
+    for _ in 0..4 {
+        let before = ctx.bind_groups_made();
+        next = session.feed_greedy(&[next]).unwrap();
+        made.push(ctx.bind_groups_made() - before);
+    }
+    assert_eq!(
+        made[2..],
+        [0, 0],
+        "bind groups made per decode pass: {made:?}"
+    );
+}

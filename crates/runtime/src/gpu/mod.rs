@@ -214,6 +214,15 @@ pub struct Shader {
 
 type PipelineKey = (&'static str, &'static str, Vec<(&'static str, u64)>);
 
+/// What a bind group binds: the pipeline, the parameter buffer and the offset of the
+/// dispatch's slot in it, and the buffers in binding order. wgpu compares these handles
+/// by identity, and the key holds them, so no other buffer can take their place.
+type BindKey = (wgpu::ComputePipeline, wgpu::Buffer, u64, Vec<wgpu::Buffer>);
+
+/// Bind groups kept at most; past it the cache starts again (a decode pass makes a few
+/// hundred, the same ones every token).
+const MAX_BIND_GROUPS: usize = 8192;
+
 /// The device, its queue and what the backend keeps around them.
 pub struct GpuContext {
     device: wgpu::Device,
@@ -223,6 +232,12 @@ pub struct GpuContext {
     timestamps: bool,
     pipelines: Mutex<HashMap<PipelineKey, Arc<wgpu::ComputePipeline>>>,
     modules: Mutex<HashMap<&'static str, wgpu::ShaderModule>>,
+    /// Bind groups by what they bind: a decode pass over a backend's pass buffers binds
+    /// the same weights, activations and parameter slots every token, so its bind groups
+    /// are made once.
+    bind_groups: Mutex<HashMap<BindKey, wgpu::BindGroup>>,
+    /// Bind groups made so far (not found in the cache).
+    bind_groups_made: AtomicU64,
     pool: Arc<BufferPool>,
     memory: Arc<MemoryCount>,
     /// The first error the device reported since it was last checked.
@@ -365,6 +380,8 @@ impl GpuContext {
             timestamps,
             pipelines: Mutex::default(),
             modules: Mutex::default(),
+            bind_groups: Mutex::default(),
+            bind_groups_made: AtomicU64::new(0),
             pool: Arc::default(),
             memory: Arc::default(),
             device_error,
@@ -424,6 +441,69 @@ impl GpuContext {
         {
             Some(what) => Err(Error::Gpu { what }),
             None => Ok(()),
+        }
+    }
+
+    /// The bind group of a dispatch of `pipeline`: binding 0 is `params_size` bytes of
+    /// `params` at `offset`, bindings 1.. are `buffers` whole. Made once per distinct set
+    /// and reused after.
+    pub fn bind_group(
+        &self,
+        pipeline: &wgpu::ComputePipeline,
+        params: &wgpu::Buffer,
+        offset: u64,
+        params_size: u64,
+        buffers: &[&wgpu::Buffer],
+        label: &str,
+    ) -> wgpu::BindGroup {
+        let key: BindKey = (
+            pipeline.clone(),
+            params.clone(),
+            offset,
+            buffers.iter().map(|b| (*b).clone()).collect(),
+        );
+        let mut cache = self.bind_groups.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(g) = cache.get(&key) {
+            return g.clone();
+        }
+        let mut entries = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: params,
+                offset,
+                size: std::num::NonZeroU64::new(params_size),
+            }),
+        }];
+        for (i, b) in buffers.iter().enumerate() {
+            entries.push(wgpu::BindGroupEntry {
+                binding: i as u32 + 1,
+                resource: b.as_entire_binding(),
+            });
+        }
+        let group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some(label),
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &entries,
+        });
+        self.bind_groups_made.fetch_add(1, Ordering::Relaxed);
+        if cache.len() >= MAX_BIND_GROUPS {
+            cache.clear();
+        }
+        cache.insert(key, group.clone());
+        group
+    }
+
+    /// Bind groups made so far: a pass that binds what an earlier one bound makes none.
+    pub fn bind_groups_made(&self) -> u64 {
+        self.bind_groups_made.load(Ordering::Relaxed)
+    }
+
+    /// Fills `buffer` with NaN bits if scratch poisoning is on ([`GpuContext::set_poison`]):
+    /// for buffers handed out again without going through [`GpuContext::buffer`].
+    pub fn poison_if_on(&self, buffer: &GpuBuffer) {
+        if self.poison.load(Ordering::Relaxed) {
+            self.queue
+                .write_buffer(buffer.raw(), 0, &vec![0xff; buffer.size() as usize]);
         }
     }
 

@@ -52,7 +52,7 @@ use crate::quant;
 use crate::weights::{Weight, WeightId};
 use kv::KvMirror;
 use ops::{rope_table, PackedRows};
-use record::{Params, Recorder};
+use record::{Params, PassArena, Recorder};
 use stream::StreamRing;
 pub use stream::DEFAULT_STREAM_SLOTS;
 use weights::{CachedVector, DeviceWeight};
@@ -132,6 +132,8 @@ pub struct WgpuBackend {
     max_chunk_bytes: u64,
     profile: std::sync::atomic::AtomicBool,
     report: Mutex<PassReport>,
+    /// The device pass's buffers, kept from one pass to the next.
+    arena: PassArena,
 }
 
 impl WgpuBackend {
@@ -159,6 +161,7 @@ impl WgpuBackend {
             max_chunk_bytes,
             profile: Default::default(),
             report: Mutex::default(),
+            arena: PassArena::default(),
         }
     }
 
@@ -184,6 +187,16 @@ impl WgpuBackend {
         Recorder::new(
             &self.ctx,
             self.profile.load(std::sync::atomic::Ordering::Relaxed),
+        )
+    }
+
+    /// A recorder for a device pass: its buffers come from the backend's arena, so the
+    /// next pass binds the same ones.
+    fn pass_recorder(&self) -> Recorder<'_> {
+        Recorder::with_arena(
+            &self.ctx,
+            self.profile.load(std::sync::atomic::Ordering::Relaxed),
+            &self.arena,
         )
     }
 }

@@ -268,7 +268,9 @@ impl WgpuBackend {
         shape: &AttentionShape,
         out: &wgpu::Buffer,
     ) -> Result<()> {
-        let stride = n_cached.max(1);
+        // A power of two, so the buffer's size (and the bind group with it) changes only
+        // as often as the cache doubles.
+        let stride = n_cached.max(1).next_power_of_two();
         let scores = rec.scratch(
             "attention scores",
             0,

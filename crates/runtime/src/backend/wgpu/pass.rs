@@ -16,7 +16,6 @@ use super::{rope_table, DeviceWeight, WgpuBackend, ARGMAX};
 use crate::backend::{DeviceForward, DeviceForwardInput, LayerSource, Rope};
 use crate::error::{Error, Result};
 use crate::ffn::FeedForward;
-use crate::gpu::GpuBuffer;
 use crate::graph::{Graph, Op, TensorId, WeightRef};
 use crate::kv::KvCache;
 use crate::weights::LayerWeights;
@@ -114,24 +113,26 @@ impl DeviceForward for WgpuBackend {
             (cached * 4) as u64,
             bytemuck::cast_slice(positions),
         );
-        let idb = self.upload(bytemuck::cast_slice(ids), "token ids")?;
+        // Every buffer of the pass comes from the backend's arena: the next pass of the
+        // same shape binds the same ones, and makes no bind group.
+        let mut rec = self.pass_recorder();
+        let idb = rec.upload("token ids", bytemuck::cast_slice(ids))?;
         // The mirror rows the new tokens take (kv_write's slot list).
         let new_slots: Vec<u32> = (cached as u32..(cached + n) as u32).collect();
-        let slots = self.upload(bytemuck::cast_slice(&new_slots), "kv slots")?;
-        let qpos = self.upload(bytemuck::cast_slice(positions), "positions")?;
+        let slots = rec.upload("kv slots", bytemuck::cast_slice(&new_slots))?;
+        let qpos = rec.upload("positions", bytemuck::cast_slice(positions))?;
         let bufs = graph
             .tensors()
             .iter()
-            .map(|t| self.scratch(t.len().max(1) * 4, t.name))
-            .collect::<Result<Vec<GpuBuffer>>>()?;
-        let buf = |t: TensorId| bufs[t.index()].raw();
+            .map(|t| rec.buffer(t.name, (t.len().max(1) * 4) as u64))
+            .collect::<Result<Vec<wgpu::Buffer>>>()?;
+        let buf = |t: TensorId| &bufs[t.index()];
         // The new keys and values of every layer, read back with the logits.
         let new_kv_bytes = n * kvd * 4;
-        let new_kv = self.scratch((2 * n_layers * new_kv_bytes).max(4), "new kv")?;
+        let new_kv = rec.buffer("new kv", (2 * n_layers * new_kv_bytes).max(4) as u64)?;
         // One cos/sin table per distinct RoPE of the pass.
-        let mut rope_tables: Vec<(Rope, usize, GpuBuffer)> = Vec::new();
+        let mut rope_tables: Vec<(Rope, usize, wgpu::Buffer)> = Vec::new();
 
-        let mut rec = self.recorder();
         let mut layer: Option<CurrentLayer> = None;
         // Stream slots written since the last submission.
         let mut slots_in_use = Vec::new();
@@ -147,7 +148,7 @@ impl DeviceForward for WgpuBackend {
                         });
                     }
                     let embd = self.weight(w)?;
-                    self.record_embed(&mut rec, &embd, idb.raw(), n, buf(*out));
+                    self.record_embed(&mut rec, &embd, &idb, n, buf(*out));
                 }
                 Op::BeginLayer { layer: l } => {
                     // The store gets a streamed layer's slot back before the next is asked.
@@ -210,12 +211,12 @@ impl DeviceForward for WgpuBackend {
                         Some(i) => i,
                         None => {
                             let table = rope_table(positions, *head_dim, rope);
-                            let b = self.upload(bytemuck::cast_slice(&table), "rope table")?;
+                            let b = rec.upload("rope table", bytemuck::cast_slice(&table))?;
                             rope_tables.push((*rope, *head_dim, b));
                             rope_tables.len() - 1
                         }
                     };
-                    let table = rope_tables[i].2.raw();
+                    let table = &rope_tables[i].2;
                     self.record_rope(&mut rec, buf(*x), table, n, *n_heads, *head_dim, rope);
                 }
                 Op::KvWrite { layer: l, k, v } => {
@@ -245,14 +246,14 @@ impl DeviceForward for WgpuBackend {
                                 buf(*src),
                                 n,
                                 kvd,
-                                slots.raw(),
+                                &slots,
                                 dst.raw(),
                                 mirror.capacity,
                             )?;
                         }
                     }
-                    rec.copy(buf(*k), 0, new_kv.raw(), (2 * l) as u64 * len, len);
-                    rec.copy(buf(*v), 0, new_kv.raw(), (2 * l + 1) as u64 * len, len);
+                    rec.copy(buf(*k), 0, &new_kv, (2 * l) as u64 * len, len);
+                    rec.copy(buf(*v), 0, &new_kv, (2 * l + 1) as u64 * len, len);
                 }
                 Op::Attention {
                     layer: l,
@@ -280,7 +281,7 @@ impl DeviceForward for WgpuBackend {
                         binding(keys),
                         binding(values),
                         mirror.positions.raw(),
-                        qpos.raw(),
+                        &qpos,
                         n,
                         cached + n,
                         shape,
@@ -330,9 +331,9 @@ impl DeviceForward for WgpuBackend {
             }
         }
         drop(layer);
-        let best = self.scratch(4, "argmax")?;
+        let best = rec.buffer("argmax", 4)?;
         let kv_total = (2 * n_layers * new_kv_bytes) as u64;
-        let mut sources = vec![(new_kv.raw(), 0, kv_total)];
+        let mut sources = vec![(&new_kv, 0, kv_total)];
         if let Some(logits) = graph.logits() {
             let d = graph.desc(logits);
             if graph.greedy() {
@@ -341,17 +342,15 @@ impl DeviceForward for WgpuBackend {
                 let row = if last == 0 {
                     buf(logits).clone()
                 } else {
-                    let row = self.scratch(vocab * 4, "last logits")?;
-                    rec.copy(buf(logits), last, row.raw(), 0, (vocab * 4) as u64);
-                    let raw = row.raw().clone();
-                    rec.keep(row);
-                    raw
+                    let row = rec.buffer("last logits", (vocab * 4) as u64)?;
+                    rec.copy(buf(logits), last, &row, 0, (vocab * 4) as u64);
+                    row
                 };
                 rec.dispatch(
                     &ARGMAX,
                     "argmax",
                     &[],
-                    &[&row, best.raw()],
+                    &[&row, &best],
                     Params::new([vocab as u32, 0, 0, 0], [0; 4], [0.0; 4]),
                     [1, 1, 1],
                     "argmax",
@@ -359,7 +358,7 @@ impl DeviceForward for WgpuBackend {
                     4,
                     0,
                 );
-                sources.push((best.raw(), 0, 4));
+                sources.push((&best, 0, 4));
             } else {
                 sources.push((buf(logits), 0, (d.len() * 4) as u64));
             }

@@ -2,7 +2,8 @@
 //! counts the bytes each moves, optionally times each with timestamp queries, and
 //! submits them all at once with the one read-back.
 
-use std::num::NonZeroU64;
+use std::collections::HashMap;
+use std::sync::Mutex;
 
 use crate::backend::{KernelTime, PassReport};
 use crate::error::Result;
@@ -30,8 +31,48 @@ const SLOTS_PER_CHUNK: u64 = 64;
 const MAX_QUERIES: u32 = 4096;
 
 struct ParamChunk {
-    buffer: GpuBuffer,
+    buffer: wgpu::Buffer,
+    /// The buffer when the pass owns it (no arena).
+    _owned: Option<GpuBuffer>,
     bytes: Vec<u8>,
+}
+
+/// Device buffers a backend keeps from one pass to the next: a pass's activations,
+/// inputs and parameter slots, found again by what they are for, their order among the
+/// requests for that purpose, and their size. A decode pass then binds the buffers the
+/// previous one bound, so its bind groups come from the context's cache instead of being
+/// made anew every token.
+#[derive(Default)]
+pub(crate) struct PassArena {
+    buffers: Mutex<HashMap<(&'static str, u32, u64), GpuBuffer>>,
+}
+
+/// Buffers an arena keeps at most; past it, it starts again at the next pass (prefill
+/// chunks of many sizes would otherwise each keep a set).
+const MAX_ARENA_BUFFERS: usize = 1024;
+
+impl PassArena {
+    /// The buffer of `key`, made on first use. Only between passes may the arena drop
+    /// buffers ([`PassArena::begin_pass`]): a pass holds plain handles to them.
+    fn get(&self, ctx: &GpuContext, key: (&'static str, u32, u64)) -> Result<wgpu::Buffer> {
+        let mut map = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = map.get(&key) {
+            ctx.poison_if_on(b);
+            return Ok(b.raw().clone());
+        }
+        let b = ctx.buffer(key.2, key.0)?;
+        let raw = b.raw().clone();
+        map.insert(key, b);
+        Ok(raw)
+    }
+
+    /// Called before a pass: drops every buffer if the arena has grown past its bound.
+    fn begin_pass(&self) {
+        let mut map = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() > MAX_ARENA_BUFFERS {
+            map.clear();
+        }
+    }
 }
 
 struct Timer {
@@ -54,6 +95,12 @@ pub(crate) struct Recorder<'c> {
     scratch: Vec<((&'static str, u32, u64), GpuBuffer)>,
     report: PassReport,
     timer: Option<Timer>,
+    /// Where the pass's buffers come from and go back to, if the backend keeps them.
+    arena: Option<&'c PassArena>,
+    /// Requests so far per purpose, for the arena's keys.
+    requests: HashMap<&'static str, u32>,
+    /// The context's bind-group count when the pass began.
+    bind_groups_before: u64,
 }
 
 impl<'c> Recorder<'c> {
@@ -96,7 +143,51 @@ impl<'c> Recorder<'c> {
             scratch: Vec::new(),
             report,
             timer,
+            arena: None,
+            requests: HashMap::new(),
+            bind_groups_before: ctx.bind_groups_made(),
         }
+    }
+
+    /// A recorder whose buffers come from `arena` and stay there after the pass.
+    pub(crate) fn with_arena(
+        ctx: &'c GpuContext,
+        profile: bool,
+        arena: &'c PassArena,
+    ) -> Recorder<'c> {
+        arena.begin_pass();
+        Recorder {
+            arena: Some(arena),
+            ..Recorder::new(ctx, profile)
+        }
+    }
+
+    /// A buffer of `bytes` for `purpose`, alive until the pass has run (and, with an
+    /// arena, handed to the same request of the next pass).
+    pub(crate) fn buffer(&mut self, purpose: &'static str, bytes: u64) -> Result<wgpu::Buffer> {
+        match self.arena {
+            Some(arena) => {
+                let n = self.requests.entry(purpose).or_insert(0);
+                let key = (purpose, *n, bytes);
+                *n += 1;
+                arena.get(self.ctx, key)
+            }
+            None => {
+                let b = self.ctx.buffer(bytes, purpose)?;
+                let raw = b.raw().clone();
+                self.kept.push(b);
+                Ok(raw)
+            }
+        }
+    }
+
+    /// A buffer holding `data` (whole 4-byte words), written before the pass's commands.
+    pub(crate) fn upload(&mut self, purpose: &'static str, data: &[u8]) -> Result<wgpu::Buffer> {
+        let b = self.buffer(purpose, (data.len() as u64).max(4))?;
+        if !data.is_empty() {
+            self.ctx.queue().write_buffer(&b, 0, data);
+        }
+        Ok(b)
     }
 
     /// Keeps `buffer` out of the pool until the pass has run.
@@ -113,6 +204,9 @@ impl<'c> Recorder<'c> {
         tag: u32,
         bytes: u64,
     ) -> Result<wgpu::Buffer> {
+        if let Some(arena) = self.arena {
+            return arena.get(self.ctx, (purpose, tag, bytes));
+        }
         let key = (purpose, tag, bytes);
         if let Some((_, b)) = self.scratch.iter().find(|(k, _)| *k == key) {
             return Ok(b.raw().clone());
@@ -178,7 +272,7 @@ impl<'c> Recorder<'c> {
         for chunk in &self.params {
             self.ctx
                 .queue()
-                .write_buffer(chunk.buffer.raw(), 0, &chunk.bytes);
+                .write_buffer(&chunk.buffer, 0, &chunk.bytes);
         }
         Ok(())
     }
@@ -194,11 +288,20 @@ impl<'c> Recorder<'c> {
             .last()
             .is_none_or(|c| c.bytes.len() as u64 >= SLOTS_PER_CHUNK * self.align);
         if full {
-            let buffer = self
-                .ctx
-                .buffer(SLOTS_PER_CHUNK * self.align, "kernel parameters")?;
+            let size = SLOTS_PER_CHUNK * self.align;
+            let (buffer, owned) = match self.arena {
+                Some(arena) => {
+                    let at = self.params.len() as u32;
+                    (arena.get(self.ctx, ("kernel parameters", at, size))?, None)
+                }
+                None => {
+                    let b = self.ctx.buffer(size, "kernel parameters")?;
+                    (b.raw().clone(), Some(b))
+                }
+            };
             self.params.push(ParamChunk {
                 buffer,
+                _owned: owned,
                 bytes: Vec::new(),
             });
         }
@@ -240,29 +343,14 @@ impl<'c> Recorder<'c> {
             }
         };
         let pipeline = self.ctx.pipeline(shader, entry, constants);
-        let layout = pipeline.get_bind_group_layout(0);
-        let mut entries = vec![wgpu::BindGroupEntry {
-            binding: 0,
-            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                buffer: self.params[chunk].buffer.raw(),
-                offset,
-                size: NonZeroU64::new(PARAMS_SIZE),
-            }),
-        }];
-        for (i, b) in bindings.iter().enumerate() {
-            entries.push(wgpu::BindGroupEntry {
-                binding: i as u32 + 1,
-                resource: b.as_entire_binding(),
-            });
-        }
-        let bind_group = self
-            .ctx
-            .device()
-            .create_bind_group(&wgpu::BindGroupDescriptor {
-                label: Some(label),
-                layout: &layout,
-                entries: &entries,
-            });
+        let bind_group = self.ctx.bind_group(
+            &pipeline,
+            &self.params[chunk].buffer,
+            offset,
+            PARAMS_SIZE,
+            bindings,
+            label,
+        );
         let max = self
             .ctx
             .limits()
@@ -337,6 +425,7 @@ impl<'c> Recorder<'c> {
         let mut bytes = self.ctx.submit_and_read(self.encoder, &all)?;
         self.report.submissions += 1;
         self.report.bytes_read_back += user_bytes;
+        self.report.bind_groups_made = self.ctx.bind_groups_made() - self.bind_groups_before;
         if let Some(t) = &self.timer {
             if n_queries > 0 {
                 let stamps: Vec<u64> = bytemuck::pod_collect_to_vec(&bytes[user_bytes as usize..]);
