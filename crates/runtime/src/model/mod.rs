@@ -163,6 +163,9 @@ struct Scratch {
     buffers: Vec<Vec<f32>>,
     /// The logits of the last pass, wherever they were computed.
     logits: Vec<f32>,
+    /// The last pass's graph and what it was built for (tokens, logits wanted, whether a
+    /// policy acts between layers): decode builds one graph, not one per token.
+    graph: Option<((usize, Logits, bool), Arc<Graph>)>,
 }
 
 /// What every handle on a loaded model shares, read-only: the configuration, the
@@ -355,7 +358,19 @@ impl Model {
         policy: Option<&mut dyn KvPolicy>,
         logits: Logits,
     ) -> Result<Option<u32>> {
-        let graph = self.build(ids.len(), logits, policy.as_deref());
+        let key = (
+            ids.len(),
+            logits,
+            policy.as_deref().is_some_and(|p| p.acts_between_layers()),
+        );
+        let graph = match &self.scratch.graph {
+            Some((k, g)) if *k == key => g.clone(),
+            _ => {
+                let g = Arc::new(self.build(ids.len(), logits, policy.as_deref()));
+                self.scratch.graph = Some((key, g.clone()));
+                g
+            }
+        };
         let shared = &self.shared;
         let pass = shared.passes.next();
         let store = &shared.store;
