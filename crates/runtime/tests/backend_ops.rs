@@ -8,6 +8,7 @@
 //! The wgpu instance needs an adapter: under CI (`CI` set) a missing one fails the
 //! tests; elsewhere they are skipped with a printed reason.
 
+#[cfg(feature = "gpu")]
 use ballast_runtime::backend::ops::*;
 use std::sync::{Arc, OnceLock};
 
