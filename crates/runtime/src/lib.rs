@@ -1,18 +1,26 @@
 //! The Ballast runtime: GGUF loading, quantized CPU kernels, the tokenizer, the
 //! transformer forward pass, sampling, and the backends.
 //!
-//! The forward pass ([`Model::forward`]) is written once against five traits, defined
-//! in `ballast-core` and re-exported here with the rest of that crate's modules
-//! (`error`, `ggml_type`, `gguf`, `weights`, `store`, `kv`, `graph`, `ffn`, and
-//! `backend`'s trait and types; `model::blocks` and `ModelConfig`), at the same paths:
+//! The forward pass ([`Model::forward`]) is emitted once per architecture as a
+//! [`graph::Graph`] of ops (the builder in `model/`, `ballast inspect --graph` prints
+//! it), which a backend executes: the CPU op by op, wgpu recorded as one submission.
+//! It is written against five traits, defined in `ballast-core` and re-exported here
+//! with the rest of that crate's modules (`error`, `ggml_type`, `gguf`, `weights`,
+//! `store`, `kv`, `graph`, `ffn`, and `backend`'s traits and types; `model::blocks` and
+//! `ModelConfig`), at the same paths:
 //!
-//! - [`Backend`]: the ops (matrix products on quantized weights, norms, RoPE,
-//!   attention). [`CpuBackend`] is native and the numerical reference.
+//! - [`Backend`]: the op families (matrix products on quantized weights, norms, RoPE,
+//!   attention, element-wise) and, for a device, its memory. [`CpuBackend`] is native
+//!   and the numerical reference.
 //! - [`WeightStore`]: hands each layer's weights to one forward pass.
 //!   [`ResidentStore`] keeps them all resident (memory-mapped by default).
 //! - [`KvCache`]: keys and values of the tokens seen. [`DenseKv`] only grows.
 //! - [`KvPolicy`]: may evict from the cache before attention (none by default).
 //! - [`FeedForward`]: the MLP block. [`DenseFfn`] is exact.
+//!
+//! A [`Model`] is a handle on shared read-only weights: [`Model::share`] gives another
+//! for another [`Session`] (each owns its KV cache, activations and positions; sessions
+//! may run from different threads), and the weights are held once.
 //!
 //! The `gpu` feature (on by default) adds [`WgpuBackend`] and the [`gpu`] context:
 //! the same ops as WGSL compute shaders through wgpu. Without it (`default-features =
