@@ -483,8 +483,7 @@ pub fn run_on_host(
             }
             Op::EndLayer => layer = None,
             Op::RmsNorm { x, scale, eps, out } => {
-                let o = std::mem::take(&mut buffers[out.0]);
-                let mut o = o;
+                let mut o = std::mem::take(&mut buffers[out.0]);
                 let r = backend.rms_norm(&buffers[x.0], scale.vector(globals, lw)?, *eps, &mut o);
                 buffers[out.0] = o;
                 r?;
@@ -567,15 +566,20 @@ pub fn run_on_host(
                 let width = graph.desc(*x).width;
                 let len = graph.desc(*out).len();
                 let start = first * width;
-                let src = buffers[x.0]
-                    .get(start..start + len)
-                    .ok_or_else(|| Error::ShapeMismatch {
+                let mut o = std::mem::take(&mut buffers[out.0]);
+                let r = match buffers[x.0].get(start..start + len) {
+                    Some(src) => {
+                        o.copy_from_slice(src);
+                        Ok(())
+                    }
+                    None => Err(Error::ShapeMismatch {
                         what: format!("rows of {}", graph.desc(*x).name),
                         expected: start + len,
                         got: graph.desc(*x).len(),
-                    })?
-                    .to_vec();
-                buffers[out.0].copy_from_slice(&src);
+                    }),
+                };
+                buffers[out.0] = o;
+                r?;
             }
         }
     }
