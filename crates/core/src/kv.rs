@@ -7,6 +7,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use crate::error::{Error, Result};
+use crate::kv_payload::{self, LayerRows};
 use crate::store::TierBytes;
 
 /// The shape of the keys and values of every layer of a model.
@@ -67,6 +68,31 @@ impl KvElement {
             KvElement::F16 => 2 * dim,
             KvElement::Q8 => dim + 2 * dim.div_ceil(Q8_BLOCK),
         }
+    }
+
+    /// The name used on the command line and in errors: `f32`, `f16` or `q8`.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvElement::F32 => "f32",
+            KvElement::F16 => "f16",
+            KvElement::Q8 => "q8",
+        }
+    }
+
+    /// The byte saved session files record it as.
+    pub fn tag(self) -> u8 {
+        match self {
+            KvElement::F32 => 0,
+            KvElement::F16 => 1,
+            KvElement::Q8 => 2,
+        }
+    }
+
+    /// The element [`KvElement::tag`] gave `tag`, if any.
+    pub fn from_tag(tag: u8) -> Option<KvElement> {
+        [KvElement::F32, KvElement::F16, KvElement::Q8]
+            .into_iter()
+            .find(|e| e.tag() == tag)
     }
 }
 
@@ -228,6 +254,24 @@ pub trait KvCache: Send {
             }
         }
     }
+    /// Appends to `out` the positions of the tokens of `layer` at indices `range` (in
+    /// cache order; clamped to what is cached): [`KvCache::read`] without the rows, which
+    /// a cache whose rows live on a device answers without reading them back.
+    fn positions(&self, layer: usize, range: std::ops::Range<usize>, out: &mut Vec<u32>) {
+        let live = self
+            .view(layer)
+            .segments
+            .into_iter()
+            .flat_map(|s| s.positions.iter().copied())
+            .filter(|&p| p != MASKED_POSITION);
+        out.extend(live.skip(range.start).take(range.len()));
+    }
+    /// The backend's own row store, when the rows live on a device: the backend that
+    /// made the cache recognises it (by downcasting) and runs attention over it in
+    /// place. `None` (the default) for a cache in host memory.
+    fn device_rows(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
     /// Keep only the first `n_tokens` tokens of every layer (speculative decoding,
     /// regenerating an answer).
     fn rewind(&mut self, n_tokens: usize);
@@ -386,8 +430,6 @@ pub struct DenseKv {
     moved: u64,
 }
 
-const DENSE_KV_MAGIC: &[u8; 8] = b"BLSTDKV2";
-
 impl DenseKv {
     /// An empty f16 cache of `shape` holding at most `capacity` tokens. Memory grows
     /// with use; nothing is reserved up front.
@@ -525,26 +567,26 @@ impl KvCache for DenseKv {
     }
 
     fn save(&self, out: &mut dyn Write) -> Result<()> {
-        let mut buf = Vec::new();
-        buf.extend_from_slice(DENSE_KV_MAGIC);
-        for v in [
-            self.shape.n_layers,
-            self.shape.n_kv_heads,
-            self.shape.head_dim,
-            self.dtype.bytes(),
-        ] {
-            buf.extend_from_slice(&(v as u64).to_le_bytes());
-        }
-        for l in 0..self.shape.n_layers {
-            buf.extend_from_slice(&(self.positions[l].len() as u64).to_le_bytes());
-            buf.extend_from_slice(bytemuck::cast_slice(&self.positions[l]));
-            buf.extend_from_slice(self.keys[l].bytes());
-            buf.extend_from_slice(self.values[l].bytes());
-        }
-        out.write_all(&buf).map_err(|source| Error::Io {
-            what: "writing a KV cache".into(),
-            source,
-        })
+        let layers: Vec<LayerRows> = (0..self.shape.n_layers)
+            .map(|l| {
+                let row = self.dtype.bytes() * self.shape.kv_dim();
+                let (k, v) = (self.keys[l].bytes(), self.values[l].bytes());
+                let mut rows = Vec::with_capacity(k.len() + v.len());
+                for (kr, vr) in k.chunks_exact(row.max(1)).zip(v.chunks_exact(row.max(1))) {
+                    rows.extend_from_slice(kr);
+                    rows.extend_from_slice(vr);
+                }
+                LayerRows {
+                    positions: self.positions[l].clone(),
+                    rows,
+                }
+            })
+            .collect();
+        out.write_all(&kv_payload::encode(self.element(), self.shape, &layers))
+            .map_err(|source| Error::Io {
+                what: "writing a KV cache".into(),
+                source,
+            })
     }
 
     fn load(&mut self, input: &mut dyn Read) -> Result<()> {
@@ -553,51 +595,20 @@ impl KvCache for DenseKv {
             what: "reading a KV cache".into(),
             source,
         })?;
-        let bad = |why: &str| Error::KvFormat {
-            why: why.to_string(),
-        };
-        let mut rest: &[u8] = &buf;
-        let mut take = |n: usize| -> Result<&[u8]> {
-            if rest.len() < n {
-                return Err(bad("truncated"));
-            }
-            let (head, tail) = rest.split_at(n);
-            rest = tail;
-            Ok(head)
-        };
-        if take(8)? != DENSE_KV_MAGIC {
-            return Err(bad("bad magic"));
-        }
-        let mut dims = [0usize; 4];
-        for d in &mut dims {
-            *d = u64::from_le_bytes(take(8)?.try_into().expect("8 bytes")) as usize;
-        }
-        if dims[..3]
-            != [
-                self.shape.n_layers,
-                self.shape.n_kv_heads,
-                self.shape.head_dim,
-            ]
-        {
-            return Err(bad("shape differs from this model's"));
-        }
-        if dims[3] != self.dtype.bytes() {
-            return Err(bad("element type differs from this cache's"));
-        }
-        let dim = self.shape.kv_dim();
-        let eb = self.dtype.bytes();
+        let layers = kv_payload::decode(&buf, self.element(), self.shape, self.capacity)?;
+        let row = self.dtype.bytes() * self.shape.kv_dim();
         let mut loaded = DenseKv::with_dtype(self.shape, self.capacity, self.dtype);
-        for l in 0..self.shape.n_layers {
-            let n = u64::from_le_bytes(take(8)?.try_into().expect("8 bytes")) as usize;
-            if n > self.capacity {
-                return Err(bad("more tokens than the capacity"));
+        for (l, layer) in layers.into_iter().enumerate() {
+            let n = layer.positions.len();
+            let (mut k, mut v) = (Vec::with_capacity(n * row), Vec::with_capacity(n * row));
+            for i in 0..n {
+                let (kr, vr) = layer.token(i, row);
+                k.extend_from_slice(kr);
+                v.extend_from_slice(vr);
             }
-            loaded.positions[l] = bytemuck::pod_collect_to_vec(take(n * 4)?);
-            loaded.keys[l] = Rows::from_bytes(self.dtype, take(n * dim * eb)?);
-            loaded.values[l] = Rows::from_bytes(self.dtype, take(n * dim * eb)?);
-        }
-        if !rest.is_empty() {
-            return Err(bad("trailing bytes"));
+            loaded.keys[l] = Rows::from_bytes(self.dtype, &k);
+            loaded.values[l] = Rows::from_bytes(self.dtype, &v);
+            loaded.positions[l] = layer.positions;
         }
         loaded.moved = self.moved;
         *self = loaded;

@@ -59,6 +59,7 @@ pub mod ggml_type;
 pub mod gguf;
 pub mod graph;
 pub mod kv;
+pub mod kv_payload;
 pub mod store;
 pub mod weights;
 

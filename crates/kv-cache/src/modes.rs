@@ -6,6 +6,7 @@ use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::ops::Range;
 
+use ballast_core::kv_payload::{self, LayerRows};
 use ballast_core::store::TierBytes;
 use ballast_core::{
     Error, KvCache, KvElement, KvSegment, KvShape, KvView, Result, MASKED_POSITION,
@@ -603,40 +604,34 @@ impl Layout for SmartMask {
     }
 }
 
-/// Session-file payload of one cache: magic, then per layer the token count, the
-/// positions and the stored rows in cache order (layout-independent: a file saved
-/// from one mode loads into another).
-const PAYLOAD_MAGIC: &[u8; 8] = b"BLKVROWS";
-
+/// Writes the cache's tokens in the shared session payload ([`kv_payload`]: per layer
+/// positions and stored rows in cache order, so a file saved from one mode, or from a
+/// device cache, loads into another).
 fn save_layout<L: Layout>(cache: &L, out: &mut dyn Write) -> Result<()> {
     let core = cache.core();
-    let mut buf = Vec::new();
-    buf.extend_from_slice(PAYLOAD_MAGIC);
-    buf.push(core.precision.tag());
-    for v in [
-        core.shape.n_layers,
-        core.shape.n_kv_heads,
-        core.shape.head_dim,
-    ] {
-        buf.extend_from_slice(&(v as u64).to_le_bytes());
-    }
-    for layer in 0..core.shape.n_layers {
-        let n = cache.layer_len(layer);
-        buf.extend_from_slice(&(n as u64).to_le_bytes());
-        let slots: Vec<usize> = (0..n).map(|i| cache.slot_of(layer, i)).collect();
-        let l = &core.layers[layer];
-        for &s in &slots {
-            buf.extend_from_slice(&l.positions[s].to_le_bytes());
-        }
-        for &s in &slots {
-            l.keys.raw_row(s, &mut buf);
-            l.values.raw_row(s, &mut buf);
-        }
-    }
-    out.write_all(&buf).map_err(|source| Error::Io {
-        what: "writing a KV cache".into(),
-        source,
-    })
+    let layers: Vec<LayerRows> = (0..core.shape.n_layers)
+        .map(|layer| {
+            let slots: Vec<usize> = (0..cache.layer_len(layer))
+                .map(|i| cache.slot_of(layer, i))
+                .collect();
+            let l = &core.layers[layer];
+            let mut rows = Vec::new();
+            for &s in &slots {
+                l.keys.raw_row(s, &mut rows);
+                l.values.raw_row(s, &mut rows);
+            }
+            LayerRows {
+                positions: slots.iter().map(|&s| l.positions[s]).collect(),
+                rows,
+            }
+        })
+        .collect();
+    let element = cache_element(core.precision);
+    out.write_all(&kv_payload::encode(element, core.shape, &layers))
+        .map_err(|source| Error::Io {
+            what: "writing a KV cache".into(),
+            source,
+        })
 }
 
 fn load_layout<L: Layout>(cache: &mut L, input: &mut dyn Read) -> Result<()> {
@@ -645,83 +640,38 @@ fn load_layout<L: Layout>(cache: &mut L, input: &mut dyn Read) -> Result<()> {
         what: "reading a KV cache".into(),
         source,
     })?;
-    let bad = |why: String| Error::KvFormat { why };
-    let mut rest: &[u8] = &buf;
-    let mut take = |n: usize, what: &str| -> Result<&[u8]> {
-        if rest.len() < n {
-            return Err(bad(format!(
-                "truncated: {what} needs {n} bytes, {} left",
-                rest.len()
-            )));
-        }
-        let (head, tail) = rest.split_at(n);
-        rest = tail;
-        Ok(head)
-    };
-    if take(8, "magic")? != PAYLOAD_MAGIC {
-        return Err(bad("not a KV cache payload (bad magic)".into()));
-    }
-    let precision = cache.core().precision;
-    let tag = take(1, "precision")?[0];
-    if tag != precision.tag() {
-        let found = Precision::from_tag(tag).map_or("unknown", Precision::name);
-        return Err(bad(format!(
-            "keys and values are stored as {found}, this cache holds {}",
-            precision.name()
-        )));
-    }
-    let shape = cache.core().shape;
-    let mut dims = [0u64; 3];
-    for d in &mut dims {
-        *d = u64::from_le_bytes(take(8, "shape")?.try_into().expect("8 bytes"));
-    }
-    let want = [shape.n_layers, shape.n_kv_heads, shape.head_dim].map(|v| v as u64);
-    if dims != want {
-        return Err(bad(format!(
-            "shape (layers, kv heads, head size) {dims:?} differs from this model's {want:?}"
-        )));
-    }
-    let row = precision.row_bytes(shape.kv_dim());
+    let core = cache.core();
+    let (shape, capacity) = (core.shape, core.capacity);
+    let element = cache_element(core.precision);
+    let layers = kv_payload::decode(&buf, element, shape, capacity)?;
+    let row = element.row_bytes(shape.kv_dim());
     let mut loaded = cache.empty();
-    let capacity = loaded.core().capacity;
-    let mut positions = Vec::new();
     let zeros = vec![0f32; shape.kv_dim()];
-    for layer in 0..shape.n_layers {
-        let n = u64::from_le_bytes(take(8, "token count")?.try_into().expect("8 bytes"));
-        if n > capacity as u64 {
-            return Err(bad(format!(
-                "layer {layer} holds {n} tokens, more than this cache's capacity {capacity}"
-            )));
-        }
-        let n = n as usize;
-        positions.clear();
-        positions.extend(
-            take(4 * n, "positions")?
-                .chunks_exact(4)
-                .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes"))),
-        );
-        if positions.contains(&MASKED_POSITION) {
-            return Err(bad(format!("layer {layer} holds a masked position")));
-        }
-        let data = take(2 * row * n, "rows")?;
+    for (layer, rows) in layers.iter().enumerate() {
         // Place the tokens with an ordinary append (zeros), then overwrite the stored
         // bytes: the layout stays the mode's own.
-        for (i, &p) in positions.iter().enumerate() {
+        for (i, &p) in rows.positions.iter().enumerate() {
             let z = &zeros[..];
             loaded.push(layer, &[p], z, z);
             let slot = loaded.slot_of(layer, i);
+            let (k, v) = rows.token(i, row);
             let l = &mut loaded.core_mut().layers[layer];
-            l.keys.set_raw_row(slot, &data[2 * row * i..][..row]);
-            l.values
-                .set_raw_row(slot, &data[2 * row * i + row..][..row]);
+            l.keys.set_raw_row(slot, k);
+            l.values.set_raw_row(slot, v);
         }
-    }
-    if !rest.is_empty() {
-        return Err(bad(format!("{} trailing bytes", rest.len())));
     }
     loaded.core_mut().moved = cache.core().moved;
     *cache = loaded;
     Ok(())
+}
+
+/// The element type rows of `precision` are stored as.
+fn cache_element(precision: Precision) -> KvElement {
+    match precision {
+        Precision::F32 => KvElement::F32,
+        Precision::F16 => KvElement::F16,
+        Precision::Q8 => KvElement::Q8,
+    }
 }
 
 macro_rules! kv_cache_impl {
@@ -786,6 +736,15 @@ macro_rules! kv_cache_impl {
                     }
                 }
             }
+            fn positions(&self, layer: usize, range: Range<usize>, out: &mut Vec<u32>) {
+                if layer >= self.core.shape.n_layers {
+                    return;
+                }
+                let l = &self.core.layers[layer];
+                out.extend(
+                    clamp(range, self.layer_len(layer)).map(|i| l.positions[self.slot_of(layer, i)]),
+                );
+            }
             fn rewind(&mut self, n_tokens: usize) {
                 self.rewind_to(n_tokens);
             }
@@ -829,11 +788,7 @@ macro_rules! kv_cache_impl {
                 Ok(())
             }
             fn element(&self) -> KvElement {
-                match self.core.precision {
-                    Precision::F32 => KvElement::F32,
-                    Precision::F16 => KvElement::F16,
-                    Precision::Q8 => KvElement::Q8,
-                }
+                cache_element(self.core.precision)
             }
             fn held_bytes(&self) -> TierBytes {
                 self.core.held()

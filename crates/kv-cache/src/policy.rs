@@ -124,9 +124,9 @@ impl StreamingLlm {
         let (positions, keys, values) = &mut self.scratch;
         for layer in 0..shape.n_layers {
             positions.clear();
-            keys.clear();
-            values.clear();
-            cache.read(layer, 0..self.n_sink + 1, positions, keys, values);
+            // Positions first: with the sinks' anchor kept, their rows are not needed
+            // (a cache on a device would otherwise read them back every step).
+            cache.positions(layer, 0..self.n_sink + 1, positions);
             if positions.len() <= self.n_sink {
                 continue;
             }
@@ -140,11 +140,17 @@ impl StreamingLlm {
             }
             let anchor = match &self.anchors[layer] {
                 Some(a) if a.written[..] == positions[..self.n_sink] => a.clone(),
-                _ => SinkAnchor {
-                    positions: positions[..self.n_sink].to_vec(),
-                    keys: keys[..self.n_sink * dim].to_vec(),
-                    written: positions[..self.n_sink].to_vec(),
-                },
+                _ => {
+                    positions.clear();
+                    keys.clear();
+                    values.clear();
+                    cache.read(layer, 0..self.n_sink, positions, keys, values);
+                    SinkAnchor {
+                        positions: positions[..self.n_sink].to_vec(),
+                        keys: keys[..self.n_sink * dim].to_vec(),
+                        written: positions[..self.n_sink].to_vec(),
+                    }
+                }
             };
             let mut rotated = anchor.keys.clone();
             for (i, row) in rotated.chunks_exact_mut(dim).enumerate() {
