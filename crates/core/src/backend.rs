@@ -12,7 +12,7 @@ use std::time::Duration;
 use crate::error::Result;
 use crate::ffn::FeedForward;
 use crate::graph::Graph;
-use crate::kv::{KvCache, KvView};
+use crate::kv::{KvCache, KvElement, KvShape, KvView};
 use crate::weights::{GlobalWeights, LayerWeights, Weight};
 
 /// How RoPE pairs the dimensions it rotates; llama.cpp's rope-type table assigns one
@@ -226,6 +226,19 @@ pub trait DeviceMemory: Send + Sync {
     /// ([`crate::weights::WeightId::file`]): a model going away gives its weights' device
     /// memory back.
     fn release_file(&self, file: u64);
+    /// A KV cache whose rows live on this device, in `element`, for `capacity` tokens
+    /// of `shape`: device passes write and attend over it in place and read back no
+    /// keys or values. `None` (the default) where the device keeps no rows of its own;
+    /// the caller then uses a host cache.
+    fn new_kv_cache(
+        &self,
+        shape: KvShape,
+        capacity: usize,
+        element: KvElement,
+    ) -> Result<Option<Box<dyn KvCache>>> {
+        let _ = (shape, capacity, element);
+        Ok(None)
+    }
 }
 
 /// Hands a device pass layer `i`'s weights for this pass (the model asks its

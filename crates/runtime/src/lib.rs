@@ -77,11 +77,11 @@ pub mod tokenizer;
 
 // The traits, the types they exchange, GGUF and the error type live in `ballast-core`
 // (which the lever crates build on without this crate); they keep their paths here.
-pub use ballast_core::{error, ffn, ggml_type, gguf, graph, kv, store, weights};
+pub use ballast_core::{error, ffn, ggml_type, gguf, graph, kv, kv_payload, store, weights};
 
-#[cfg(feature = "gpu")]
-pub use backend::WgpuBackend;
 pub use backend::{Backend, CpuBackend};
+#[cfg(feature = "gpu")]
+pub use backend::{DeviceKv, WgpuBackend};
 pub use error::{Error, Result};
 pub use ffn::{DenseFfn, FeedForward};
 pub use kv::{

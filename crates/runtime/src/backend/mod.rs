@@ -19,5 +19,5 @@ pub use ballast_core::backend::{
 };
 
 #[cfg(feature = "gpu")]
-pub use self::wgpu::WgpuBackend;
+pub use self::wgpu::{DeviceKv, WgpuBackend};
 pub use cpu::CpuBackend;

@@ -329,4 +329,14 @@ impl DeviceMemory for WgpuBackend {
     fn release_file(&self, file: u64) {
         self.release_weights_of(file);
     }
+
+    fn new_kv_cache(
+        &self,
+        shape: crate::kv::KvShape,
+        capacity: usize,
+        element: crate::kv::KvElement,
+    ) -> Result<Option<Box<dyn KvCache>>> {
+        let cache = DeviceKv::new(self.ctx.clone(), shape, capacity, element)?;
+        Ok(Some(Box::new(cache)))
+    }
 }

@@ -26,6 +26,7 @@
 //! recorded whole), `host` (the `Backend` ops on host slices). Every kernel takes the
 //! parameter block of `params.wgsl`, prepended to its source.
 
+mod device_kv;
 mod host;
 mod kv;
 mod ops;
@@ -50,6 +51,7 @@ use crate::gpu::{GpuBuffer, GpuContext, Shader};
 use crate::kv::{KvCache, KvRows, KvView};
 use crate::quant;
 use crate::weights::{Weight, WeightId};
+pub use device_kv::DeviceKv;
 use kv::KvMirror;
 use ops::{rope_table, PackedRows};
 use record::{Params, PassArena, Recorder};

@@ -309,61 +309,9 @@ impl WgpuBackend {
         Ok(())
     }
 
-    /// Records the conversion of `n` f32 rows of `dim` values (the start of `src`) into
-    /// `elem` and their write at row slots `slots[..n]` (u32; distinct) of `dst`, a
-    /// buffer of `capacity` rows in `elem`'s layout ([`KvElem::buffer_bytes`]). Rounds
-    /// exactly as the host cache does, so the device rows equal the host's bit for bit.
-    /// Slots at or past `capacity` are skipped. q8 rows must be a multiple of
-    /// [`Q8_BLOCK`] long (as the cache requires), so each row's quants start on a word.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn record_kv_write(
-        &self,
-        rec: &mut Recorder<'_>,
-        elem: KvElem,
-        src: &wgpu::Buffer,
-        n: usize,
-        dim: usize,
-        slots: &wgpu::Buffer,
-        dst: &wgpu::Buffer,
-        capacity: usize,
-    ) -> Result<()> {
-        if elem == KvElem::Q8 && dim % Q8_BLOCK != 0 {
-            return Err(Error::InvalidArgument {
-                what: format!("q8 KV rows must be a multiple of {Q8_BLOCK} long, these are {dim}"),
-            });
-        }
-        let (entry, invocations) = match elem {
-            KvElem::F32 => ("kv_write_f32", n * dim),
-            KvElem::F16 => ("kv_write_f16", n * (dim / 2 + 1)),
-            KvElem::Q8 => ("kv_write_q8", n * dim / Q8_BLOCK),
-        };
-        rec.dispatch(
-            &KV_WRITE,
-            entry,
-            &[],
-            &[src, slots, dst],
-            Params::new(
-                [
-                    n as u32,
-                    dim as u32,
-                    elem.scale_word(capacity * dim) as u32,
-                    capacity as u32,
-                ],
-                [0; 4],
-                [0.0; 4],
-            ),
-            [invocations.div_ceil(64) as u32, 1, 1],
-            "kv_write",
-            (n * (dim + 1) * 4) as u64,
-            elem.read_bytes(n * dim),
-            0,
-        );
-        Ok(())
-    }
-
     /// Test hook for the KV-write kernel (`tests/kv_write.rs`): uploads `cache` (whole
     /// rows of `dim`, in their stored type), writes the f32 `rows` at the distinct
-    /// `slots` with [`WgpuBackend::record_kv_write`], and returns the buffer's bytes in
+    /// `slots` with [`record_kv_write`], and returns the buffer's bytes in
     /// the device layout: elements little-endian, and for q8 the quants, then from the
     /// next 4-byte boundary the scales.
     #[doc(hidden)]
@@ -387,7 +335,7 @@ impl WgpuBackend {
         let src = self.upload(bytemuck::cast_slice(rows), "kv rows to write")?;
         let sb = self.upload(bytemuck::cast_slice(slots), "kv slots")?;
         let mut rec = self.recorder();
-        self.record_kv_write(
+        record_kv_write(
             &mut rec,
             packed.elem,
             src.raw(),
@@ -400,6 +348,57 @@ impl WgpuBackend {
         let bytes = rec.finish(&[(buf.raw(), 0, packed.bytes.len() as u64)])?.0;
         Ok(bytes)
     }
+}
+
+/// Records the conversion of `n` f32 rows of `dim` values (the start of `src`) into
+/// `elem` and their write at row slots `slots[..n]` (u32; distinct) of `dst`, a
+/// buffer of `capacity` rows in `elem`'s layout ([`KvElem::buffer_bytes`]). Rounds
+/// exactly as the host cache does, so the device rows equal the host's bit for bit.
+/// Slots at or past `capacity` are skipped. q8 rows must be a multiple of
+/// [`Q8_BLOCK`] long (as the cache requires), so each row's quants start on a word.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn record_kv_write(
+    rec: &mut Recorder<'_>,
+    elem: KvElem,
+    src: &wgpu::Buffer,
+    n: usize,
+    dim: usize,
+    slots: &wgpu::Buffer,
+    dst: &wgpu::Buffer,
+    capacity: usize,
+) -> Result<()> {
+    if elem == KvElem::Q8 && dim % Q8_BLOCK != 0 {
+        return Err(Error::InvalidArgument {
+            what: format!("q8 KV rows must be a multiple of {Q8_BLOCK} long, these are {dim}"),
+        });
+    }
+    let (entry, invocations) = match elem {
+        KvElem::F32 => ("kv_write_f32", n * dim),
+        KvElem::F16 => ("kv_write_f16", n * (dim / 2 + 1)),
+        KvElem::Q8 => ("kv_write_q8", n * dim / Q8_BLOCK),
+    };
+    rec.dispatch(
+        &KV_WRITE,
+        entry,
+        &[],
+        &[src, slots, dst],
+        Params::new(
+            [
+                n as u32,
+                dim as u32,
+                elem.scale_word(capacity * dim) as u32,
+                capacity as u32,
+            ],
+            [0; 4],
+            [0.0; 4],
+        ),
+        [invocations.div_ceil(64) as u32, 1, 1],
+        "kv_write",
+        (n * (dim + 1) * 4) as u64,
+        elem.read_bytes(n * dim),
+        0,
+    );
+    Ok(())
 }
 
 /// The element type keys and values are stored in on the device. Layout of a buffer of

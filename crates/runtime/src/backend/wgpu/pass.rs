@@ -10,10 +10,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::ops::{KvBinding, KvElem};
+use super::kv::KvMirror;
+use super::ops::{record_kv_write, KvBinding, KvElem};
 use super::record::{Params, Recorder};
-use super::{rope_table, DeviceWeight, WgpuBackend, ARGMAX};
-use crate::backend::{DeviceForward, DeviceForwardInput, LayerSource, Rope};
+use super::{rope_table, DeviceKv, DeviceWeight, WgpuBackend, ARGMAX};
+use crate::backend::{DeviceForward, DeviceForwardInput, LayerSource, PassReport, Rope};
 use crate::error::{Error, Result};
 use crate::ffn::FeedForward;
 use crate::graph::{Graph, Op, TensorId, WeightRef};
@@ -96,30 +97,201 @@ impl DeviceForward for WgpuBackend {
         }
         let shape = kv.shape();
         let (n_layers, kvd) = (shape.n_layers, shape.kv_dim());
-        // Held for the whole pass: passes of sessions sharing this backend take turns.
+        // Held for the whole pass: passes of sessions sharing this backend take turns
+        // (they share the arena's buffers, and the host caches' mirrors).
         let mut mirrors = self.kv.lock().unwrap_or_else(|p| p.into_inner());
-        let at = self.sync_kv(&mut mirrors, kv, n_layers, kvd)?;
         let cached = kv.len();
-        let mirror = &mut mirrors[at];
+        let mut rec = self.pass_recorder();
+        let on_device = kv
+            .device_rows()
+            .and_then(|rows| rows.downcast_mut::<DeviceKv>())
+            .filter(|d| d.is_on(&self.ctx));
+        let (pass_kv, mirror_at) = match on_device {
+            Some(dkv) => match self.bind_device_kv(&mut rec, dkv, positions) {
+                Ok(b) => (b, None),
+                Err(e) => {
+                    // Slots some layers took before the failure go back.
+                    kv.rewind(cached);
+                    return Err(e);
+                }
+            },
+            None => {
+                let at = self.sync_kv(&mut mirrors, kv, n_layers, kvd)?;
+                let bound = self.bind_mirror(&mut rec, &mirrors[at], cached, positions)?;
+                (bound, Some(at))
+            }
+        };
+        let result = self.record_graph(graph, input, layers, ffn, rec, &pass_kv, out);
+        let (bytes, mut report, id) = match result {
+            Ok(r) => r,
+            Err(e) => {
+                if mirror_at.is_none() {
+                    kv.rewind(cached);
+                }
+                return Err(e);
+            }
+        };
+        report.kv_device_bytes = match mirror_at {
+            Some(at) => {
+                // The device mirror now holds the new tokens; the host cache gets them
+                // too, from the keys and values read back with the logits.
+                mirrors[at].host_positions.extend_from_slice(positions);
+                let new_kv_bytes = n * kvd * 4;
+                for l in 0..n_layers {
+                    let kb = &bytes[2 * l * new_kv_bytes..(2 * l + 1) * new_kv_bytes];
+                    let vb = &bytes[(2 * l + 1) * new_kv_bytes..(2 * l + 2) * new_kv_bytes];
+                    let keys: Vec<f32> = bytemuck::pod_collect_to_vec(kb);
+                    let values: Vec<f32> = bytemuck::pod_collect_to_vec(vb);
+                    if let Err(e) = kv.append(l, positions, &keys, &values) {
+                        // Keep the mirror honest: it must not claim tokens the host refused.
+                        mirrors[at].host_positions.clear();
+                        return Err(e);
+                    }
+                }
+                let m = &mirrors[at];
+                m.keys
+                    .iter()
+                    .chain(&m.values)
+                    .map(|b| b.size())
+                    .sum::<u64>()
+                    + m.positions.size()
+            }
+            None => kv.held_bytes().device,
+        };
+        report.wall = start.elapsed();
+        report.tokens = n;
+        *self.report.lock().unwrap_or_else(|p| p.into_inner()) = report;
+        Ok(id)
+    }
+}
+
+/// Where a pass's keys and values go and are read from, layer by layer.
+struct PassKv {
+    elem: KvElem,
+    /// Rows each layer's buffers hold.
+    capacity: usize,
+    layers: Vec<LayerKv>,
+    /// Each layer's new rows go to the slots of `slot_lists[layers[l].slots]`.
+    slot_lists: Vec<wgpu::Buffer>,
+    /// Whether the new keys and values are read back for a host cache.
+    read_back: bool,
+}
+
+struct LayerKv {
+    keys: wgpu::Buffer,
+    values: wgpu::Buffer,
+    positions: wgpu::Buffer,
+    /// Slots attention scans, the new tokens' included.
+    n_slots: usize,
+    slots: usize,
+}
+
+impl WgpuBackend {
+    /// Binds a [`DeviceKv`]: every layer takes slots for the new tokens (their
+    /// positions written), and the pass writes rows there and reads none back.
+    fn bind_device_kv(
+        &self,
+        rec: &mut Recorder<'_>,
+        dkv: &mut DeviceKv,
+        positions: &[u32],
+    ) -> Result<PassKv> {
+        let n_layers = dkv.shape().n_layers;
+        let mut lists: Vec<Vec<u32>> = Vec::new();
+        let mut layers = Vec::with_capacity(n_layers);
+        for l in 0..n_layers {
+            let slots = dkv.reserve(l, positions)?;
+            let at = match lists.iter().position(|s| *s == slots) {
+                Some(at) => at,
+                None => {
+                    lists.push(slots);
+                    lists.len() - 1
+                }
+            };
+            let b = dkv.layer(l).expect("a layer of the cache");
+            layers.push(LayerKv {
+                keys: b.keys.clone(),
+                values: b.values.clone(),
+                positions: b.positions.clone(),
+                n_slots: b.n_slots,
+                slots: at,
+            });
+        }
+        let slot_lists = lists
+            .iter()
+            .map(|s| rec.upload("kv slots", bytemuck::cast_slice(s)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(PassKv {
+            elem: dkv.elem(),
+            capacity: dkv.capacity(),
+            layers,
+            slot_lists,
+            read_back: false,
+        })
+    }
+
+    /// Binds the device mirror of a host cache: the new tokens take the rows after the
+    /// `cached` ones, and their keys and values are read back for the host cache.
+    fn bind_mirror(
+        &self,
+        rec: &mut Recorder<'_>,
+        mirror: &KvMirror,
+        cached: usize,
+        positions: &[u32],
+    ) -> Result<PassKv> {
+        let n = positions.len();
         if cached + n > mirror.capacity {
             return Err(Error::ContextFull {
                 needed: cached + n,
                 capacity: mirror.capacity,
             });
         }
-        let queue = self.ctx.queue();
-        queue.write_buffer(
+        self.ctx.queue().write_buffer(
             mirror.positions.raw(),
             (cached * 4) as u64,
             bytemuck::cast_slice(positions),
         );
-        // Every buffer of the pass comes from the backend's arena: the next pass of the
-        // same shape binds the same ones, and makes no bind group.
-        let mut rec = self.pass_recorder();
-        let idb = rec.upload("token ids", bytemuck::cast_slice(ids))?;
-        // The mirror rows the new tokens take (kv_write's slot list).
         let new_slots: Vec<u32> = (cached as u32..(cached + n) as u32).collect();
         let slots = rec.upload("kv slots", bytemuck::cast_slice(&new_slots))?;
+        let layers = mirror
+            .keys
+            .iter()
+            .zip(&mirror.values)
+            .map(|(k, v)| LayerKv {
+                keys: k.raw().clone(),
+                values: v.raw().clone(),
+                positions: mirror.positions.raw().clone(),
+                n_slots: cached + n,
+                slots: 0,
+            })
+            .collect();
+        Ok(PassKv {
+            elem: mirror.elem,
+            capacity: mirror.capacity,
+            layers,
+            slot_lists: vec![slots],
+            read_back: true,
+        })
+    }
+
+    /// Records and runs the ops of `graph` over `kv`: returns the bytes read back (the
+    /// new keys and values first when `kv.read_back`, then the logits or greedy id),
+    /// the pass's report and the greedy id.
+    #[allow(clippy::too_many_arguments)]
+    fn record_graph(
+        &self,
+        graph: &Graph,
+        input: &DeviceForwardInput<'_>,
+        layers: &mut LayerSource<'_>,
+        ffn: &mut dyn FeedForward,
+        mut rec: Recorder<'_>,
+        kv: &PassKv,
+        out: &mut Vec<f32>,
+    ) -> Result<(Vec<u8>, PassReport, Option<u32>)> {
+        let (ids, positions) = (input.ids, input.positions);
+        let n = graph.n_tokens();
+        let n_layers = kv.layers.len();
+        let queue = self.ctx.queue();
+        let idb = rec.upload("token ids", bytemuck::cast_slice(ids))?;
         let qpos = rec.upload("positions", bytemuck::cast_slice(positions))?;
         let bufs = graph
             .tensors()
@@ -127,9 +299,23 @@ impl DeviceForward for WgpuBackend {
             .map(|t| rec.buffer(t.name, (t.len().max(1) * 4) as u64))
             .collect::<Result<Vec<wgpu::Buffer>>>()?;
         let buf = |t: TensorId| &bufs[t.index()];
-        // The new keys and values of every layer, read back with the logits.
+        let kvd = graph
+            .ops()
+            .iter()
+            .find_map(|op| match op {
+                Op::KvWrite { k, .. } => Some(graph.desc(*k).len() / n.max(1)),
+                _ => None,
+            })
+            .unwrap_or(0);
+        // The new keys and values of every layer, read back with the logits for a host
+        // cache.
         let new_kv_bytes = n * kvd * 4;
-        let new_kv = rec.buffer("new kv", (2 * n_layers * new_kv_bytes).max(4) as u64)?;
+        let kv_total = if kv.read_back {
+            (2 * n_layers * new_kv_bytes) as u64
+        } else {
+            0
+        };
+        let new_kv = rec.buffer("new kv", kv_total.max(4))?;
         // One cos/sin table per distinct RoPE of the pass.
         let mut rope_tables: Vec<(Rope, usize, wgpu::Buffer)> = Vec::new();
 
@@ -221,39 +407,34 @@ impl DeviceForward for WgpuBackend {
                 }
                 Op::KvWrite { layer: l, k, v } => {
                     let l = *l;
-                    if l >= n_layers
-                        || graph.desc(*k).len() != n * kvd
-                        || graph.desc(*v).len() != n * kvd
-                    {
+                    let (Some(lk), true) = (
+                        kv.layers.get(l),
+                        graph.desc(*k).len() == n * kvd && graph.desc(*v).len() == n * kvd,
+                    ) else {
                         return Err(Error::KvShape {
                             expected: n * kvd,
                             keys: graph.desc(*k).len(),
                             values: graph.desc(*v).len(),
                         });
+                    };
+                    // Rounded into the cache's type exactly as a host cache rounds it.
+                    for (src, dst) in [(k, &lk.keys), (v, &lk.values)] {
+                        record_kv_write(
+                            &mut rec,
+                            kv.elem,
+                            buf(*src),
+                            n,
+                            kvd,
+                            &kv.slot_lists[lk.slots],
+                            dst,
+                            kv.capacity,
+                        )?;
                     }
-                    let len = new_kv_bytes as u64;
-                    if mirror.elem == KvElem::F32 {
-                        let at = (cached * kvd * 4) as u64;
-                        rec.copy(buf(*k), 0, mirror.keys[l].raw(), at, len);
-                        rec.copy(buf(*v), 0, mirror.values[l].raw(), at, len);
-                    } else {
-                        // Rounded into the mirror's type exactly as the host cache
-                        // rounds what it is handed below.
-                        for (src, dst) in [(k, &mirror.keys[l]), (v, &mirror.values[l])] {
-                            self.record_kv_write(
-                                &mut rec,
-                                mirror.elem,
-                                buf(*src),
-                                n,
-                                kvd,
-                                &slots,
-                                dst.raw(),
-                                mirror.capacity,
-                            )?;
-                        }
+                    if kv.read_back {
+                        let len = new_kv_bytes as u64;
+                        rec.copy(buf(*k), 0, &new_kv, (2 * l) as u64 * len, len);
+                        rec.copy(buf(*v), 0, &new_kv, (2 * l + 1) as u64 * len, len);
                     }
-                    rec.copy(buf(*k), 0, &new_kv, (2 * l) as u64 * len, len);
-                    rec.copy(buf(*v), 0, &new_kv, (2 * l + 1) as u64 * len, len);
                 }
                 Op::Attention {
                     layer: l,
@@ -261,29 +442,24 @@ impl DeviceForward for WgpuBackend {
                     shape,
                     out,
                 } => {
-                    let (keys, values) = match (mirror.keys.get(*l), mirror.values.get(*l)) {
-                        (Some(k), Some(v)) => (k.raw(), v.raw()),
-                        _ => {
-                            return Err(Error::LayerIndex {
-                                index: *l,
-                                n_layers,
-                            })
-                        }
-                    };
+                    let lk = kv.layers.get(*l).ok_or(Error::LayerIndex {
+                        index: *l,
+                        n_layers,
+                    })?;
                     let binding = |buffer| KvBinding {
                         buffer,
-                        elem: mirror.elem,
-                        scale_word: mirror.elem.scale_word(mirror.capacity * kvd),
+                        elem: kv.elem,
+                        scale_word: kv.elem.scale_word(kv.capacity * kvd),
                     };
                     self.record_attention_stored(
                         &mut rec,
                         buf(*q),
-                        binding(keys),
-                        binding(values),
-                        mirror.positions.raw(),
+                        binding(&lk.keys),
+                        binding(&lk.values),
+                        &lk.positions,
                         &qpos,
                         n,
-                        cached + n,
+                        lk.n_slots,
                         shape,
                         buf(*out),
                     )?;
@@ -332,8 +508,10 @@ impl DeviceForward for WgpuBackend {
         }
         drop(layer);
         let best = rec.buffer("argmax", 4)?;
-        let kv_total = (2 * n_layers * new_kv_bytes) as u64;
-        let mut sources = vec![(&new_kv, 0, kv_total)];
+        let mut sources = Vec::new();
+        if kv_total > 0 {
+            sources.push((&new_kv, 0, kv_total));
+        }
         if let Some(logits) = graph.logits() {
             let d = graph.desc(logits);
             if graph.greedy() {
@@ -363,21 +541,7 @@ impl DeviceForward for WgpuBackend {
                 sources.push((buf(logits), 0, (d.len() * 4) as u64));
             }
         }
-        let (bytes, mut report) = rec.finish(&sources)?;
-        // The device mirror now holds the new tokens; the host cache gets them too.
-        mirror.host_positions.extend_from_slice(positions);
-        let kv_bytes = &bytes[..kv_total as usize];
-        for l in 0..n_layers {
-            let kb = &kv_bytes[2 * l * new_kv_bytes..(2 * l + 1) * new_kv_bytes];
-            let vb = &kv_bytes[(2 * l + 1) * new_kv_bytes..(2 * l + 2) * new_kv_bytes];
-            let keys: Vec<f32> = bytemuck::pod_collect_to_vec(kb);
-            let values: Vec<f32> = bytemuck::pod_collect_to_vec(vb);
-            if let Err(e) = kv.append(l, positions, &keys, &values) {
-                // Keep the mirror honest: it must not claim tokens the host refused.
-                mirrors[at].host_positions.clear();
-                return Err(e);
-            }
-        }
+        let (bytes, report) = rec.finish(&sources)?;
         let rest = &bytes[kv_total as usize..];
         out.clear();
         let id = match graph.logits() {
@@ -390,17 +554,6 @@ impl DeviceForward for WgpuBackend {
             }
             None => None,
         };
-        let m = &mirrors[at];
-        report.kv_device_bytes = m
-            .keys
-            .iter()
-            .chain(&m.values)
-            .map(|b| b.size())
-            .sum::<u64>()
-            + m.positions.size();
-        report.wall = start.elapsed();
-        report.tokens = n;
-        *self.report.lock().unwrap_or_else(|p| p.into_inner()) = report;
-        Ok(id)
+        Ok((bytes, report, id))
     }
 }
