@@ -216,12 +216,14 @@ pub fn build(
     })
 }
 
-/// What the wgpu backend keeps on its device beyond the layers: its copy of the KV cache
-/// holds f32 (see its `KvMirror`), and it looks tokens up on the device, so an embedding
-/// table that is not the output head is uploaded whole beside it (`globals`, when the
-/// model is known).
+/// What the wgpu backend keeps on its device beyond the layers: the session's KV cache,
+/// counted at f32 (the default there; an upper bound for f16 and q8) and held there
+/// alone (a `DeviceKv`: no host record), and it looks tokens up on the device, so an
+/// embedding table that is not the output head is uploaded whole beside it (`globals`,
+/// when the model is known).
 pub fn on_wgpu_device(shape: &mut ModelShape, globals: Option<&GlobalWeights>) {
     shape.kv_value_bytes = 4;
+    shape.kv_on_device_only = true;
     if let Some(g) = globals.filter(|g| g.token_embd.name != g.output.name) {
         shape.head_bytes += g.token_embd.bytes.len() as u64;
     }

@@ -66,6 +66,9 @@ pub struct ModelShape {
     pub vocab: u64,
     /// Bytes per cached key or value (the runtime's `DenseKv` stores f16 by default: 2).
     pub kv_value_bytes: u64,
+    /// With a separate device, whether the KV cache lives there alone (a device cache,
+    /// read back only on demand) rather than also as a complete record in host RAM.
+    pub kv_on_device_only: bool,
 }
 
 impl ModelShape {
@@ -100,6 +103,7 @@ impl ModelShape {
             n_ff,
             vocab,
             kv_value_bytes: ballast_core::kv::KvDtype::default().bytes() as u64,
+            kv_on_device_only: false,
         }
     }
 
@@ -174,8 +178,9 @@ impl Reserve {
     }
 
     /// The reserve of the RAM pool when the device is separate: the activations live on
-    /// the device, the KV cache on both (`kv`: the host keeps the complete record of the
-    /// cache, which the device mirrors), and a margin.
+    /// the device; `kv` is what the host keeps of the KV cache (the complete record when
+    /// the device mirrors a host cache, nothing when the cache lives on the device
+    /// alone); and a margin.
     pub fn host_of_device(kv: u64, budget: u64) -> Reserve {
         Reserve {
             kv,
@@ -365,7 +370,12 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
         }
         Some(_) => {
             let ram = req.budgets.ram;
-            ram_reserve = Reserve::host_of_device(device_reserve.kv, ram);
+            let host_kv = if shape.kv_on_device_only {
+                0
+            } else {
+                device_reserve.kv
+            };
+            ram_reserve = Reserve::host_of_device(host_kv, ram);
             let ram_avail = ram.saturating_sub(ram_reserve.total());
             let max_staging = off_device
                 .iter()

@@ -443,6 +443,7 @@ pub fn model_shape(
         n_ff: config.n_ff as u64,
         vocab: config.vocab_size as u64,
         kv_value_bytes: ballast_core::kv::KvDtype::default().bytes() as u64,
+        kv_on_device_only: false,
     }
 }
 

@@ -17,6 +17,7 @@ fn shape(layers: Vec<u64>, head: u64, kv_dim: u64) -> ModelShape {
         n_ff: 128,
         vocab: 1000,
         kv_value_bytes: 4,
+        kv_on_device_only: false,
     }
 }
 
