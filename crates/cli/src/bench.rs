@@ -166,7 +166,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         backend_name = model.backend().name();
         let vocab = model.config().vocab_size;
-        let mut session = Session::new(model, ctx);
+        let mut session = Session::new(model, ctx)?;
         if args.n_prompt > 0 {
             progress.set_message(format!("pp{} at {t} threads", args.n_prompt));
             session.set_batch(args.n_prompt);
@@ -299,7 +299,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
             let shape = session.model().kv_shape();
             let mut kv_device = Vec::new();
             for p in [Precision::F32, Precision::F16, Precision::Q8] {
-                let cache = ballast_kv_cache::new_cache(UpdateMode::PointerShift, shape, ctx, p)?;
+                let model = session.model();
+                let cache = match model.device_kv_cache(ctx, p.element())? {
+                    Some(cache) => cache,
+                    None => ballast_kv_cache::new_cache(UpdateMode::PointerShift, shape, ctx, p)?,
+                };
                 let mut s = Session::with_cache(session.model().share(), cache, None);
                 s.feed_greedy(&tokens[..tokens.len().min(2)])?;
                 kv_device.push((p.name(), last().kv_device_bytes));

@@ -45,7 +45,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         .eos_id()
         .map(|id| tokenizer.decode(&[id]))
         .unwrap_or_default();
-    let mut session = Session::new(loaded.model, args.ctx);
+    let mut session = Session::new(loaded.model, args.ctx)?;
     let mut sampler = Sampler::new(args.sampling.config());
     let mut messages: Vec<ChatMessage> = Vec::new();
     if let Some(system) = &args.system {

@@ -192,10 +192,13 @@ pub struct KvArgs {
     /// evicted slots are masked and reused).
     #[arg(long = "kv-mode", default_value = "ring")]
     pub mode: UpdateMode,
-    /// Element type of cached keys and values: f32, f16 (llama.cpp's default) or q8
-    /// (int8 with an f16 scale per 32 values; approximate).
-    #[arg(long = "kv-dtype", default_value = "f16")]
-    pub dtype: Precision,
+    /// Element type of cached keys and values: f32, f16 or q8 (int8 with an f16 scale
+    /// per 32 values; approximate). Default: f16 on the CPU (llama.cpp's default); f32
+    /// on a GPU, where the device's own summation order over f16 rows moves greedy ids
+    /// off llama.cpp's on the golden prompts. On a GPU the rows live on the device in
+    /// this type (q8: 34 bytes per 32 values there too).
+    #[arg(long = "kv-dtype")]
+    pub dtype: Option<Precision>,
     /// What to evict: `none` (the cache grows to the context, then an error),
     /// `window` (the most recent --window tokens), `streaming` (StreamingLLM: --sink
     /// first tokens plus the most recent --window).
@@ -211,6 +214,25 @@ pub struct KvArgs {
 }
 
 impl KvArgs {
+    /// The element type asked for, else the model's default for its backend.
+    pub fn precision(&self, model: &Model) -> Precision {
+        self.dtype
+            .unwrap_or_else(|| Precision::of(model.default_kv_element()))
+    }
+
+    /// An empty cache of `capacity` tokens for `model`: on its device where the backend
+    /// keeps KV rows there (the --kv-mode then does not apply: the device masks evicted
+    /// slots and moves nothing), else in host memory in the --kv-mode asked for.
+    pub fn cache(&self, model: &Model, capacity: usize) -> Result<Box<dyn KvCache>> {
+        let precision = self.precision(model);
+        Ok(
+            match model.device_kv_cache(capacity, precision.element())? {
+                Some(cache) => cache,
+                None => new_cache(self.mode, model.kv_shape(), capacity, precision)?,
+            },
+        )
+    }
+
     /// The policy these flags describe, for a context of `ctx` tokens.
     pub fn kind(&self, ctx: usize) -> PolicyKind {
         match self.policy.as_str() {
@@ -230,7 +252,7 @@ impl KvArgs {
     pub fn build(&self, model: &Model, ctx: usize) -> Result<CacheAndPolicy> {
         let kind = self.kind(ctx);
         let capacity = kind.budget().unwrap_or(ctx);
-        let cache = new_cache(self.mode, model.kv_shape(), capacity, self.dtype)?;
+        let cache = self.cache(model, capacity)?;
         let policy = StreamingLlm::from_kind(kind, model.backend().clone(), model.config().rope)?
             .map(|p| Box::new(p) as Box<dyn KvPolicy>);
         Ok((cache, policy))

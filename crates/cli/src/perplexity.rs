@@ -96,7 +96,7 @@ fn run_stream(args: &PerplexityArgs, loaded: &mut common::Loaded, text: &str) ->
             "{} policy, {} cache, {} keys and values, capacity {}",
             args.kv.policy,
             args.kv.mode.name(),
-            args.kv.dtype.name(),
+            args.kv.precision(&loaded.model).name(),
             cache.capacity()
         );
         let report = ballast_kv_cache::stream_perplexity(
@@ -181,19 +181,20 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     if args.json {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    // Each window's cache in the --kv-mode and --kv-dtype asked for.
-    let (mode, dtype, shape) = (args.kv.mode, args.kv.dtype, loaded.model.kv_shape());
+    // Each window's cache in the --kv-mode and --kv-dtype asked for (on the device
+    // where the backend keeps KV rows there).
+    let model = loaded.model.share();
     let report = perplexity_with_cache(
         &mut loaded.model,
         &tokens,
         args.ctx,
         args.batch,
         || {
-            ballast_kv_cache::new_cache(mode, shape, args.ctx, dtype).map_err(|e| {
-                ballast_runtime::Error::InvalidArgument {
-                    what: e.to_string(),
-                }
-            })
+            args.kv
+                .cache(&model, args.ctx)
+                .map_err(|e| ballast_runtime::Error::InvalidArgument {
+                    what: format!("{e:#}"),
+                })
         },
         |done, _| bar.set_position(done as u64),
     )?;

@@ -92,7 +92,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let tokenizer = loaded.tokenizer;
     let meta = SessionMeta {
         fingerprint: model_fingerprint(&loaded.file),
-        precision: args.kv.dtype,
+        precision: args.kv.precision(&loaded.model),
         mode: args.kv.mode,
     };
     let backend_name = loaded.model.backend().name();

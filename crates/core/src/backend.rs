@@ -260,7 +260,9 @@ pub struct DeviceForwardInput<'a> {
 /// A whole forward pass recorded and submitted at once on a device.
 pub trait DeviceForward: Send + Sync {
     /// Records the ops of `graph` with the cache `kv`, taking layers from `layers` as
-    /// [`crate::graph::Op::BeginLayer`] asks: appends the new keys and values to `kv`,
+    /// [`crate::graph::Op::BeginLayer`] asks: appends the new keys and values to `kv`
+    /// (in place when `kv` is the backend's own device cache, see
+    /// [`DeviceMemory::new_kv_cache`]),
     /// and puts the graph's logits in `out` (or returns the greedy id when the graph
     /// wants only that). The MLP lever's host sync points ([`crate::graph::Op::FfnPrepare`],
     /// [`crate::graph::Op::FeedForward`]) cost one read-back each, and `ffn`'s output is

@@ -626,7 +626,7 @@ fn save_layout<L: Layout>(cache: &L, out: &mut dyn Write) -> Result<()> {
             }
         })
         .collect();
-    let element = cache_element(core.precision);
+    let element = core.precision.element();
     out.write_all(&kv_payload::encode(element, core.shape, &layers))
         .map_err(|source| Error::Io {
             what: "writing a KV cache".into(),
@@ -642,7 +642,7 @@ fn load_layout<L: Layout>(cache: &mut L, input: &mut dyn Read) -> Result<()> {
     })?;
     let core = cache.core();
     let (shape, capacity) = (core.shape, core.capacity);
-    let element = cache_element(core.precision);
+    let element = core.precision.element();
     let layers = kv_payload::decode(&buf, element, shape, capacity)?;
     let row = element.row_bytes(shape.kv_dim());
     let mut loaded = cache.empty();
@@ -663,15 +663,6 @@ fn load_layout<L: Layout>(cache: &mut L, input: &mut dyn Read) -> Result<()> {
     loaded.core_mut().moved = cache.core().moved;
     *cache = loaded;
     Ok(())
-}
-
-/// The element type rows of `precision` are stored as.
-fn cache_element(precision: Precision) -> KvElement {
-    match precision {
-        Precision::F32 => KvElement::F32,
-        Precision::F16 => KvElement::F16,
-        Precision::Q8 => KvElement::Q8,
-    }
 }
 
 macro_rules! kv_cache_impl {
@@ -788,7 +779,7 @@ macro_rules! kv_cache_impl {
                 Ok(())
             }
             fn element(&self) -> KvElement {
-                cache_element(self.core.precision)
+                self.core.precision.element()
             }
             fn held_bytes(&self) -> TierBytes {
                 self.core.held()

@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use ballast_core::{KvRows, Q8_BLOCK};
+use ballast_core::{KvElement, KvRows, Q8_BLOCK};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
@@ -38,6 +38,24 @@ impl Precision {
             Precision::F32 => "f32",
             Precision::F16 => "f16",
             Precision::Q8 => "q8",
+        }
+    }
+
+    /// The element type rows of this precision are stored as.
+    pub fn element(self) -> KvElement {
+        match self {
+            Precision::F32 => KvElement::F32,
+            Precision::F16 => KvElement::F16,
+            Precision::Q8 => KvElement::Q8,
+        }
+    }
+
+    /// The precision that stores rows as `element`.
+    pub fn of(element: KvElement) -> Precision {
+        match element {
+            KvElement::F32 => Precision::F32,
+            KvElement::F16 => Precision::F16,
+            KvElement::Q8 => Precision::Q8,
         }
     }
 

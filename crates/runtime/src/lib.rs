@@ -45,7 +45,7 @@
 //! let file = Arc::new(GgufFile::open(&path, true)?);
 //! let tokenizer = Tokenizer::from_gguf(&file)?;
 //! let model = Model::load(file, Arc::new(CpuBackend::new(2)), true)?;
-//! let mut session = Session::new(model, 512);
+//! let mut session = Session::new(model, 512)?;
 //! let mut sampler = Sampler::new(SamplerConfig { temperature: 0.0, ..Default::default() });
 //! let mut next = {
 //!     let logits = session.feed(&tokenizer.encode("Once upon a time", true, false)?)?;

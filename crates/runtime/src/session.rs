@@ -25,10 +25,17 @@ pub struct Session {
 }
 
 impl Session {
-    /// A session over `model` with a [`DenseKv`] of `context` tokens.
-    pub fn new(model: Model, context: usize) -> Session {
-        let kv = Box::new(DenseKv::new(model.kv_shape(), context));
-        Session::with_cache(model, kv, None)
+    /// A session over `model` with a cache of `context` tokens in the model's default
+    /// element type ([`Model::default_kv_element`]): on the model's device where its
+    /// backend keeps KV rows there ([`Model::device_kv_cache`]), else an f16
+    /// [`DenseKv`].
+    pub fn new(model: Model, context: usize) -> Result<Session> {
+        let element = model.default_kv_element();
+        let kv = match model.device_kv_cache(context, element)? {
+            Some(kv) => kv,
+            None => Box::new(DenseKv::new(model.kv_shape(), context)),
+        };
+        Ok(Session::with_cache(model, kv, None))
     }
 
     /// A session over `model` with any cache and policy.

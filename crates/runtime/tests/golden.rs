@@ -103,7 +103,7 @@ fn check_greedy_generation(
         assert_eq!(prompt_ids, want_prompt, "prompt ids of {prompt:?}");
 
         let model = Model::load(file.clone(), backend.clone(), true).unwrap();
-        let mut session = Session::new(model, 512);
+        let mut session = Session::new(model, 512).unwrap();
         let mut logits = session.feed(&prompt_ids).unwrap().to_vec();
         // First step: the same top token, and llama.cpp's top five logits within
         // FIRST_STEP_TOLERANCE.

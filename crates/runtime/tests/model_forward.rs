@@ -280,10 +280,10 @@ proptest! {
         batch in 1usize..17,
     ) {
         let spec = TinyModelSpec::default();
-        let mut chunked = Session::new(load(&spec, 2), 64);
+        let mut chunked = Session::new(load(&spec, 2), 64).unwrap();
         chunked.set_batch(batch);
         let a = chunked.feed(&ids).unwrap().to_vec();
-        let mut single = Session::new(load(&spec, 1), 64);
+        let mut single = Session::new(load(&spec, 1), 64).unwrap();
         let mut b = Vec::new();
         for &id in &ids {
             b = single.feed(&[id]).unwrap().to_vec();
@@ -295,7 +295,7 @@ proptest! {
 
 #[test]
 fn a_full_context_is_an_error_naming_the_limit() {
-    let mut session = Session::new(load(&TinyModelSpec::default(), 1), 8);
+    let mut session = Session::new(load(&TinyModelSpec::default(), 1), 8).unwrap();
     let err = session.feed(&[1; 9]).unwrap_err();
     assert!(
         matches!(
@@ -316,7 +316,7 @@ fn a_full_context_is_an_error_naming_the_limit() {
 
 #[test]
 fn a_token_outside_the_vocabulary_is_an_error() {
-    let mut session = Session::new(load(&TinyModelSpec::default(), 1), 8);
+    let mut session = Session::new(load(&TinyModelSpec::default(), 1), 8).unwrap();
     let err = session.feed(&[TINY_VOCAB as u32]).unwrap_err();
     assert!(matches!(err, Error::TokenId { .. }), "{err}");
 }

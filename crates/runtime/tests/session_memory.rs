@@ -28,10 +28,10 @@ fn a_second_session_does_not_copy_the_weights() {
         return;
     };
     let prompt: Vec<u32> = (1..64).collect();
-    let mut first = Session::new(model.share(), 512);
+    let mut first = Session::new(model.share(), 512).unwrap();
     generate(&mut first, &prompt, 16);
     let one = current_rss_kib().unwrap();
-    let mut second = Session::new(model.share(), 512);
+    let mut second = Session::new(model.share(), 512).unwrap();
     generate(&mut second, &prompt, 16);
     let two = current_rss_kib().unwrap();
     let kv = second.kv().held_bytes().total();

@@ -20,11 +20,10 @@ fn tiny(backend: Arc<dyn Backend>) -> Model {
     Model::load(file, backend, false).unwrap()
 }
 
-/// A session with the default cache (f16). The wgpu backend keeps a device mirror per
-/// session's cache, so interleaving sessions does not re-upload (and re-round) keys the
-/// device holds exactly.
+/// A session with the model's default cache: on wgpu each session's rows live on the
+/// device in a cache of its own, so interleaving sessions moves no keys or values.
 fn session(model: Model) -> Session {
-    Session::new(model, 64)
+    Session::new(model, 64).unwrap()
 }
 
 /// Greedy ids after `prompt`, `STEPS` of them.

@@ -16,7 +16,7 @@ use crate::ffn::{DenseFfn, FeedForward};
 use crate::ggml_type::GgmlType;
 use crate::gguf::GgufFile;
 use crate::graph::{self, Graph, HostPass, Op};
-use crate::kv::{KvCache, KvPolicy, KvShape};
+use crate::kv::{KvCache, KvElement, KvPolicy, KvShape};
 use crate::quant;
 use crate::store::{PassCounter, ResidentStore, WeightStore};
 use crate::weights::{ByteSource, GlobalWeights, LayerWeights, Weight, WeightBytes, WeightId};
@@ -272,6 +272,37 @@ impl Model {
     /// Where the weights come from.
     pub fn store(&self) -> &dyn WeightStore {
         self.shared.store.as_ref()
+    }
+
+    /// A KV cache of `capacity` tokens in `element` whose rows live on this model's
+    /// device, when its backend keeps them there (wgpu: the pass then reads back no
+    /// keys or values); `None` on a backend without device passes, where the caller
+    /// uses a host cache.
+    pub fn device_kv_cache(
+        &self,
+        capacity: usize,
+        element: KvElement,
+    ) -> Result<Option<Box<dyn KvCache>>> {
+        let backend = &self.shared.backend;
+        match (backend.device_forward(), backend.device_memory()) {
+            (Some(_), Some(memory)) => memory.new_kv_cache(self.kv_shape(), capacity, element),
+            _ => Ok(None),
+        }
+    }
+
+    /// The element type a KV cache gets when none is asked for: f16 (llama.cpp's
+    /// default) where the CPU runs attention, f32 where a device pass does. The device
+    /// sums attention in its own order, and over f16 rows that moved a greedy id of the
+    /// golden prompts off llama.cpp's at a step where llama.cpp's margin is wide
+    /// ("def fibonacci(n):", step 25: our margin 0.06 the other way); over f32 rows it
+    /// matches every id up to the first near-tie, so the default keeps it. f16 and q8
+    /// stay on the device as asked.
+    pub fn default_kv_element(&self) -> KvElement {
+        let backend = &self.shared.backend;
+        match (backend.device_forward(), backend.device_memory()) {
+            (Some(_), Some(_)) => KvElement::F32,
+            _ => KvElement::F16,
+        }
     }
 
     /// The shape of the KV cache this model needs.

@@ -1,5 +1,7 @@
-//! The device mirrors of host KV caches: one per session cache recently run, synced
-//! from the host cache where they differ, appended to by the pass itself.
+//! The device mirrors of host KV caches handed to a device pass (a cache of the
+//! backend's own, [`super::DeviceKv`], needs none): one per host cache recently run,
+//! synced from it where they differ, appended to by the pass itself, whose new keys
+//! and values are then read back into the host cache.
 
 use super::*;
 use crate::kv::{KvElement, Q8_BLOCK};

@@ -7,9 +7,12 @@
 //!   exist so the backend test suite (`tests/backend_ops.rs`) holds every kernel to the
 //!   CPU reference, and so any lever that calls the trait works on the GPU.
 //! - [`DeviceForward`]: a whole forward pass recorded into one command encoder, with
-//!   activations, weights and a mirror of the KV cache on the device. Decode of one token
-//!   is one submission with one read-back (the logits, or the greedy id, plus the new
-//!   keys and values so the host [`KvCache`] stays the complete record).
+//!   activations, weights and the KV rows on the device. With a [`DeviceKv`] (the cache
+//!   sessions get on this backend) the rows live only there, in the cache's element
+//!   type, and decode of one token is one submission reading back the logits or only
+//!   the greedy id. A host [`KvCache`] handed to a pass gets a device mirror instead,
+//!   and its new keys and values come back with the logits so the host copy stays the
+//!   complete record.
 //!
 //! Layers a store streams (their bytes may not be cached on the device) are uploaded
 //! into a ring of stream slots as the pass reaches them; before a slot is overwritten
@@ -21,7 +24,8 @@
 //! block sums are identical and only float summation order differs.
 //!
 //! The module is split by idea: `weights` (device copies of weights and vectors),
-//! `stream` (the stream-slot ring), `kv` (device KV mirrors), `ops` (one encoder per
+//! `stream` (the stream-slot ring), `device_kv` (the device-resident KV cache), `kv`
+//! (device mirrors of host caches), `ops` (one encoder per
 //! op), `record` (the command encoder, traffic counts, timestamps), `pass` (a `Graph`
 //! recorded whole), `host` (the `Backend` ops on host slices). Every kernel takes the
 //! parameter block of `params.wgsl`, prepended to its source.
