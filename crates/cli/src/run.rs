@@ -234,11 +234,21 @@ pub fn run(args: RunArgs) -> Result<()> {
             uploaded,
         )
     });
+    // The last decode step on a device: its submissions and what came back (the KV
+    // rows stay on the device).
+    let last_pass = (generated > 1)
+        .then(|| backend.device_memory().and_then(|m| m.last_pass()))
+        .flatten();
     if args.json {
         writeln!(
             out,
             "{}",
             json!({"timings": {
+                "device_decode_step": last_pass.as_ref().map(|r| json!({
+                    "submissions": r.submissions,
+                    "bytes_read_back": r.bytes_read_back,
+                    "kv_device_bytes": r.kv_device_bytes,
+                })),
                 "prompt_tokens": timings.prompt_tokens,
                 "prompt_ms": timings.prompt_time.as_secs_f64() * 1e3,
                 "prompt_tokens_per_s": timings.prompt_tps(),
@@ -291,6 +301,14 @@ pub fn run(args: RunArgs) -> Result<()> {
         }
         if let Some((_, device_peak)) = backend.device_memory().map(|m| m.bytes()) {
             eprintln!("peak device memory: {}", common::human_bytes(device_peak));
+        }
+        if let Some(r) = &last_pass {
+            eprintln!(
+                "last decode step on the device: {} submission(s), {} read back, KV cache on the device {}",
+                r.submissions,
+                common::human_bytes(r.bytes_read_back),
+                common::human_bytes(r.kv_device_bytes),
+            );
         }
     }
     Ok(())

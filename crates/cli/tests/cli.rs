@@ -592,6 +592,67 @@ fn gpu_run_and_bench_report_the_adapter_and_traffic() {
     assert!(err.contains("device: ") && err.contains("wgpu"), "{err}");
     assert!(err.contains("generation: 6 tokens"), "{err}");
     assert!(err.contains("peak device memory"), "{err}");
+    assert!(
+        err.contains("last decode step on the device: 1 submission(s), 4 B read back"),
+        "greedy decoding reads back only the id: {err}"
+    );
+
+    // StreamingLLM over a q8 cache on the device: past the window every step evicts,
+    // and each is still one submission reading back only the id.
+    let o = ballast(&[
+        "run",
+        "-m",
+        m,
+        "Hello",
+        "-n",
+        "24",
+        "-c",
+        "16",
+        "--temp",
+        "0",
+        "--ignore-eos",
+        "--device",
+        "gpu",
+        "--kv-policy",
+        "streaming",
+        "--kv-dtype",
+        "q8",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("last decode step on the device: 1 submission(s), 4 B read back"),
+        "{err}"
+    );
+    // With --json each token's log-probability is printed, so the logits come back,
+    // and still no keys or values.
+    let o = ballast(&[
+        "run",
+        "-m",
+        m,
+        "Hello",
+        "-n",
+        "24",
+        "-c",
+        "16",
+        "--temp",
+        "0",
+        "--ignore-eos",
+        "--device",
+        "gpu",
+        "--kv-policy",
+        "streaming",
+        "--kv-dtype",
+        "q8",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let last: serde_json::Value = serde_json::from_str(stdout(&o).lines().last().unwrap()).unwrap();
+    let step = &last["timings"]["device_decode_step"];
+    let vocab = ballast_runtime::testing::TINY_VOCAB as u64;
+    assert_eq!(step["submissions"], 1, "{last}");
+    assert_eq!(step["bytes_read_back"], 4 * vocab, "{last}");
+    assert!(step["kv_device_bytes"].as_u64().unwrap() > 0, "{last}");
 
     let o = ballast(&[
         "bench", "-m", m, "-p", "8", "-n", "4", "-r", "1", "--json", "--device", "gpu",
