@@ -121,8 +121,72 @@ pub trait LinearOps {
     /// (`x` is `n_tokens × cols`). Batching q/k/v or gate/up this way quantizes `x`
     /// once and runs one parallel region.
     fn matmul(&self, x: &[f32], n_tokens: usize, jobs: &mut [MatmulJob<'_>]) -> Result<()>;
+    /// Only some rows of `x · weightᵀ`: for each range in `rows` (in bounds, disjoint),
+    /// `out[t * weight.rows() + r] = x[t] · weight.row(r)`; the other entries of `out`
+    /// (`n_tokens × weight.rows()`) are left as they are. Each computed value is exactly
+    /// what [`LinearOps::matmul`] gives for it. A sparse MLP skips the rows of inactive
+    /// neurons this way. The default computes every row and copies the asked ones; a
+    /// backend that can skip rows overrides it.
+    fn matmul_rows(
+        &self,
+        x: &[f32],
+        n_tokens: usize,
+        weight: &Weight,
+        rows: &[std::ops::Range<usize>],
+        out: &mut [f32],
+    ) -> Result<()> {
+        let n_rows = weight.rows();
+        check_row_ranges(weight, rows, n_tokens, out.len())?;
+        let mut all = vec![0f32; n_tokens * n_rows];
+        self.matmul(
+            x,
+            n_tokens,
+            &mut [MatmulJob {
+                weight,
+                out: &mut all,
+            }],
+        )?;
+        for t in 0..n_tokens {
+            for r in rows {
+                let span = t * n_rows + r.start..t * n_rows + r.end;
+                out[span.clone()].copy_from_slice(&all[span]);
+            }
+        }
+        Ok(())
+    }
     /// Rows of `table` for `ids`, dequantized into `out` (`ids.len() × cols`).
     fn embed(&self, table: &Weight, ids: &[u32], out: &mut [f32]) -> Result<()>;
+}
+
+/// Checks the arguments of [`LinearOps::matmul_rows`]: ranges in bounds, ascending
+/// and disjoint, `out` of `n_tokens × weight.rows()`.
+pub fn check_row_ranges(
+    weight: &Weight,
+    rows: &[std::ops::Range<usize>],
+    n_tokens: usize,
+    out_len: usize,
+) -> Result<()> {
+    let n_rows = weight.rows();
+    if out_len != n_tokens * n_rows {
+        return Err(crate::Error::ShapeMismatch {
+            what: format!("output of the row-selected product with {}", weight.name),
+            expected: n_tokens * n_rows,
+            got: out_len,
+        });
+    }
+    let mut end = 0;
+    for r in rows {
+        if r.start < end || r.start > r.end || r.end > n_rows {
+            return Err(crate::Error::InvalidArgument {
+                what: format!(
+                    "row range {r:?} of {} ({n_rows} rows): ranges must be in bounds, ascending and disjoint",
+                    weight.name
+                ),
+            });
+        }
+        end = r.end;
+    }
+    Ok(())
 }
 
 /// Normalization.

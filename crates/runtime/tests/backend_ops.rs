@@ -223,6 +223,56 @@ fn matmul_case(
     Ok(())
 }
 
+/// `matmul_rows` gives exactly `matmul`'s value for every asked row and leaves the
+/// others alone (the sparse MLP relies on both).
+fn matmul_rows_case(
+    be: &dyn Backend,
+    ty: GgmlType,
+    rows: usize,
+    n: usize,
+    cuts: &[usize],
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let cols = 256;
+    let w = weight(ty, rows, cols, seed);
+    let x = values(seed + 1, n * cols, 2.0);
+    let mut full = vec![0f32; n * rows];
+    be.matmul(
+        &x,
+        n,
+        &mut [MatmulJob {
+            weight: &w,
+            out: &mut full,
+        }],
+    )
+    .unwrap();
+    // Every other span between sorted cut points is asked for.
+    let mut points: Vec<usize> = cuts.iter().map(|c| c % (rows + 1)).collect();
+    points.extend([0, rows]);
+    points.sort_unstable();
+    points.dedup();
+    let ranges: Vec<std::ops::Range<usize>> =
+        points.windows(2).step_by(2).map(|p| p[0]..p[1]).collect();
+    let mut got = vec![f32::NAN; n * rows];
+    be.matmul_rows(&x, n, &w, &ranges, &mut got).unwrap();
+    for t in 0..n {
+        for r in 0..rows {
+            let (g, f) = (got[t * rows + r], full[t * rows + r]);
+            if ranges.iter().any(|rg| rg.contains(&r)) {
+                prop_assert_eq!(g.to_bits(), f.to_bits(), "token {} row {}", t, r);
+            } else {
+                prop_assert!(g.is_nan(), "token {} row {} was written", t, r);
+            }
+        }
+    }
+    // Overlapping or out-of-range rows are refused.
+    let err = be.matmul_rows(&x, n, &w, &[0..rows, 0..1], &mut got);
+    prop_assert!(err.is_err());
+    let err = be.matmul_rows(&x, n, &w, &[0..rows + 1], &mut got);
+    prop_assert!(err.is_err());
+    Ok(())
+}
+
 fn embed_case(
     be: &dyn Backend,
     ty: GgmlType,
@@ -477,6 +527,18 @@ macro_rules! backend_suite {
                 ) {
                     let Some(be) = $make() else { return Ok(()) };
                     matmul_case(be.as_ref(), ty, other, rows, blocks, n, seed)?;
+                }
+
+                #[test]
+                fn matmul_rows_computes_only_the_asked_rows(
+                    ty in weight_type(),
+                    rows in 1usize..40,
+                    n in 1usize..4,
+                    cuts in proptest::collection::vec(0usize..64, 0..6),
+                    seed in any::<u64>(),
+                ) {
+                    let Some(be) = $make() else { return Ok(()) };
+                    matmul_rows_case(be.as_ref(), ty, rows, n, &cuts, seed)?;
                 }
 
                 #[test]

@@ -15,6 +15,7 @@ use crate::kv::KvView;
 use crate::quant::{self, QuantizedActivations};
 use crate::threadpool::{split_range, ThreadPool};
 use crate::weights::Weight;
+use ballast_core::backend::check_row_ranges;
 
 /// Rows a thread takes at a time; keeps every split a whole number of cache lines of
 /// output and lets the kernels run several rows per loop iteration.
@@ -34,6 +35,75 @@ impl SyncPtr {
     /// rather than its raw field.
     fn get(self) -> *mut f32 {
         self.0
+    }
+}
+
+/// Rows `rows` of `weight` against activation set `act`, written into the output at
+/// `out` (a row-major `n_tokens × weight.rows()` matrix).
+struct RowsPart<'a> {
+    weight: &'a Weight,
+    act: usize,
+    out: SyncPtr,
+    rows: std::ops::Range<usize>,
+}
+
+impl CpuBackend {
+    /// Computes every part's rows on the pool, the rows of all parts split evenly over
+    /// the threads (each thread's rows write disjoint output entries).
+    fn run_parts(
+        &self,
+        acts: &[QuantizedActivations],
+        n_tokens: usize,
+        parts: &[RowsPart<'_>],
+    ) -> Result<()> {
+        let mut firsts = Vec::with_capacity(parts.len());
+        let mut total_rows = 0;
+        for part in parts {
+            firsts.push(total_rows);
+            total_rows += part.rows.len();
+        }
+        let failure: Mutex<Option<Error>> = Mutex::new(None);
+        self.pool.run(&|thread, n_threads| {
+            let mine = split_range(total_rows, ROW_ALIGN, thread, n_threads);
+            for (part, &first) in parts.iter().zip(&firsts) {
+                let lo = mine.start.max(first);
+                let hi = mine.end.min(first + part.rows.len());
+                if lo >= hi {
+                    continue;
+                }
+                let rows = part.weight.rows();
+                let (r0, r1) = (part.rows.start + lo - first, part.rows.start + hi - first);
+                let row_bytes = part.weight.row_bytes();
+                let w = &part.weight.bytes.as_slice()[r0 * row_bytes..r1 * row_bytes];
+                let act = &acts[part.act];
+                let result = if n_tokens == 1 {
+                    // SAFETY: rows r0..r1 of this part's output belong to this thread alone.
+                    let out =
+                        unsafe { std::slice::from_raw_parts_mut(part.out.get().add(r0), r1 - r0) };
+                    quant::matmul(part.weight.ty, w, part.weight.cols(), act, out)
+                } else {
+                    SCRATCH.with(|s| {
+                        let mut s = s.borrow_mut();
+                        s.resize((r1 - r0) * n_tokens, 0.0);
+                        let r = quant::matmul(part.weight.ty, w, part.weight.cols(), act, &mut s);
+                        for (ri, row) in s.chunks_exact(n_tokens).enumerate() {
+                            for (t, &v) in row.iter().enumerate() {
+                                // SAFETY: element (t, r0 + ri) is in this thread's rows.
+                                unsafe { *part.out.get().add(t * rows + r0 + ri) = v };
+                            }
+                        }
+                        r
+                    })
+                };
+                if let Err(e) = result {
+                    *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                }
+            }
+        });
+        match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 }
 
@@ -129,67 +199,58 @@ impl LinearOps for CpuBackend {
             };
             act_index.push(i);
         }
-        let acts: &[QuantizedActivations] = &acts;
-        struct Part<'a> {
-            weight: &'a Weight,
-            act: usize,
-            out: SyncPtr,
-            first_row: usize,
-        }
-        let mut parts = Vec::with_capacity(jobs.len());
-        let mut total_rows = 0;
-        for (job, &act) in jobs.iter_mut().zip(&act_index) {
-            parts.push(Part {
+        let parts: Vec<RowsPart<'_>> = jobs
+            .iter_mut()
+            .zip(&act_index)
+            .map(|(job, &act)| RowsPart {
                 weight: job.weight,
                 act,
                 out: SyncPtr(job.out.as_mut_ptr()),
-                first_row: total_rows,
-            });
-            total_rows += job.weight.rows();
-        }
-        let failure: Mutex<Option<Error>> = Mutex::new(None);
-        self.pool.run(&|thread, n_threads| {
-            let mine = split_range(total_rows, ROW_ALIGN, thread, n_threads);
-            for part in &parts {
-                let rows = part.weight.rows();
-                let lo = mine.start.max(part.first_row);
-                let hi = mine.end.min(part.first_row + rows);
-                if lo >= hi {
-                    continue;
-                }
-                let (r0, r1) = (lo - part.first_row, hi - part.first_row);
-                let row_bytes = part.weight.row_bytes();
-                let w = &part.weight.bytes.as_slice()[r0 * row_bytes..r1 * row_bytes];
-                let act = &acts[part.act];
-                let result = if n_tokens == 1 {
-                    // SAFETY: rows r0..r1 of this job's output belong to this thread alone.
-                    let out =
-                        unsafe { std::slice::from_raw_parts_mut(part.out.get().add(r0), r1 - r0) };
-                    quant::matmul(part.weight.ty, w, part.weight.cols(), act, out)
-                } else {
-                    SCRATCH.with(|s| {
-                        let mut s = s.borrow_mut();
-                        s.resize((r1 - r0) * n_tokens, 0.0);
-                        let r = quant::matmul(part.weight.ty, w, part.weight.cols(), act, &mut s);
-                        for (ri, row) in s.chunks_exact(n_tokens).enumerate() {
-                            for (t, &v) in row.iter().enumerate() {
-                                // SAFETY: element (t, r0 + ri) is in this thread's rows.
-                                unsafe { *part.out.get().add(t * rows + r0 + ri) = v };
-                            }
-                        }
-                        r
-                    })
-                };
-                if let Err(e) = result {
-                    *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
-                }
-            }
-        });
+                rows: 0..job.weight.rows(),
+            })
+            .collect();
+        let result = self.run_parts(&acts, n_tokens, &parts);
         self.times.add(OpKind::Matmul, start.elapsed());
-        match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            Some(e) => Err(e),
-            None => Ok(()),
+        result
+    }
+
+    fn matmul_rows(
+        &self,
+        x: &[f32],
+        n_tokens: usize,
+        weight: &Weight,
+        rows: &[std::ops::Range<usize>],
+        out: &mut [f32],
+    ) -> Result<()> {
+        let start = Instant::now();
+        check_row_ranges(weight, rows, n_tokens, out.len())?;
+        let k = weight.cols();
+        if x.len() != n_tokens * k {
+            return Err(Error::ShapeMismatch {
+                what: format!("input of {}", weight.name),
+                expected: n_tokens * k,
+                got: x.len(),
+            });
         }
+        let mut acts = self.acts.lock().unwrap_or_else(|e| e.into_inner());
+        if acts.is_empty() {
+            acts.push(QuantizedActivations::default());
+        }
+        quant::quantize_activations(weight.ty, x, n_tokens, k, &mut acts[0])?;
+        let ptr = out.as_mut_ptr();
+        let parts: Vec<RowsPart<'_>> = rows
+            .iter()
+            .filter(|r| !r.is_empty())
+            .map(|r| RowsPart {
+                weight,
+                act: 0,
+                out: SyncPtr(ptr),
+                rows: r.clone(),
+            })
+            .collect();
+        let result = self.run_parts(&acts, n_tokens, &parts);
+        self.times.add(OpKind::Matmul, start.elapsed());
+        result
     }
 
     fn embed(&self, table: &Weight, ids: &[u32], out: &mut [f32]) -> Result<()> {
