@@ -268,7 +268,11 @@ fn matmul_rows_case(
     // Overlapping or out-of-range rows are refused.
     let err = be.matmul_rows(&x, n, &w, &[0..rows, 0..1], &mut got);
     prop_assert!(err.is_err());
-    let err = be.matmul_rows(&x, n, &w, &[0..rows + 1], &mut got);
+    let past_the_end = std::ops::Range {
+        start: 0,
+        end: rows + 1,
+    };
+    let err = be.matmul_rows(&x, n, &w, std::slice::from_ref(&past_the_end), &mut got);
     prop_assert!(err.is_err());
     Ok(())
 }
