@@ -55,6 +55,7 @@ pub mod blocks;
 pub mod config;
 pub mod error;
 pub mod ffn;
+pub mod fingerprint;
 pub mod ggml_type;
 pub mod gguf;
 pub mod graph;
