@@ -37,4 +37,3 @@ pub fn model_fingerprint(file: &GgufFile) -> u64 {
     }
     checksum(&buf)
 }
-

@@ -1,11 +1,38 @@
-//! Ballast's sparse-MLP lever: skip the MLP neurons a token does not use.
+//! Ballast's sparse-MLP lever: skip the MLP neurons a token does not use, on SwiGLU
+//! models, without training.
 //!
-//! **Status: not implemented yet.** This crate holds only its documentation until its
-//! own issue is taken. Nothing here works, and nothing pretends to.
+//! - [`SparsityProfile`]: per layer, the distribution of `|silu(gate(x))|` on a
+//!   calibration text (kept beside the model in a small file with a checksum and the
+//!   model's fingerprint), from which a target sparsity gives one threshold per layer.
+//! - [`SparseFfn`]: a [`ballast_core::FeedForward`] that computes the gate projection,
+//!   keeps the neurons above the threshold (CATS), computes the up projection for
+//!   those rows only, and the down projection over the kept neurons. Exact at
+//!   sparsity 0; approximate above, measured by perplexity against the dense MLP.
+//! - [`SparseFfn::calibrating`]: the dense MLP that records the distribution, to make a
+//!   profile.
 //!
-//! What it will hold (see `shared/seeds/004_*`): an implementation of
-//! `ballast_core::FeedForward` that predicts the active neurons of each MLP block
-//! from the attention input, keeps the hot ones resident and fetches the rest, and
-//! computes only those. It is approximate, and will be measured by perplexity and
-//! token agreement against `ballast_core::DenseFfn`, which is exact.
+//! The granularity is one neuron for the up projection (a weight row) and, for the down
+//! projection, one quantization block of its input (32 neurons, 256 for K-quants),
+//! since the block's scale serves all its neurons; [`SparseStats`] counts how many such
+//! blocks go idle.
+//!
+//! ```
+//! use ballast_sparse_mlp::{SparseFfn, SparsityProfile, QUANTILES};
+//!
+//! // A profile of two layers whose activations spread evenly over 0..2.
+//! let quantiles: Vec<f32> = (0..=QUANTILES).map(|i| 2.0 * i as f32 / QUANTILES as f32).collect();
+//! let profile = SparsityProfile { fingerprint: 7, n_ff: 64, tokens: 1, layers: vec![quantiles; 2] };
+//! let thresholds = profile.thresholds(0.4).unwrap();
+//! assert!((thresholds[0] - 0.8).abs() < 1e-6);
+//! let ffn = SparseFfn::new(thresholds); // install with Model::share_with_ffn
+//! # drop(ffn);
+//! ```
 #![deny(missing_docs)]
+
+pub mod error;
+mod ffn;
+mod profile;
+
+pub use error::{Error, Result};
+pub use ffn::{Calibration, SparseFfn, SparseStats};
+pub use profile::{MagnitudeHistogram, SparsityProfile, QUANTILES};

@@ -1,0 +1,332 @@
+//! [`SparsityProfile`]: how the gate activations of each layer are distributed on a
+//! calibration text, from which the thresholds for any target sparsity follow, and its
+//! file (kept beside the model, named for it by a fingerprint, with a checksum).
+
+use std::path::{Path, PathBuf};
+
+use ballast_core::fingerprint::checksum;
+
+use crate::error::{Error, Result};
+
+/// Quantile points kept per layer: the profile gives thresholds in steps of 0.5%.
+pub const QUANTILES: usize = 200;
+
+const MAGIC: &[u8; 8] = b"BLSTSPRS";
+const VERSION: u32 = 1;
+
+/// Per layer, the quantiles of `|silu(gate(x))|` over a calibration text: entry `i` of a
+/// layer is the magnitude below which a fraction `i / QUANTILES` of that layer's
+/// activations fell. A target sparsity `s` then means the threshold at quantile `s`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SparsityProfile {
+    /// The model's fingerprint ([`ballast_core::fingerprint::model_fingerprint`]).
+    pub fingerprint: u64,
+    /// MLP width (neurons per layer).
+    pub n_ff: usize,
+    /// Tokens the calibration ran over.
+    pub tokens: u64,
+    /// Per layer, `QUANTILES + 1` ascending magnitudes.
+    pub layers: Vec<Vec<f32>>,
+}
+
+impl SparsityProfile {
+    /// The per-layer thresholds for a target `sparsity` in [0, 1): a neuron whose
+    /// `|silu(gate)|` is at most its layer's threshold is skipped. At 0 nothing is
+    /// skipped (the threshold is negative) and the MLP is exact.
+    pub fn thresholds(&self, sparsity: f32) -> Result<Vec<f32>> {
+        if !(0.0..1.0).contains(&sparsity) {
+            return Err(Error::InvalidArgument {
+                what: format!("a sparsity of {sparsity}: it must be at least 0 and below 1"),
+            });
+        }
+        if sparsity == 0.0 {
+            return Ok(vec![-1.0; self.layers.len()]);
+        }
+        Ok(self
+            .layers
+            .iter()
+            .map(|q| {
+                let at = sparsity * QUANTILES as f32;
+                let i = (at.floor() as usize).min(QUANTILES - 1);
+                let frac = at - i as f32;
+                q[i] + (q[i + 1] - q[i]) * frac
+            })
+            .collect())
+    }
+
+    /// Where a model's profile lives by default: beside it, `MODEL.sparsity`.
+    pub fn path_for(model: &Path) -> PathBuf {
+        let mut name = model.as_os_str().to_owned();
+        name.push(".sparsity");
+        PathBuf::from(name)
+    }
+
+    /// The file's bytes: magic, version `u32`, fingerprint `u64`, neurons `u32`,
+    /// calibration tokens `u64`, layers `u32`, quantile points per layer `u32`, the
+    /// quantiles (`f32`, layer after layer), then a checksum `u64` of all before it.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(MAGIC);
+        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.extend_from_slice(&self.fingerprint.to_le_bytes());
+        b.extend_from_slice(&(self.n_ff as u32).to_le_bytes());
+        b.extend_from_slice(&self.tokens.to_le_bytes());
+        b.extend_from_slice(&(self.layers.len() as u32).to_le_bytes());
+        b.extend_from_slice(&((QUANTILES + 1) as u32).to_le_bytes());
+        for q in &self.layers {
+            for v in q {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        let sum = checksum(&b);
+        b.extend_from_slice(&sum.to_le_bytes());
+        b
+    }
+
+    /// Reads what [`SparsityProfile::to_bytes`] wrote; `path` names the file in errors.
+    /// A damaged file, another version, or quantiles that do not ascend are refused.
+    pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<SparsityProfile> {
+        let bad = |why: String| Error::Profile {
+            path: path.to_path_buf(),
+            why,
+        };
+        if bytes.len() < 8 + 4 + 8 + 4 + 8 + 4 + 4 + 8 || &bytes[..8] != MAGIC {
+            return Err(bad("not a sparsity profile (bad magic or too short)".into()));
+        }
+        let (body, sum) = bytes.split_at(bytes.len() - 8);
+        if checksum(body) != u64::from_le_bytes(sum.try_into().expect("8 bytes")) {
+            return Err(bad(
+                "checksum mismatch: the file is damaged or truncated".into()
+            ));
+        }
+        let u32_at = |at: usize| u32::from_le_bytes(body[at..at + 4].try_into().expect("4"));
+        let u64_at = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().expect("8"));
+        let version = u32_at(8);
+        if version != VERSION {
+            return Err(bad(format!(
+                "version {version}, this build reads version {VERSION}"
+            )));
+        }
+        let fingerprint = u64_at(12);
+        let n_ff = u32_at(20) as usize;
+        let tokens = u64_at(24);
+        let n_layers = u32_at(32) as usize;
+        let points = u32_at(36) as usize;
+        if points != QUANTILES + 1 {
+            return Err(bad(format!(
+                "{points} quantile points per layer, expected {}",
+                QUANTILES + 1
+            )));
+        }
+        let data = &body[40..];
+        if data.len() != n_layers * points * 4 {
+            return Err(bad(format!(
+                "{} bytes of quantiles for {n_layers} layers of {points}",
+                data.len()
+            )));
+        }
+        let values: Vec<f32> = data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect();
+        let layers: Vec<Vec<f32>> = values.chunks(points).map(<[f32]>::to_vec).collect();
+        for (l, q) in layers.iter().enumerate() {
+            if q.iter().any(|v| !v.is_finite() || *v < 0.0) || q.windows(2).any(|w| w[0] > w[1]) {
+                return Err(bad(format!(
+                    "layer {l}'s quantiles are not ascending non-negative numbers"
+                )));
+            }
+        }
+        Ok(SparsityProfile {
+            fingerprint,
+            n_ff,
+            tokens,
+            layers,
+        })
+    }
+
+    /// Writes the profile to `path` atomically (a temporary file beside it, synced, then
+    /// renamed over it).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let io = |source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(".tmp");
+        let tmp = PathBuf::from(tmp);
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&tmp).map_err(io)?;
+            f.write_all(&self.to_bytes()).map_err(io)?;
+            f.sync_all().map_err(io)?;
+        }
+        std::fs::rename(&tmp, path).map_err(io)
+    }
+
+    /// Reads the profile at `path` and checks that it was made for the model of
+    /// `fingerprint` with `n_layers` layers of `n_ff` neurons.
+    pub fn load(
+        path: &Path,
+        fingerprint: u64,
+        n_layers: usize,
+        n_ff: usize,
+    ) -> Result<SparsityProfile> {
+        let bytes = std::fs::read(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let p = SparsityProfile::from_bytes(&bytes, path)?;
+        let bad = |why: String| Error::Profile {
+            path: path.to_path_buf(),
+            why,
+        };
+        if p.fingerprint != fingerprint {
+            return Err(bad(
+                "made for another model (its fingerprint differs); calibrate this one".into(),
+            ));
+        }
+        if p.layers.len() != n_layers || p.n_ff != n_ff {
+            return Err(bad(format!(
+                "{} layers of {} neurons, the model has {n_layers} of {n_ff}",
+                p.layers.len(),
+                p.n_ff
+            )));
+        }
+        Ok(p)
+    }
+}
+
+/// A histogram of activation magnitudes on a log scale (64 bins per octave from 2^-24
+/// to 2^8, and one for zero and below), from which quantiles are read to within 1.1%.
+#[derive(Clone, Debug)]
+pub struct MagnitudeHistogram {
+    counts: Vec<u64>,
+    total: u64,
+}
+
+const BINS_PER_OCTAVE: f32 = 64.0;
+const LOW_EXP: f32 = -24.0;
+const OCTAVES: usize = 32;
+
+impl Default for MagnitudeHistogram {
+    fn default() -> Self {
+        MagnitudeHistogram {
+            counts: vec![0; OCTAVES * BINS_PER_OCTAVE as usize + 1],
+            total: 0,
+        }
+    }
+}
+
+impl MagnitudeHistogram {
+    fn bin(v: f32) -> usize {
+        if v.is_nan() || v <= 2f32.powf(LOW_EXP) {
+            return 0;
+        }
+        let b = ((v.log2() - LOW_EXP) * BINS_PER_OCTAVE) as usize + 1;
+        b.min(OCTAVES * BINS_PER_OCTAVE as usize)
+    }
+
+    /// The upper edge of bin `b`.
+    fn edge(b: usize) -> f32 {
+        if b == 0 {
+            return 2f32.powf(LOW_EXP);
+        }
+        2f32.powf(LOW_EXP + b as f32 / BINS_PER_OCTAVE)
+    }
+
+    /// Counts the magnitudes of `values`.
+    pub fn add(&mut self, values: impl IntoIterator<Item = f32>) {
+        for v in values {
+            self.counts[MagnitudeHistogram::bin(v.abs())] += 1;
+            self.total += 1;
+        }
+    }
+
+    /// Values counted.
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// The `QUANTILES + 1` quantiles: point `i` is the upper edge of the first bin where
+    /// the count reaches `i / QUANTILES` of the total (point 0 is 0).
+    pub fn quantiles(&self) -> Vec<f32> {
+        let mut out = Vec::with_capacity(QUANTILES + 1);
+        out.push(0.0);
+        let mut cum = 0u64;
+        let mut b = 0;
+        for i in 1..=QUANTILES {
+            let want = (self.total as f64 * i as f64 / QUANTILES as f64).ceil() as u64;
+            while b < self.counts.len() && cum + self.counts[b] < want {
+                cum += self.counts[b];
+                b += 1;
+            }
+            let b = b.min(self.counts.len() - 1);
+            out.push(MagnitudeHistogram::edge(b).max(*out.last().expect("not empty")));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn profile() -> SparsityProfile {
+        let mut h = MagnitudeHistogram::default();
+        h.add((0..10_000).map(|i| i as f32 / 1000.0));
+        SparsityProfile {
+            fingerprint: 42,
+            n_ff: 64,
+            tokens: 100,
+            layers: vec![h.quantiles(); 3],
+        }
+    }
+
+    #[test]
+    fn quantiles_follow_the_data() {
+        let p = profile();
+        let t = p.thresholds(0.5).unwrap();
+        // Half of 0..10 lies below 5; bins are 1.1% wide.
+        assert!((t[0] - 5.0).abs() < 0.1, "{t:?}");
+        assert_eq!(p.thresholds(0.0).unwrap(), vec![-1.0; 3]);
+        assert!(p.thresholds(1.0).is_err());
+        assert!(p.thresholds(-0.1).is_err());
+    }
+
+    #[test]
+    fn files_round_trip_and_refuse_another_model() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf.sparsity");
+        let p = profile();
+        p.save(&path).unwrap();
+        assert_eq!(SparsityProfile::load(&path, 42, 3, 64).unwrap(), p);
+        let err = SparsityProfile::load(&path, 43, 3, 64).unwrap_err();
+        assert!(err.to_string().contains("another model"), "{err}");
+        let err = SparsityProfile::load(&path, 42, 4, 64).unwrap_err();
+        assert!(err.to_string().contains("3 layers"), "{err}");
+    }
+
+    proptest! {
+        /// Any flipped byte or truncation is refused with an error naming the file.
+        #[test]
+        fn damaged_files_are_refused(at in 0usize..10_000, bit in 0u8..8, cut in 0usize..10_000) {
+            let bytes = profile().to_bytes();
+            let path = Path::new("p.sparsity");
+            let mut flipped = bytes.clone();
+            let at = at % bytes.len();
+            flipped[at] ^= 1 << bit;
+            let err = SparsityProfile::from_bytes(&flipped, path).unwrap_err();
+            prop_assert!(err.to_string().contains("p.sparsity"));
+            let cut = cut % bytes.len();
+            prop_assert!(SparsityProfile::from_bytes(&bytes[..cut], path).is_err());
+        }
+
+        /// Arbitrary bytes never panic.
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let _ = SparsityProfile::from_bytes(&bytes, Path::new("x"));
+        }
+    }
+}

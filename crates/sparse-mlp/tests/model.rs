@@ -1,0 +1,103 @@
+//! The sparse MLP in a real forward pass on tiny random models: exact at sparsity 0,
+//! at the calibrated sparsity elsewhere, fewer up-projection rows computed.
+
+use std::sync::Arc;
+
+use ballast_runtime::gguf::GgufFile;
+use ballast_runtime::testing::TinyModelSpec;
+use ballast_runtime::{CpuBackend, Model, Session};
+use ballast_sparse_mlp::{SparseFfn, SparsityProfile};
+use proptest::prelude::*;
+
+fn model(seed: u64) -> Model {
+    let spec = TinyModelSpec {
+        n_layers: 3,
+        n_ff: 256,
+        seed,
+        ..TinyModelSpec::default()
+    };
+    let file = Arc::new(GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap());
+    Model::load(file, Arc::new(CpuBackend::new(2)), false).unwrap()
+}
+
+/// Logits after `prompt`, then after each of `steps` greedy tokens.
+fn run(model: Model, prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {
+    let mut session = Session::new(model, 64).unwrap();
+    let mut out = vec![session.feed(prompt).unwrap().to_vec()];
+    for _ in 0..steps {
+        let last = out.last().unwrap();
+        let next = (0..last.len())
+            .max_by(|&a, &b| last[a].total_cmp(&last[b]))
+            .unwrap() as u32;
+        out.push(session.feed(&[next]).unwrap().to_vec());
+    }
+    out
+}
+
+fn calibrate(model: &Model, text: &[u32]) -> SparsityProfile {
+    let (ffn, calibration) = SparseFfn::calibrating();
+    let mut session = Session::new(model.share_with_ffn(Box::new(ffn)), 64).unwrap();
+    session.feed(text).unwrap();
+    calibration.profile(1, text.len() as u64)
+}
+
+const PROMPT: [u32; 6] = [72, 101, 108, 108, 111, 44];
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]
+
+    /// At sparsity 0 the sparse MLP is the dense one, bit for bit, prompt and decode.
+    #[test]
+    fn sparsity_zero_is_dense_bit_for_bit(seed in any::<u64>()) {
+        let dense = model(seed);
+        let profile = calibrate(&dense, &PROMPT);
+        let sparse = dense.share_with_ffn(Box::new(SparseFfn::new(profile.thresholds(0.0).unwrap())));
+        let (a, b) = (run(dense, &PROMPT, 4), run(sparse, &PROMPT, 4));
+        for (x, y) in a.iter().zip(&b) {
+            prop_assert!(x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()));
+        }
+    }
+}
+
+/// Calibrated to 50% on a text, the MLP skips about half the neurons on that text and
+/// computes fewer up rows when decoding, and the logits move but stay close.
+#[test]
+fn calibrated_sparsity_skips_that_share_of_neurons() {
+    let dense = model(3);
+    let text: Vec<u32> = (0..48).map(|i| (i * 37 % 250) as u32 + 3).collect();
+    let profile = calibrate(&dense, &text);
+    assert_eq!(profile.layers.len(), 3);
+    assert_eq!(profile.n_ff, 256);
+    let ffn = SparseFfn::new(profile.thresholds(0.5).unwrap());
+    let stats = ffn.stats();
+    let mut session = Session::new(dense.share_with_ffn(Box::new(ffn)), 64).unwrap();
+    session.feed(&text).unwrap();
+    let s = *stats.lock().unwrap();
+    assert!(
+        (s.sparsity() - 0.5).abs() < 0.05,
+        "{:.3} of the neurons skipped on the calibration text",
+        s.sparsity()
+    );
+    let before = s.up_rows_computed;
+    session.feed(&[5]).unwrap();
+    let s = *stats.lock().unwrap();
+    let decode_rows = s.up_rows_computed - before;
+    assert!(
+        decode_rows < 3 * 256 * 7 / 10,
+        "one decoded token computed {decode_rows} of {} up rows",
+        3 * 256
+    );
+    assert!(s.up_bytes_skipped > 0);
+
+    let want = run(model(3), &PROMPT, 0).remove(0);
+    let sparse =
+        model(3).share_with_ffn(Box::new(SparseFfn::new(profile.thresholds(0.5).unwrap())));
+    let got = run(sparse, &PROMPT, 0).remove(0);
+    assert_ne!(got, want, "half the neurons skipped changes the logits");
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let diff = got
+        .iter()
+        .zip(&want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(diff < scale, "logits moved by {diff} (scale {scale})");
+}
