@@ -23,6 +23,13 @@ pub struct BenchArgs {
     /// GGUF model file. Default: the default model, fetched on first use.
     #[arg(short = 'm', long)]
     pub model: Option<std::path::PathBuf>,
+    /// Skip this fraction of MLP neurons (see `ballast run --help`); needs the model's
+    /// sparsity profile (`ballast sparsify`).
+    #[arg(long)]
+    pub sparsity: Option<f32>,
+    /// The sparsity profile for --sparsity. Default: MODEL.sparsity beside the model.
+    #[arg(long)]
+    pub sparsity_profile: Option<std::path::PathBuf>,
     /// Prompt tokens to process per repetition (0 to skip).
     #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
     pub n_prompt: usize,
@@ -152,7 +159,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
             args.n_prompt.max(1),
             true,
         )?;
-        let model: Model = built.model;
+        let model: Model = common::apply_sparsity(
+            args.sparsity,
+            args.sparsity_profile.as_deref(),
+            &path,
+            &file,
+            built.model,
+        )?;
         let tiered_info = built.tiered;
         store_name = built.store_name;
         if let Some(info) = &tiered_info {

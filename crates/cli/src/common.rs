@@ -12,6 +12,7 @@ use ballast_runtime::{
     model_cache, Backend, CpuBackend, KvCache, KvPolicy, Model, SamplerConfig, Tokenizer,
     WgpuBackend,
 };
+use ballast_sparse_mlp::{SparseFfn, SparsityProfile};
 use clap::Args;
 
 /// Flags that choose and load a model.
@@ -32,6 +33,14 @@ pub struct ModelArgs {
     pub device: DeviceChoice,
     #[command(flatten)]
     pub store: crate::tiered::StoreArgs,
+    /// Skip this fraction of MLP neurons (0 to below 1), those whose gate activation is
+    /// smallest (CATS thresholds per layer; approximate: see `ballast perplexity`). Needs
+    /// the model's sparsity profile, which `ballast sparsify` makes.
+    #[arg(long)]
+    pub sparsity: Option<f32>,
+    /// The sparsity profile for --sparsity. Default: MODEL.sparsity beside the model.
+    #[arg(long)]
+    pub sparsity_profile: Option<PathBuf>,
 }
 
 impl ModelArgs {
@@ -157,12 +166,52 @@ pub fn load(args: &ModelArgs, threads: usize, ctx: usize, batch: usize) -> Resul
         batch,
         false,
     )?;
+    let model = apply_sparsity(
+        args.sparsity,
+        args.sparsity_profile.as_deref(),
+        &path,
+        &file,
+        built.model,
+    )?;
     Ok(Loaded {
         file,
         tokenizer,
-        model: built.model,
+        model,
         tiered: built.tiered,
     })
+}
+
+/// `model` (read from `path`) with the sparse MLP at `sparsity` installed (the profile
+/// at `profile`, else beside the model, read and checked against the model), or as it
+/// is without a sparsity.
+pub fn apply_sparsity(
+    sparsity: Option<f32>,
+    profile: Option<&Path>,
+    path: &Path,
+    file: &GgufFile,
+    model: Model,
+) -> Result<Model> {
+    let Some(sparsity) = sparsity else {
+        return Ok(model);
+    };
+    let profile_path = profile
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| SparsityProfile::path_for(path));
+    anyhow::ensure!(
+        profile_path.exists(),
+        "--sparsity needs the model's sparsity profile, and {} does not exist: make it with `ballast sparsify -m {}`",
+        profile_path.display(),
+        path.display()
+    );
+    let config = model.config();
+    let profile = SparsityProfile::load(
+        &profile_path,
+        ballast_kv_cache::model_fingerprint(file),
+        config.n_layers,
+        config.n_ff,
+    )?;
+    let thresholds = profile.thresholds(sparsity).context("--sparsity")?;
+    Ok(model.share_with_ffn(Box::new(SparseFfn::new(thresholds))))
 }
 
 /// `n` bytes in a human unit.

@@ -7,6 +7,7 @@ mod inspect;
 mod perplexity;
 mod plan;
 mod run;
+mod sparsify;
 mod tiered;
 
 use clap::{Parser, Subcommand};
@@ -39,6 +40,9 @@ enum Command {
     /// Where each layer would live (device, RAM, disk) and the speed to expect, for a
     /// model and this machine, or for a machine and a model shape given by flags.
     Plan(plan::PlanArgs),
+    /// Calibrate the sparse MLP (--sparsity): record how each layer's gate activations
+    /// are distributed on a text, saved beside the model.
+    Sparsify(sparsify::SparsifyArgs),
 }
 
 fn main() {
@@ -50,6 +54,7 @@ fn main() {
         Command::Bench(a) => bench::run(a),
         Command::Perplexity(a) => perplexity::run(a),
         Command::Plan(a) => plan::run(a),
+        Command::Sparsify(a) => sparsify::run(a),
         Command::FetchModel => common::resolve_model(None).map(|p| println!("{}", p.display())),
     };
     if let Err(e) = result {

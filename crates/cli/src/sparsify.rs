@@ -1,0 +1,95 @@
+//! `ballast sparsify`: calibrate the sparse MLP on a text and save the model's
+//! sparsity profile beside it.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use ballast_runtime::Session;
+use ballast_sparse_mlp::{SparseFfn, SparsityProfile};
+use clap::Args;
+
+use crate::common::{self, ModelArgs};
+
+/// Record how each layer's MLP gate activations are distributed on a text, and save
+/// that (the sparsity profile) beside the model as MODEL.sparsity, for --sparsity.
+#[derive(Args, Debug)]
+pub struct SparsifyArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Text to calibrate on. Default: the GNU FDL 1.3 from
+    /// /usr/share/common-licenses (every Debian machine has it; not the GPL-3 that the
+    /// perplexity figures use).
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    /// Tokens of the text to run at most, in windows of --ctx from an empty cache.
+    #[arg(long, default_value_t = 4096)]
+    pub tokens: usize,
+    /// Window length.
+    #[arg(short = 'c', long, default_value_t = 256)]
+    pub ctx: usize,
+    /// Where to save the profile. Default: MODEL.sparsity beside the model.
+    #[arg(short = 'o', long)]
+    pub output: Option<PathBuf>,
+}
+
+pub fn run(args: SparsifyArgs) -> Result<()> {
+    anyhow::ensure!(
+        args.model.sparsity.is_none(),
+        "calibration runs the dense MLP: drop --sparsity"
+    );
+    anyhow::ensure!(args.ctx >= 2, "--ctx must be at least 2");
+    let path = common::resolve_model(args.model.model.as_deref())?;
+    let text_path = args
+        .text
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("/usr/share/common-licenses/GFDL-1.3"));
+    let text = std::fs::read_to_string(&text_path)
+        .with_context(|| format!("reading the calibration text {}", text_path.display()))?;
+    let threads = common::threads(args.model.threads);
+    let loaded = common::load(&args.model, threads, args.ctx, args.ctx)?;
+    let ids = loaded.tokenizer.encode(&text, false, false)?;
+    let n = ids.len().min(args.tokens);
+    anyhow::ensure!(
+        n >= 2,
+        "{} gives {} tokens: too short to calibrate on",
+        text_path.display(),
+        ids.len()
+    );
+    let (ffn, calibration) = SparseFfn::calibrating();
+    let mut session = Session::new(loaded.model.share_with_ffn(Box::new(ffn)), args.ctx)?;
+    session.set_batch(args.ctx);
+    let windows: Vec<&[u32]> = ids[..n].chunks(args.ctx).collect();
+    let bar = indicatif::ProgressBar::new(windows.len() as u64);
+    bar.set_message("calibrating");
+    for w in &windows {
+        session.rewind(0);
+        session.feed(w)?;
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let fingerprint = ballast_kv_cache::model_fingerprint(&loaded.file);
+    let profile = calibration.profile(fingerprint, n as u64);
+    let out = args
+        .output
+        .clone()
+        .unwrap_or_else(|| SparsityProfile::path_for(&path));
+    profile.save(&out)?;
+    eprintln!(
+        "calibrated on {n} tokens of {}; saved {}",
+        text_path.display(),
+        out.display()
+    );
+    println!("| layer | threshold at 25% | 40% | 50% | 60% |");
+    println!("| ---: | ---: | ---: | ---: | ---: |");
+    let at: Vec<Vec<f32>> = [0.25, 0.4, 0.5, 0.6]
+        .iter()
+        .map(|&s| profile.thresholds(s))
+        .collect::<ballast_sparse_mlp::Result<_>>()?;
+    for l in 0..profile.layers.len() {
+        println!(
+            "| {l} | {:.4} | {:.4} | {:.4} | {:.4} |",
+            at[0][l], at[1][l], at[2][l], at[3][l]
+        );
+    }
+    Ok(())
+}
