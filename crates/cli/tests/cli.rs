@@ -762,3 +762,66 @@ fn gpu_tiered_streaming_keeps_the_device_budget_and_the_tokens() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--ram"), "{}", stderr(&o));
 }
+
+/// `sparsify` saves a profile beside the model that `--sparsity` then uses; without
+/// one, or with a damaged one, `--sparsity` is an error that names the file; sparsity 0
+/// gives the dense tokens.
+#[test]
+fn sparsify_then_sparsity_runs_and_bad_profiles_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let m = model.to_str().unwrap();
+    let text = dir.path().join("calibration.txt");
+    std::fs::write(
+        &text,
+        "the quick brown fox jumps over the lazy dog. ".repeat(20),
+    )
+    .unwrap();
+    let greedy = ["-n", "6", "--temp", "0", "--ignore-eos"];
+    let tokens = |extra: &[&str]| {
+        let mut args = vec!["run", "-m", m, "Hello"];
+        args.extend_from_slice(&greedy);
+        args.extend_from_slice(extra);
+        let o = ballast(&args);
+        (o.status.success(), stdout(&o), stderr(&o))
+    };
+    let (ok, _, err) = tokens(&["--sparsity", "0.5"]);
+    assert!(
+        !ok && err.contains(".sparsity") && err.contains("ballast sparsify"),
+        "{err}"
+    );
+
+    let o = ballast(&[
+        "sparsify",
+        "-m",
+        m,
+        "--text",
+        text.to_str().unwrap(),
+        "-c",
+        "64",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("threshold at 25%"), "{}", stdout(&o));
+    let profile = dir.path().join("tiny.gguf.sparsity");
+    assert!(profile.exists());
+
+    let (ok, dense, err) = tokens(&[]);
+    assert!(ok, "{err}");
+    let (ok, zero, err) = tokens(&["--sparsity", "0"]);
+    assert!(ok, "{err}");
+    assert_eq!(zero, dense, "sparsity 0 is the dense MLP");
+    let (ok, _, err) = tokens(&["--sparsity", "0.5"]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = tokens(&["--sparsity", "1.5"]);
+    assert!(!ok && err.contains("1.5"), "{err}");
+
+    let mut bytes = std::fs::read(&profile).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&profile, &bytes).unwrap();
+    let (ok, _, err) = tokens(&["--sparsity", "0.5"]);
+    assert!(
+        !ok && err.contains("tiny.gguf.sparsity") && err.contains("checksum"),
+        "{err}"
+    );
+}
