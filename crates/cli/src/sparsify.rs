@@ -86,10 +86,8 @@ pub fn run(args: SparsifyArgs) -> Result<()> {
         .map(|&s| profile.thresholds(s))
         .collect::<ballast_sparse_mlp::Result<_>>()?;
     for l in 0..profile.layers.len() {
-        println!(
-            "| {l} | {:.4} | {:.4} | {:.4} | {:.4} |",
-            at[0][l], at[1][l], at[2][l], at[3][l]
-        );
+        let row: Vec<String> = at.iter().map(|t| format!("{:.4}", t[l])).collect();
+        println!("| {l} | {} |", row.join(" | "));
     }
     Ok(())
 }
