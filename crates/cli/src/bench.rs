@@ -9,13 +9,14 @@ use ballast_runtime::backend::PassReport;
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::gpu::DeviceChoice;
 use ballast_runtime::memory::peak_rss_kib;
-use ballast_runtime::{Model, Session};
+use ballast_runtime::Session;
 use clap::Args;
 use serde_json::json;
 
 use crate::common::{self, human_bytes};
 use crate::tiered::{self, StoreArgs, StoreKind};
 use ballast_kv_cache::{Precision, UpdateMode};
+use ballast_runtime::blocks::{FFN_DOWN, FFN_GATE, FFN_UP};
 
 /// Flags of `ballast bench` (as llama-bench's).
 #[derive(Args, Debug)]
@@ -66,6 +67,19 @@ struct TestResult {
 }
 
 /// What a generation test moved, per token.
+/// What the sparse MLP did over the decode test of one thread count.
+struct SparseFigures {
+    threads: usize,
+    sparsity: f32,
+    /// Fraction of (token, neuron) pairs skipped.
+    skipped: f64,
+    /// MLP weight bytes read per decoded token, and a dense MLP's.
+    mlp_bytes_per_token: f64,
+    dense_mlp_bytes: u64,
+    /// Fraction of the down projection's input blocks whose neurons were all skipped.
+    idle_down_blocks: f64,
+}
+
 struct IoFigures {
     /// `read_bytes` of /proc/self/io (any store: page faults count too).
     process_read_per_token: Option<f64>,
@@ -145,6 +159,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let progress = indicatif::ProgressBar::new_spinner();
     progress.enable_steady_tick(std::time::Duration::from_millis(120));
     let mut device_report: Option<DeviceReport> = None;
+    let mut sparse_figures: Vec<SparseFigures> = Vec::new();
     for &t in &threads {
         let backend = common::backend(args.device, t)?;
         let on_device = backend.device_forward().is_some();
@@ -159,13 +174,24 @@ pub fn run(args: BenchArgs) -> Result<()> {
             args.n_prompt.max(1),
             true,
         )?;
-        let model: Model = common::apply_sparsity(
+        let (model, sparse) = common::apply_sparsity(
             args.sparsity,
             args.sparsity_profile.as_deref(),
             &path,
             &file,
             built.model,
         )?;
+        // Dense MLP weight bytes a decoded token reads, for the sparse MLP's figures.
+        let dense_mlp_bytes: u64 = file
+            .tensors()
+            .iter()
+            .filter(|t| {
+                [FFN_GATE, FFN_UP, FFN_DOWN]
+                    .iter()
+                    .any(|r| t.name.ends_with(r))
+            })
+            .map(|t| t.n_bytes)
+            .sum();
         let tiered_info = built.tiered;
         store_name = built.store_name;
         if let Some(info) = &tiered_info {
@@ -210,6 +236,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
             let mut wall = Duration::ZERO;
             let stream_before = tiered_info.as_ref().map(|i| i.stats.get());
             let read_before = ballast_tier_stream::io::process_read_bytes();
+            let sparse_before = sparse
+                .as_ref()
+                .map(|s| *s.lock().unwrap_or_else(|p| p.into_inner()));
             for _ in 0..args.repetitions {
                 session.rewind(0);
                 backend.op_times().reset();
@@ -231,6 +260,25 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 speeds.push(args.n_gen as f64 / elapsed.as_secs_f64());
             }
             let n = args.n_gen * args.repetitions;
+            if let (Some(now), Some(before)) = (
+                sparse
+                    .as_ref()
+                    .map(|s| *s.lock().unwrap_or_else(|p| p.into_inner())),
+                sparse_before,
+            ) {
+                sparse_figures.push(SparseFigures {
+                    threads: t,
+                    sparsity: args.sparsity.unwrap_or(0.0),
+                    skipped: 1.0
+                        - (now.active - before.active) as f64
+                            / (now.neurons - before.neurons).max(1) as f64,
+                    mlp_bytes_per_token: dense_mlp_bytes as f64
+                        - (now.up_bytes_skipped - before.up_bytes_skipped) as f64 / n as f64,
+                    dense_mlp_bytes,
+                    idle_down_blocks: (now.down_blocks_idle - before.down_blocks_idle) as f64
+                        / (now.down_blocks - before.down_blocks).max(1) as f64,
+                });
+            }
             let process_read_per_token = ballast_tier_stream::io::process_read_bytes()
                 .zip(read_before)
                 .map(|(a, b)| (a - b) as f64 / n as f64);
@@ -445,6 +493,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
             median(&r.tokens_per_s),
             lo,
             hi
+        );
+    }
+    for f in &sparse_figures {
+        println!(
+            "sparse MLP at --sparsity {} ({} threads): {:.1}% of neurons skipped while decoding; MLP weights read per token {} of {} dense ({:.1}%); down-projection input blocks with every neuron skipped: {:.2}%",
+            f.sparsity,
+            f.threads,
+            100.0 * f.skipped,
+            human_bytes(f.mlp_bytes_per_token as u64),
+            human_bytes(f.dense_mlp_bytes),
+            100.0 * f.mlp_bytes_per_token / f.dense_mlp_bytes.max(1) as f64,
+            100.0 * f.idle_down_blocks,
         );
     }
     println!("\nwhere a generated token's time goes (mean per token):");

@@ -166,7 +166,7 @@ pub fn load(args: &ModelArgs, threads: usize, ctx: usize, batch: usize) -> Resul
         batch,
         false,
     )?;
-    let model = apply_sparsity(
+    let (model, _) = apply_sparsity(
         args.sparsity,
         args.sparsity_profile.as_deref(),
         &path,
@@ -182,17 +182,17 @@ pub fn load(args: &ModelArgs, threads: usize, ctx: usize, batch: usize) -> Resul
 }
 
 /// `model` (read from `path`) with the sparse MLP at `sparsity` installed (the profile
-/// at `profile`, else beside the model, read and checked against the model), or as it
-/// is without a sparsity.
+/// at `profile`, else beside the model, read and checked against the model) and its
+/// counters, or the model as it is without a sparsity.
 pub fn apply_sparsity(
     sparsity: Option<f32>,
     profile: Option<&Path>,
     path: &Path,
     file: &GgufFile,
     model: Model,
-) -> Result<Model> {
+) -> Result<(Model, Option<SparseCounters>)> {
     let Some(sparsity) = sparsity else {
-        return Ok(model);
+        return Ok((model, None));
     };
     let profile_path = profile
         .map(Path::to_path_buf)
@@ -211,8 +211,13 @@ pub fn apply_sparsity(
         config.n_ff,
     )?;
     let thresholds = profile.thresholds(sparsity).context("--sparsity")?;
-    Ok(model.share_with_ffn(Box::new(SparseFfn::new(thresholds))))
+    let ffn = SparseFfn::new(thresholds);
+    let stats = ffn.stats();
+    Ok((model.share_with_ffn(Box::new(ffn)), Some(stats)))
 }
+
+/// The counters of an installed sparse MLP.
+pub type SparseCounters = Arc<std::sync::Mutex<ballast_sparse_mlp::SparseStats>>;
 
 /// `n` bytes in a human unit.
 pub fn human_bytes(n: u64) -> String {
