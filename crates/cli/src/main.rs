@@ -7,6 +7,7 @@ mod inspect;
 mod perplexity;
 mod plan;
 mod run;
+mod serve;
 mod tiered;
 
 use clap::{Parser, Subcommand};
@@ -39,6 +40,9 @@ enum Command {
     /// Where each layer would live (device, RAM, disk) and the speed to expect, for a
     /// model and this machine, or for a machine and a model shape given by flags.
     Plan(plan::PlanArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (chat and text completions,
+    /// streaming, metrics).
+    Serve(serve::ServeArgs),
 }
 
 fn main() {
@@ -50,6 +54,7 @@ fn main() {
         Command::Bench(a) => bench::run(a),
         Command::Perplexity(a) => perplexity::run(a),
         Command::Plan(a) => plan::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::FetchModel => common::resolve_model(None).map(|p| println!("{}", p.display())),
     };
     if let Err(e) = result {
