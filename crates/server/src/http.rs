@@ -167,10 +167,10 @@ async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.shared.metrics.render(state.shared.waiting()),
-    )
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], {
+        let (waiting, running) = state.shared.load();
+        state.shared.metrics.render(waiting, running)
+    })
         .into_response()
 }
 

@@ -24,8 +24,6 @@ pub struct Metrics {
     pub prompt_nanos: AtomicU64,
     /// Time spent on decode passes, nanoseconds.
     pub generation_nanos: AtomicU64,
-    /// Sequences being processed.
-    pub running: AtomicU64,
     /// Tokens the running sequences hold in their KV caches.
     pub kv_tokens: AtomicU64,
     /// Tokens all KV caches can hold.
@@ -57,8 +55,9 @@ impl Metrics {
         cell.fetch_add(d.as_nanos().min(u64::MAX as u128) as u64, Relaxed);
     }
 
-    /// The text exposition, with `waiting` requests in the queue.
-    pub fn render(&self, waiting: usize) -> String {
+    /// The text exposition, with `waiting` requests in the queue and `running`
+    /// sequences.
+    pub fn render(&self, waiting: usize, running: usize) -> String {
         let mut out = String::new();
         let mut metric = |name: &str, kind: &str, help: &str, samples: &[(&str, f64)]| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -129,7 +128,7 @@ impl Metrics {
             "ballast_requests_running",
             "gauge",
             "Sequences being processed.",
-            &[("", get(&self.running))],
+            &[("", running as f64)],
         );
         let capacity = get(&self.kv_capacity);
         metric(

@@ -91,9 +91,10 @@ impl Shared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Requests waiting for a slot.
-    pub fn waiting(&self) -> usize {
-        self.lock().waiting.len()
+    /// Requests waiting for a slot, and sequences holding one.
+    pub fn load(&self) -> (usize, usize) {
+        let q = self.lock();
+        (q.waiting.len(), q.running)
     }
 
     /// Queues `job`, or refuses it with a 503 when every slot is busy and the queue full.
@@ -395,6 +396,12 @@ impl Scheduler {
 
     fn release(&mut self, slot: &mut Slot) {
         slot.seq = None;
+        // Its cache no longer counts as in use (the gauges of the step come later).
+        let m = &self.shared.metrics;
+        let held = slot.session.kv().len() as u64;
+        let _ = m
+            .kv_tokens
+            .fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(held)));
         let mut q = self.shared.lock();
         q.running = q.running.saturating_sub(1);
     }
@@ -402,7 +409,6 @@ impl Scheduler {
     fn gauges(&self, slots: &[Slot]) {
         let m = &self.shared.metrics;
         let running = slots.iter().filter(|s| s.seq.is_some());
-        m.running.store(running.clone().count() as u64, Relaxed);
         m.kv_tokens
             .store(running.map(|s| s.session.kv().len() as u64).sum(), Relaxed);
         let kv = slots
