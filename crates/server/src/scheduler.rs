@@ -146,6 +146,9 @@ struct Sequence {
 struct Slot {
     session: Session,
     seq: Option<Sequence>,
+    /// The eviction policy's state before the first sequence, restored for each new
+    /// one (a policy remembers the sinks it saw first).
+    fresh_policy: Option<Vec<u8>>,
 }
 
 /// Tokens a session's cache can hold, or `None` when a policy evicts (no limit).
@@ -160,7 +163,11 @@ pub fn run(sessions: Vec<Session>, tokenizer: Arc<Tokenizer>, batch: usize, shar
     shared.parallel.store(sessions.len(), Relaxed);
     let mut slots: Vec<Slot> = sessions
         .into_iter()
-        .map(|session| Slot { session, seq: None })
+        .map(|session| Slot {
+            fresh_policy: session.policy().map(|p| p.state()),
+            session,
+            seq: None,
+        })
         .collect();
     let mut sched = Scheduler {
         tokenizer,
@@ -227,13 +234,15 @@ impl Scheduler {
                     (shared, std::cmp::Reverse(s.session.tokens().len()))
                 })
                 .expect("a free slot exists");
-            self.start(slot, job);
-            q.running += 1;
+            if self.start(slot, job) {
+                q.running += 1;
+            }
         }
         true
     }
 
-    fn start(&self, slot: &mut Slot, job: Job) {
+    /// Puts `job` in `slot`; false if the slot could not be readied (the job was told).
+    fn start(&self, slot: &mut Slot, job: Job) -> bool {
         let session = &mut slot.session;
         // Reuse the cached keys and values of the prompt's start, but feed at least its
         // last token: its logits give the first generated token. A cache with an
@@ -244,6 +253,12 @@ impl Scheduler {
             0
         };
         session.rewind(cached);
+        if let (Some(policy), Some(fresh)) = (session.policy_mut(), &slot.fresh_policy) {
+            if let Err(e) = policy.restore_state(fresh) {
+                let _ = job.events.send(Event::Failed(e.to_string()));
+                return false;
+            }
+        }
         let g = &job.generation;
         let seq = Sequence {
             pending: job.prompt[cached..].iter().copied().collect(),
@@ -262,6 +277,7 @@ impl Scheduler {
             .cached_tokens
             .fetch_add(cached as u64, Relaxed);
         slot.seq = Some(seq);
+        true
     }
 
     /// One pass for the sequence in `slot`, if any.
