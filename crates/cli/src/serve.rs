@@ -1,0 +1,133 @@
+//! `ballast serve`: the OpenAI-compatible server (`ballast-server`) on a model loaded
+//! with the same flags as `run`.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use ballast_runtime::Session;
+use ballast_server::{Engine, ServerConfig};
+use clap::Args;
+
+use crate::common::{self, KvArgs, ModelArgs};
+
+/// Flags of `ballast serve`.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the address is printed).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Sequences generated at once, each with its own KV cache of --ctx tokens.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
+    pub parallel: u16,
+    /// Requests that may wait for a free sequence; more get a 503.
+    #[arg(long, default_value_t = 64)]
+    pub queue: usize,
+    /// Require `Authorization: Bearer KEY` on every route but /health.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Largest request body (e.g. 1M, 64K); larger ones get a 413.
+    #[arg(long, default_value = "1M")]
+    pub body_limit: String,
+    /// The model's name in the API (GET /v1/models, `model` in requests). Default: the
+    /// file name without `.gguf`.
+    #[arg(long)]
+    pub alias: Option<String>,
+    /// Context size of each sequence in tokens (prompt plus generation).
+    #[arg(short = 'c', long = "ctx", default_value_t = 4096)]
+    pub ctx: usize,
+    /// Prompt tokens per forward pass (a longer prompt takes several steps, between
+    /// which the other sequences decode).
+    #[arg(short = 'b', long = "batch", default_value_t = 64)]
+    pub batch: usize,
+    #[command(flatten)]
+    pub kv: KvArgs,
+}
+
+/// The API name of the model at `path`: its file name without `.gguf`.
+fn model_name(path: &Path) -> String {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    name.strip_suffix(".gguf")
+        .map(str::to_string)
+        .unwrap_or(name)
+}
+
+pub fn run(args: ServeArgs) -> Result<()> {
+    let name = match (&args.alias, &args.model.model) {
+        (Some(alias), _) => alias.clone(),
+        (None, Some(path)) => model_name(path),
+        (None, None) => model_name(&ballast_runtime::model_cache::default_model_path()?),
+    };
+    let body_limit = ballast_tier_stream::probe::parse_size(&args.body_limit)
+        .context("--body-limit")?
+        .try_into()
+        .unwrap_or(usize::MAX);
+    let config = ServerConfig {
+        model_name: name,
+        api_key: args.api_key.clone(),
+        max_queue: args.queue,
+        body_limit,
+        batch: args.batch.max(1),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        // The HTTP side only parses, tokenizes and forwards events; compute runs on
+        // the scheduler thread and the backend's pool.
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("listening on {addr}"))?;
+        let local = listener.local_addr()?;
+        eprintln!("listening on http://{local}");
+        let load = move || load(&args).map_err(|e| format!("{e:#}").into());
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        ballast_server::serve(listener, config, load, shutdown)
+            .await
+            .map_err(anyhow::Error::from)
+    })
+}
+
+/// Loads the model and gives every slot its session: a handle on the same weights
+/// (`Model::share`) with its own KV cache.
+fn load(args: &ServeArgs) -> Result<Engine> {
+    let threads = common::threads(args.model.threads);
+    let parallel = usize::from(args.parallel);
+    // Tiered streaming reserves room for every slot's cache.
+    let loaded = common::load(&args.model, threads, args.ctx * parallel, args.batch)?;
+    let chat_template = loaded
+        .file
+        .get_str_opt("tokenizer.chat_template")?
+        .map(str::to_string);
+    let mut sessions = Vec::with_capacity(parallel);
+    for _ in 0..parallel {
+        let model = loaded.model.share();
+        let (cache, policy) = args.kv.build(&model, args.ctx)?;
+        let mut session = Session::with_cache(model, cache, policy);
+        session.set_batch(args.batch);
+        sessions.push(session);
+    }
+    eprintln!(
+        "model loaded: {} sequences of {} tokens, {}",
+        parallel,
+        args.ctx,
+        loaded.model.backend().name()
+    );
+    Ok(Engine {
+        sessions,
+        tokenizer: loaded.tokenizer,
+        chat_template,
+    })
+}

@@ -1,0 +1,209 @@
+//! `ballast-server`: an OpenAI-compatible HTTP server over Ballast sessions, the
+//! library behind `ballast serve`.
+//!
+//! [`serve`] listens at once (so `GET /health` answers 503 while the model loads),
+//! loads the model with the closure it is given, then serves:
+//!
+//! - `POST /v1/chat/completions` (the GGUF's chat template) and `POST /v1/completions`,
+//!   one response or server-sent events (`stream: true`), with `max_tokens`,
+//!   `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`, the penalties, `logprobs`;
+//! - `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text, see
+//!   [`metrics::Metrics`]).
+//!
+//! Errors are OpenAI's `{"error": {"message", "type", "code"}}` ([`api::ApiError`]):
+//! 400 for a bad request, 401 without the key, 413 over the body limit, 503 while
+//! loading or when the queue is full. CORS is open to any origin.
+//!
+//! An [`Engine`] holds one [`Session`] per slot, each on its own
+//! [`Model::share`](ballast_runtime::Model::share) handle and KV cache. The
+//! scheduler runs up to that many sequences: each step gives every running sequence
+//! one pass (a chunk of its prompt, or one token), one after another; requests join
+//! between steps; a client that goes away frees its slot at its next turn. A request
+//! whose prompt starts with what a free slot's cache holds (the next turn of a chat)
+//! reuses those keys and values.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//!
+//! use ballast_runtime::gguf::GgufFile;
+//! use ballast_runtime::{CpuBackend, Model, Session, Tokenizer};
+//! use ballast_server::{serve, Engine, ServerConfig};
+//!
+//! # async fn example() -> Result<(), ballast_server::Error> {
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+//! let config = ServerConfig::new("SmolLM2-135M-Instruct");
+//! let load = || -> Result<Engine, ballast_server::BoxError> {
+//!     let file = Arc::new(GgufFile::open("model.gguf".as_ref(), true)?);
+//!     let tokenizer = Tokenizer::from_gguf(&file)?;
+//!     let chat_template = file.get_str_opt("tokenizer.chat_template")?.map(String::from);
+//!     let model = Model::load(file, Arc::new(CpuBackend::new(2)), true)?;
+//!     // Two slots: two sessions on the same weights, each with its own KV cache.
+//!     let sessions = vec![Session::new(model.share(), 2048), Session::new(model, 2048)];
+//!     Ok(Engine { sessions, tokenizer, chat_template })
+//! };
+//! serve(listener, config, load, std::future::pending()).await
+//! # }
+//! ```
+#![deny(missing_docs)]
+
+pub mod api;
+mod http;
+pub mod metrics;
+mod scheduler;
+pub mod stop;
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+use ballast_runtime::chat::ChatTemplate;
+use ballast_runtime::{Session, Tokenizer};
+
+/// An error of the loader, in whatever type it has.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What can stop [`serve`].
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Listening or serving failed.
+    #[error("serving HTTP: {0}")]
+    Io(#[from] std::io::Error),
+    /// The loader failed.
+    #[error("loading the model: {0}")]
+    Load(#[source] BoxError),
+    /// The loader gave no session.
+    #[error("the engine has no session: serving needs at least one slot")]
+    NoSession,
+}
+
+/// What the loader gives: the sessions (one per slot; `Model::share` handles on the
+/// same weights, each with its own KV cache), the tokenizer, the chat template.
+pub struct Engine {
+    /// One per slot: as many sequences run at once.
+    pub sessions: Vec<Session>,
+    /// The model's tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The GGUF's `tokenizer.chat_template`; without one, chat completions are
+    /// refused.
+    pub chat_template: Option<String>,
+}
+
+/// How the server behaves.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// The name `GET /v1/models` lists and requests may give as `model`.
+    pub model_name: String,
+    /// When set, every route but `/health` needs `Authorization: Bearer KEY`.
+    pub api_key: Option<String>,
+    /// Requests that may wait for a slot; more are refused with a 503.
+    pub max_queue: usize,
+    /// Largest request body in bytes; larger ones get a 413.
+    pub body_limit: usize,
+    /// Prompt tokens per pass (a longer prompt takes several steps).
+    pub batch: usize,
+}
+
+impl ServerConfig {
+    /// Defaults: no key, 64 waiting requests, 1 MiB bodies, 64-token prompt chunks.
+    pub fn new(model_name: impl Into<String>) -> ServerConfig {
+        ServerConfig {
+            model_name: model_name.into(),
+            api_key: None,
+            max_queue: 64,
+            body_limit: 1 << 20,
+            batch: ballast_runtime::session::DEFAULT_BATCH,
+        }
+    }
+}
+
+/// Serves on `listener` until `shutdown` completes: answers at once (503 while
+/// loading), runs `load` on the scheduler thread, then serves the engine it gives.
+/// Returns the loader's error if it fails.
+pub async fn serve<L, S>(
+    listener: tokio::net::TcpListener,
+    config: ServerConfig,
+    load: L,
+    shutdown: S,
+) -> Result<(), Error>
+where
+    L: FnOnce() -> Result<Engine, BoxError> + Send + 'static,
+    S: Future<Output = ()> + Send + 'static,
+{
+    let shared = Arc::new(scheduler::Shared::new(config.max_queue));
+    let batch = config.batch;
+    let state = Arc::new(http::AppState::new(config, shared.clone()));
+    let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<Error>();
+    let loader_state = state.clone();
+    std::thread::Builder::new()
+        .name("ballast-scheduler".into())
+        .spawn(move || {
+            let engine = match load() {
+                Ok(e) if e.sessions.is_empty() => Err(Error::NoSession),
+                Ok(e) => Ok(e),
+                Err(e) => Err(Error::Load(e)),
+            };
+            let engine = match engine {
+                Ok(e) => e,
+                Err(e) => {
+                    let _ = failed_tx.send(e);
+                    return;
+                }
+            };
+            let tokenizer = Arc::new(engine.tokenizer);
+            let template = match engine.chat_template.as_deref() {
+                None => Err("the model has no chat template".to_string()),
+                Some(src) => ChatTemplate::new(src)
+                    .map_err(|e| format!("the model's chat template does not compile: {e}")),
+            };
+            let text = |id: Option<u32>| id.map(|id| tokenizer.decode(&[id])).unwrap_or_default();
+            let context = engine
+                .sessions
+                .iter()
+                .map(scheduler::context_of)
+                .min()
+                .flatten();
+            let ready = http::Ready {
+                bos: text(tokenizer.bos_id()),
+                eos: text(tokenizer.eos_id()),
+                tokenizer: tokenizer.clone(),
+                template,
+                context,
+            };
+            // Ready before the scheduler runs: the handlers may queue requests now,
+            // which it takes at its first turn.
+            let _ = loader_state.ready.set(ready);
+            scheduler::run(
+                engine.sessions,
+                tokenizer,
+                batch,
+                loader_state.shared.clone(),
+            );
+        })?;
+    let failure: Arc<Mutex<Option<Error>>> = Arc::default();
+    let failure_slot = failure.clone();
+    let stop = async move {
+        let load_failed = async {
+            match failed_rx.await {
+                Ok(e) => e,
+                // The loader succeeded: this never fires.
+                Err(_) => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = shutdown => {}
+            e = load_failed => {
+                *failure_slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+            }
+        }
+    };
+    let app = http::router(state);
+    let served = axum::serve(listener, app)
+        .with_graceful_shutdown(stop)
+        .await;
+    shared.shutdown();
+    if let Some(e) = failure.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        return Err(e);
+    }
+    served.map_err(Error::Io)
+}

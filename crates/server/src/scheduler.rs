@@ -1,0 +1,485 @@
+//! The scheduler: one thread that owns the sessions (one per slot, each on its own
+//! `Model::share` handle with its own KV cache) and runs the running sequences step
+//! by step. A step gives every running sequence one pass: the next chunk of its
+//! prompt, or one decoded token. Sequences take turns within a step (one pass each,
+//! not yet one pass for all); new requests join between steps, and a sequence whose
+//! client went away is dropped at its next turn.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use ballast_runtime::sampler::log_softmax_at;
+use ballast_runtime::tokenizer::StreamDecoder;
+use ballast_runtime::{Sampler, Session, TierBytes, Tokenizer};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::api::{ApiError, FinishReason, Generation, TokenLogprob, TopLogprob, Usage};
+use crate::metrics::Metrics;
+use crate::stop::StopMatcher;
+
+/// What the scheduler tells the handler of a request.
+#[derive(Debug)]
+pub enum Event {
+    /// New text (possibly empty when only log-probabilities are new).
+    Delta {
+        /// Text to append.
+        text: String,
+        /// Log-probabilities of the tokens of this step.
+        logprobs: Vec<TokenLogprob>,
+    },
+    /// The end.
+    Done {
+        /// Why.
+        finish: FinishReason,
+        /// Token counts.
+        usage: Usage,
+    },
+    /// The engine failed (not the request's fault).
+    Failed(String),
+}
+
+/// A request waiting for a slot.
+pub struct Job {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Its parameters.
+    pub generation: Generation,
+    /// Where its events go; closed when the client went away.
+    pub events: UnboundedSender<Event>,
+}
+
+struct QueueState {
+    waiting: VecDeque<Job>,
+    /// Sequences holding a slot (updated under the lock, so admission sees them).
+    running: usize,
+    shutdown: bool,
+}
+
+/// The queue between the handlers and the scheduler thread, and the metrics.
+pub struct Shared {
+    state: Mutex<QueueState>,
+    wake: Condvar,
+    /// Counters for `/metrics`.
+    pub metrics: Metrics,
+    /// Most requests waiting beyond the ones holding a slot.
+    max_queue: usize,
+    /// Slots (set once the model is loaded).
+    parallel: std::sync::atomic::AtomicUsize,
+}
+
+impl Shared {
+    /// An empty queue that takes `max_queue` requests beyond the running ones.
+    pub fn new(max_queue: usize) -> Shared {
+        Shared {
+            state: Mutex::new(QueueState {
+                waiting: VecDeque::new(),
+                running: 0,
+                shutdown: false,
+            }),
+            wake: Condvar::new(),
+            metrics: Metrics::default(),
+            max_queue,
+            parallel: 0.into(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, QueueState> {
+        // A poisoned lock means a panic elsewhere; the queue itself stays consistent
+        // (every change is one push or pop), so keep serving.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Requests waiting for a slot, and sequences holding one.
+    pub fn load(&self) -> (usize, usize) {
+        let q = self.lock();
+        (q.waiting.len(), q.running)
+    }
+
+    /// Queues `job`, or refuses it with a 503 when every slot is busy and the queue full.
+    pub fn submit(&self, job: Job) -> Result<(), ApiError> {
+        let mut q = self.lock();
+        let parallel = self.parallel.load(Relaxed);
+        if q.waiting.len() + q.running >= parallel + self.max_queue {
+            return Err(ApiError {
+                status: 503,
+                message: format!(
+                    "the server is busy: {} sequences running and {} requests queued (the most \
+                     it takes); retry later",
+                    q.running,
+                    q.waiting.len()
+                ),
+                kind: "unavailable_error",
+                code: Some("queue_full"),
+            });
+        }
+        q.waiting.push_back(job);
+        self.wake.notify_one();
+        Ok(())
+    }
+
+    /// Asks the scheduler thread to stop.
+    pub fn shutdown(&self) {
+        self.lock().shutdown = true;
+        self.wake.notify_all();
+    }
+}
+
+/// A sequence in a slot.
+struct Sequence {
+    job: Job,
+    /// Prompt tokens still to feed.
+    pending: VecDeque<u32>,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    sampler: Sampler,
+    decoder: StreamDecoder,
+    stop: StopMatcher,
+    generated: usize,
+    /// How often each generated token occurred (presence and frequency penalties).
+    counts: HashMap<u32, u32>,
+    /// The sampled token not yet fed.
+    next: Option<u32>,
+}
+
+struct Slot {
+    session: Session,
+    seq: Option<Sequence>,
+    /// The eviction policy's state before the first sequence, restored for each new
+    /// one (a policy remembers the sinks it saw first).
+    fresh_policy: Option<Vec<u8>>,
+}
+
+/// Tokens a session's cache can hold, or `None` when a policy evicts (no limit).
+pub fn context_of(session: &Session) -> Option<usize> {
+    session.policy().is_none().then(|| session.kv().capacity())
+}
+
+/// Runs the scheduler on this thread until [`Shared::shutdown`].
+pub fn run(sessions: Vec<Session>, tokenizer: Arc<Tokenizer>, batch: usize, shared: Arc<Shared>) {
+    let capacity: usize = sessions.iter().map(|s| s.kv().capacity()).sum();
+    shared.metrics.kv_capacity.store(capacity as u64, Relaxed);
+    shared.parallel.store(sessions.len(), Relaxed);
+    let mut slots: Vec<Slot> = sessions
+        .into_iter()
+        .map(|session| Slot {
+            fresh_policy: session.policy().map(|p| p.state()),
+            session,
+            seq: None,
+        })
+        .collect();
+    let mut sched = Scheduler {
+        tokenizer,
+        batch: batch.max(1),
+        shared,
+    };
+    loop {
+        if !sched.admit(&mut slots) {
+            return;
+        }
+        for slot in slots.iter_mut() {
+            sched.step(slot);
+        }
+        sched.gauges(&slots);
+    }
+}
+
+struct Scheduler {
+    tokenizer: Arc<Tokenizer>,
+    batch: usize,
+    shared: Arc<Shared>,
+}
+
+/// Tokens two sequences share at the start.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl Scheduler {
+    /// Gives waiting requests the free slots; waits while nothing runs. False on
+    /// shutdown.
+    fn admit(&mut self, slots: &mut [Slot]) -> bool {
+        let mut q = self.shared.lock();
+        loop {
+            if q.shutdown {
+                return false;
+            }
+            let busy = slots.iter().filter(|s| s.seq.is_some()).count();
+            if busy > 0 || !q.waiting.is_empty() {
+                break;
+            }
+            q = self.shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+        while slots.iter().any(|s| s.seq.is_none()) {
+            let Some(job) = q.waiting.pop_front() else {
+                break;
+            };
+            if job.events.is_closed() {
+                self.shared.metrics.cancelled.fetch_add(1, Relaxed);
+                continue;
+            }
+            // The free slot whose cache shares the longest start with the prompt (the
+            // previous turn of the same chat, most often); among equals the emptiest,
+            // which keeps longer caches for the requests that may continue them.
+            let slot = slots
+                .iter_mut()
+                .filter(|s| s.seq.is_none())
+                .max_by_key(|s| {
+                    let shared = if context_of(&s.session).is_some() {
+                        common_prefix(s.session.tokens(), &job.prompt)
+                    } else {
+                        0
+                    };
+                    (shared, std::cmp::Reverse(s.session.tokens().len()))
+                })
+                .expect("a free slot exists");
+            if self.start(slot, job) {
+                q.running += 1;
+            }
+        }
+        true
+    }
+
+    /// Puts `job` in `slot`; false if the slot could not be readied (the job was told).
+    fn start(&self, slot: &mut Slot, job: Job) -> bool {
+        let session = &mut slot.session;
+        // Reuse the cached keys and values of the prompt's start, but feed at least its
+        // last token: its logits give the first generated token. A cache with an
+        // eviction policy is not a prefix of its history, so it starts over.
+        let cached = if context_of(session).is_some() {
+            common_prefix(session.tokens(), &job.prompt).min(job.prompt.len() - 1)
+        } else {
+            0
+        };
+        session.rewind(cached);
+        if let (Some(policy), Some(fresh)) = (session.policy_mut(), &slot.fresh_policy) {
+            if let Err(e) = policy.restore_state(fresh) {
+                let _ = job.events.send(Event::Failed(e.to_string()));
+                return false;
+            }
+        }
+        let g = &job.generation;
+        let seq = Sequence {
+            pending: job.prompt[cached..].iter().copied().collect(),
+            prompt_tokens: job.prompt.len(),
+            cached_tokens: cached,
+            sampler: Sampler::new(g.sampler),
+            decoder: StreamDecoder::new(),
+            stop: StopMatcher::new(g.stop.clone()),
+            generated: 0,
+            counts: HashMap::new(),
+            next: None,
+            job,
+        };
+        self.shared
+            .metrics
+            .cached_tokens
+            .fetch_add(cached as u64, Relaxed);
+        slot.seq = Some(seq);
+        true
+    }
+
+    /// One pass for the sequence in `slot`, if any.
+    fn step(&mut self, slot: &mut Slot) {
+        let Some(seq) = slot.seq.as_mut() else {
+            return;
+        };
+        let m = &self.shared.metrics;
+        if seq.job.events.is_closed() {
+            m.cancelled.fetch_add(1, Relaxed);
+            self.release(slot);
+            return;
+        }
+        let session = &mut slot.session;
+        let result = if !seq.pending.is_empty() {
+            // Prompts go in chunks, one per step, so a long prompt does not hold up
+            // the other sequences' tokens for its whole length.
+            let n = self.batch.min(seq.pending.len());
+            let chunk: Vec<u32> = seq.pending.drain(..n).collect();
+            let t = Instant::now();
+            let r = session.feed(&chunk).map(|_| ());
+            Metrics::add_time(&m.prompt_nanos, t.elapsed());
+            m.prompt_tokens.fetch_add(n as u64, Relaxed);
+            r.map(|()| seq.pending.is_empty())
+        } else if let Some(id) = seq.next.take() {
+            let t = Instant::now();
+            let r = session.feed(&[id]).map(|_| ());
+            Metrics::add_time(&m.generation_nanos, t.elapsed());
+            r.map(|()| true)
+        } else {
+            Ok(false)
+        };
+        match result {
+            Err(e) => {
+                let _ = seq.job.events.send(Event::Failed(e.to_string()));
+                // The pass may have written part of its keys: start the cache over.
+                slot.session.rewind(0);
+                self.release(slot);
+            }
+            Ok(false) => {}
+            Ok(true) => {
+                if let Some(finish) = self.after_logits(slot) {
+                    self.finish(slot, finish);
+                }
+            }
+        }
+    }
+
+    /// Samples the next token from the session's logits and sends its text. Returns
+    /// how the generation ends, if it does.
+    fn after_logits(&mut self, slot: &mut Slot) -> Option<FinishReason> {
+        let seq = slot.seq.as_mut()?;
+        let session = &slot.session;
+        let g = &seq.job.generation;
+        let logits = session.logits();
+        let id = if g.presence_penalty != 0.0 || g.frequency_penalty != 0.0 {
+            let mut penalized = logits.to_vec();
+            for (&tok, &count) in &seq.counts {
+                if let Some(l) = penalized.get_mut(tok as usize) {
+                    *l -= g.presence_penalty + g.frequency_penalty * count as f32;
+                }
+            }
+            seq.sampler.sample(&penalized, session.tokens())
+        } else {
+            seq.sampler.sample(logits, session.tokens())
+        };
+        if !g.ignore_eos && self.tokenizer.is_end_of_generation(id) {
+            return Some(FinishReason::Stop);
+        }
+        seq.generated += 1;
+        self.shared.metrics.generated_tokens.fetch_add(1, Relaxed);
+        *seq.counts.entry(id).or_default() += 1;
+        let logprobs = match g.logprobs {
+            Some(top) => vec![token_logprob(&self.tokenizer, logits, id, top)],
+            None => Vec::new(),
+        };
+        let piece = seq.decoder.push(&self.tokenizer, id);
+        let (text, stopped) = seq.stop.push(&piece);
+        if !text.is_empty() || !logprobs.is_empty() {
+            let _ = seq.job.events.send(Event::Delta { text, logprobs });
+        }
+        if stopped {
+            return Some(FinishReason::Stop);
+        }
+        let limit = g.max_tokens.unwrap_or(usize::MAX);
+        let full = context_of(session).is_some_and(|ctx| session.kv().len() >= ctx);
+        if seq.generated >= limit || full {
+            return Some(FinishReason::Length);
+        }
+        seq.next = Some(id);
+        None
+    }
+
+    /// Sends what is held back and the end, and frees the slot.
+    fn finish(&mut self, slot: &mut Slot, finish: FinishReason) {
+        let Some(seq) = slot.seq.as_mut() else {
+            return;
+        };
+        let mut finish = finish;
+        let mut text = String::new();
+        // A stop string ends the text where it starts: nothing after it is sent. Else
+        // the decoder's incomplete bytes and the text held back for a stop are.
+        if !(finish == FinishReason::Stop && seq.stop_found()) {
+            let (t, stopped) = seq.stop.push(&seq.decoder.finish());
+            text.push_str(&t);
+            if stopped {
+                finish = FinishReason::Stop;
+            } else {
+                text.push_str(&seq.stop.finish());
+            }
+        }
+        if !text.is_empty() {
+            let _ = seq.job.events.send(Event::Delta {
+                text,
+                logprobs: Vec::new(),
+            });
+        }
+        let usage = Usage {
+            prompt_tokens: seq.prompt_tokens,
+            completion_tokens: seq.generated,
+            total_tokens: seq.prompt_tokens + seq.generated,
+            prompt_tokens_details: crate::api::PromptTokensDetails {
+                cached_tokens: seq.cached_tokens,
+            },
+        };
+        let events = seq.job.events.clone();
+        // The slot is free before the client hears of the end, so its next request
+        // finds it free.
+        self.release(slot);
+        let _ = events.send(Event::Done { finish, usage });
+    }
+
+    fn release(&mut self, slot: &mut Slot) {
+        slot.seq = None;
+        // Its cache no longer counts as in use (the gauges of the step come later).
+        let m = &self.shared.metrics;
+        let held = slot.session.kv().len() as u64;
+        let _ = m
+            .kv_tokens
+            .fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(held)));
+        let mut q = self.shared.lock();
+        q.running = q.running.saturating_sub(1);
+    }
+
+    fn gauges(&self, slots: &[Slot]) {
+        let m = &self.shared.metrics;
+        let running = slots.iter().filter(|s| s.seq.is_some());
+        m.kv_tokens
+            .store(running.map(|s| s.session.kv().len() as u64).sum(), Relaxed);
+        let kv = slots
+            .iter()
+            .map(|s| s.session.kv().held_bytes())
+            .fold(TierBytes::default(), |a, b| a + b);
+        if let Some(first) = slots.first() {
+            let store = first.session.model().store();
+            m.set_bytes(store.held_bytes(), store.moved_bytes(), kv);
+        }
+    }
+}
+
+impl Sequence {
+    /// Whether the stop matcher ended the text.
+    fn stop_found(&self) -> bool {
+        self.stop.stopped()
+    }
+}
+
+/// The log-probability of `id` and the `top` most likely tokens under `logits`.
+fn token_logprob(tokenizer: &Tokenizer, logits: &[f32], id: u32, top: usize) -> TokenLogprob {
+    let text = |id: u32| {
+        let bytes = tokenizer.token_piece(id, true).to_vec();
+        (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+    };
+    let mut best: Vec<u32> = Vec::new();
+    if top > 0 && !logits.is_empty() {
+        let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+        let by_logit = |a: &u32, b: &u32| {
+            logits[*b as usize]
+                .total_cmp(&logits[*a as usize])
+                .then(a.cmp(b))
+        };
+        let k = top.min(ids.len());
+        ids.select_nth_unstable_by(k - 1, by_logit);
+        ids.truncate(k);
+        ids.sort_unstable_by(by_logit);
+        best = ids;
+    }
+    let (token, bytes) = text(id);
+    TokenLogprob {
+        token,
+        logprob: log_softmax_at(logits, id),
+        bytes,
+        top_logprobs: best
+            .into_iter()
+            .map(|alt| {
+                let (token, bytes) = text(alt);
+                TopLogprob {
+                    token,
+                    logprob: log_softmax_at(logits, alt),
+                    bytes,
+                }
+            })
+            .collect(),
+    }
+}

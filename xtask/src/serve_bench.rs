@@ -1,0 +1,266 @@
+//! `cargo xtask bench-serve`: `ballast serve` on the default model under load.
+//!
+//! 1. Aggregate decode speed with 1, 2, 4 and 8 concurrent clients (greedy, fixed
+//!    length, `--parallel 8`).
+//! 2. A load run: 32 concurrent clients, 10 requests each (3 with `--quick`), prompts of
+//!    mixed lengths, every fifth request streamed and dropped after its first tokens.
+//!    It fails on any error response; it prints p50/p99 latency, aggregate tokens/s
+//!    and the server's resident set before and after (which should come back within
+//!    5%).
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(ballast: &Path, parallel: usize) -> Result<Server> {
+    use std::io::BufRead;
+    let mut child = Command::new(ballast)
+        .args(["serve", "--port", "0", "-t", "2", "--queue", "1024"])
+        .args(["--parallel", &parallel.to_string()])
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {}", ballast.display()))?;
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let Some(line) = lines.next() else {
+            bail!("ballast serve exited before listening");
+        };
+        if let Some(a) = line?.strip_prefix("listening on http://") {
+            break a.to_string();
+        }
+    };
+    std::thread::spawn(move || for _ in lines.by_ref() {});
+    let server = Server { child, addr };
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while request(&server.addr, "GET", "/health", "").map_or(true, |r| r.0 != 200) {
+        if Instant::now() > deadline {
+            bail!("the server never became ready");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(server)
+}
+
+/// Status and body of one request (the connection closes after it).
+fn request(addr: &str, method: &str, path: &str, body: &str) -> Result<(u16, String)> {
+    let mut s = TcpStream::connect(addr)?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw)?;
+    let status = raw
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .context("no status line")?;
+    let body = raw
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
+    Ok((status, body))
+}
+
+/// A streamed request dropped once `events` data events arrived. Returns the status.
+fn cancelled_stream(addr: &str, body: &str, events: usize) -> Result<u16> {
+    let mut s = TcpStream::connect(addr)?;
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = s.read(&mut buf)?;
+        seen.extend_from_slice(&buf[..n]);
+        let head = String::from_utf8_lossy(&seen);
+        let status: u16 = head
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        if n == 0 || status != 200 || head.matches("data: ").count() >= events {
+            return Ok(status);
+        }
+    }
+}
+
+fn metric(addr: &str, name: &str) -> Result<f64> {
+    let (_, text) = request(addr, "GET", "/metrics", "")?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .with_context(|| format!("no metric {name}"))
+}
+
+fn rss_kib(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .context("no VmRSS")
+}
+
+/// Completion tokens of a response body.
+fn completion_tokens(body: &str) -> u64 {
+    serde_json::from_str::<Value>(body)
+        .ok()
+        .and_then(|v| v["usage"]["completion_tokens"].as_u64())
+        .unwrap_or(0)
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+pub fn run(ballast: &Path, quick: bool) -> Result<()> {
+    let server = start(ballast, 8)?;
+    let addr = server.addr.clone();
+    eprintln!("==> aggregate decode speed (greedy, 32 tokens per request, --parallel 8)");
+    println!("| clients | requests | generated tokens | wall s | aggregate tokens/s |");
+    println!("|---|---|---|---|---|");
+    let body = json!({"prompt": "Once upon a time, there was a little", "max_tokens": 32,
+                      "temperature": 0, "ignore_eos": true})
+    .to_string();
+    // Warm up (first touches of the mapped weights).
+    request(&addr, "POST", "/v1/completions", &body)?;
+    for clients in [1usize, 2, 4, 8] {
+        let per_client = 2;
+        let start = Instant::now();
+        let tokens: Result<Vec<u64>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..clients)
+                .map(|_| {
+                    s.spawn(|| -> Result<u64> {
+                        let mut n = 0;
+                        for _ in 0..per_client {
+                            let (status, b) = request(&addr, "POST", "/v1/completions", &body)?;
+                            if status != 200 {
+                                bail!("status {status}: {b}");
+                            }
+                            n += completion_tokens(&b);
+                        }
+                        Ok(n)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let tokens: u64 = tokens?.iter().sum();
+        let wall = start.elapsed().as_secs_f64();
+        println!(
+            "| {clients} | {} | {tokens} | {wall:.1} | {:.1} |",
+            clients * per_client,
+            tokens as f64 / wall
+        );
+    }
+
+    let (clients, per_client) = if quick { (32, 3) } else { (32, 10) };
+    eprintln!(
+        "==> load run: {clients} clients x {per_client} requests, mixed prompts, every fifth streamed and dropped"
+    );
+    let pid = server.child.id();
+    let rss_before = rss_kib(pid)?;
+    let words = |n: usize| "the quick brown fox jumps over the lazy dog ".repeat(n / 9 + 1);
+    let start = Instant::now();
+    type Outcome = (Vec<Duration>, u64, usize, Vec<String>);
+    let outcomes: Vec<Outcome> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..clients)
+            .map(|c| {
+                let addr = &addr;
+                s.spawn(move || {
+                    let mut latencies = Vec::new();
+                    let mut tokens = 0;
+                    let mut cancelled = 0;
+                    let mut errors = Vec::new();
+                    for r in 0..per_client {
+                        let i = c * per_client + r;
+                        let prompt = words([4, 40, 200][i % 3]);
+                        let max_tokens = [8, 16, 32][(i / 3) % 3];
+                        if i % 5 == 4 {
+                            let body = json!({"prompt": prompt, "max_tokens": 256,
+                                "ignore_eos": true, "stream": true})
+                            .to_string();
+                            match cancelled_stream(addr, &body, 3) {
+                                Ok(200) => cancelled += 1,
+                                Ok(status) => errors.push(format!("stream: status {status}")),
+                                Err(e) => errors.push(format!("stream: {e}")),
+                            }
+                            continue;
+                        }
+                        let body = json!({"prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": 0.7, "seed": i, "ignore_eos": true})
+                        .to_string();
+                        let t = Instant::now();
+                        match request(addr, "POST", "/v1/completions", &body) {
+                            Ok((200, b)) => {
+                                latencies.push(t.elapsed());
+                                tokens += completion_tokens(&b);
+                            }
+                            Ok((status, b)) => errors.push(format!("status {status}: {b}")),
+                            Err(e) => errors.push(e.to_string()),
+                        }
+                    }
+                    (latencies, tokens, cancelled, errors)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let wall = start.elapsed().as_secs_f64();
+    // Dropped streams free their sequences at their next turn.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while metric(&addr, "ballast_requests_running")? > 0.0 {
+        if Instant::now() > deadline {
+            bail!("sequences still running two minutes after the last client");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let rss_after = rss_kib(pid)?;
+    let mut latencies: Vec<Duration> = outcomes.iter().flat_map(|o| o.0.clone()).collect();
+    latencies.sort();
+    let tokens: u64 = outcomes.iter().map(|o| o.1).sum();
+    let cancelled: usize = outcomes.iter().map(|o| o.2).sum();
+    let errors: Vec<&String> = outcomes.iter().flat_map(|o| &o.3).collect();
+    println!(
+        "load run: {} requests answered, {cancelled} streams dropped, {} errors; latency p50 {:.2} s, p99 {:.2} s; {tokens} tokens in {wall:.1} s = {:.1} tokens/s aggregate",
+        latencies.len(),
+        errors.len(),
+        percentile(&latencies, 0.5).as_secs_f64(),
+        percentile(&latencies, 0.99).as_secs_f64(),
+        tokens as f64 / wall,
+    );
+    let change = (rss_after as f64 - rss_before as f64) / rss_before as f64 * 100.0;
+    println!(
+        "server RSS: {rss_before} KiB before, {rss_after} KiB after ({change:+.1}%); cancelled per the server: {}",
+        metric(&addr, "ballast_requests_cancelled_total")?
+    );
+    if let Some(e) = errors.first() {
+        bail!("{} error responses, the first: {e}", errors.len());
+    }
+    Ok(())
+}
