@@ -40,7 +40,7 @@
 //!     let chat_template = file.get_str_opt("tokenizer.chat_template")?.map(String::from);
 //!     let model = Model::load(file, Arc::new(CpuBackend::new(2)), true)?;
 //!     // Two slots: two sessions on the same weights, each with its own KV cache.
-//!     let sessions = vec![Session::new(model.share(), 2048), Session::new(model, 2048)];
+//!     let sessions = vec![Session::new(model.share(), 2048)?, Session::new(model, 2048)?];
 //!     Ok(Engine { sessions, tokenizer, chat_template })
 //! };
 //! serve(listener, config, load, std::future::pending()).await
