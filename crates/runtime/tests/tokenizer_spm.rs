@@ -270,3 +270,101 @@ proptest! {
         }
     }
 }
+
+// llama.cpp's ids for the tiny SPM vocabulary, recorded once with
+//   cargo xtask tiny-model llama-spm llama-spm.gguf
+//   printf '%s' "$TEXT" | llama-tokenize -m llama-spm.gguf --stdin --no-escape --ids \
+//       --log-disable [--no-bos] [--no-parse-special]
+// (llama.cpp from the llama-cpp-python 0.3.36 sdist, vendor/llama.cpp; llama-tokenize
+// adds BOS and parses special tokens unless told not to). Columns: text, add_special,
+// parse_special, ids.
+const LLAMA_CPP_IDS: &[(&str, bool, bool, &[u32])] = &[
+    ("Hello world", true, true, &[1, 286, 288]),
+    (
+        "Hello  the world is in the hello",
+        true,
+        true,
+        &[1, 286, 298, 264, 288, 290, 291, 264, 298, 260, 273, 302],
+    ),
+    (
+        "  leading spaces and trailing  ",
+        true,
+        true,
+        &[
+            1, 292, 298, 308, 299, 301, 309, 293, 271, 317, 301, 311, 277, 297, 259, 307, 301, 303,
+            308, 293, 292,
+        ],
+    ),
+    (
+        "日本語のテキスト, é and naïve!",
+        true,
+        true,
+        &[
+            1, 298, 331, 233, 159, 175, 235, 173, 161, 230, 132, 177, 230, 134, 137, 230, 133, 176,
+            230, 133, 188, 230, 134, 139, 322, 298, 330, 297, 298, 304, 301, 198, 178, 320, 299,
+            323,
+        ],
+    ),
+    (
+        "line one\nline two\n\n\ttabbed",
+        true,
+        true,
+        &[
+            1, 298, 308, 262, 299, 298, 266, 299, 13, 308, 262, 299, 259, 313, 302, 13, 13, 12,
+            300, 301, 318, 318, 299, 309,
+        ],
+    ),
+    (
+        "<s>Hello</s> world<mask>again <unused0>",
+        true,
+        true,
+        &[
+            1, 1, 286, 2, 298, 288, 332, 261, 315, 301, 262, 298, 63, 310, 304, 310, 305, 299, 309,
+            51, 65,
+        ],
+    ),
+    (
+        "<s>Hello</s> world<mask>again <unused0>",
+        true,
+        false,
+        &[
+            1, 298, 63, 305, 65, 327, 283, 63, 50, 305, 65, 288, 332, 261, 315, 301, 262, 298, 63,
+            310, 304, 310, 305, 299, 309, 51, 65,
+        ],
+    ),
+    ("x<unk>y</s>", false, true, &[298, 123, 0, 298, 314, 2]),
+    (
+        "The weather is what it is; water, wood and worn walls.",
+        true,
+        true,
+        &[
+            1, 298, 326, 260, 272, 299, 268, 260, 307, 290, 272, 306, 268, 298, 276, 290, 62, 272,
+            268, 263, 322, 272, 302, 302, 309, 297, 287, 304, 272, 301, 273, 305, 321,
+        ],
+    ),
+    ("Hello world", false, true, &[286, 288]),
+    ("", true, true, &[1]),
+    (
+        "▁ marker and ééé 😀 emoji",
+        true,
+        true,
+        &[
+            1, 292, 298, 312, 301, 307, 319, 263, 297, 298, 330, 330, 330, 298, 243, 162, 155, 131,
+            298, 299, 312, 302, 109, 303,
+        ],
+    ),
+];
+
+#[test]
+fn ids_equal_llama_tokenize_on_the_tiny_vocabulary() {
+    let spec = ballast_runtime::testing::reference_spec("llama-spm").unwrap();
+    let file = GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap();
+    let tok = Tokenizer::from_gguf(&file).unwrap();
+    for &(text, add_special, parse_special, want) in LLAMA_CPP_IDS {
+        let got = tok.encode(text, add_special, parse_special).unwrap();
+        assert_eq!(
+            got, want,
+            "{text:?} add_special {add_special} parse_special {parse_special}"
+        );
+    }
+}
