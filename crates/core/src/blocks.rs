@@ -19,6 +19,10 @@ pub const ATTN_Q_BIAS: &str = "attn_q.bias";
 pub const ATTN_K_BIAS: &str = "attn_k.bias";
 /// `attn_v.bias` (qwen2).
 pub const ATTN_V_BIAS: &str = "attn_v.bias";
+/// `attn_q_norm.weight` (qwen3, gemma3): RMSNorm scale of each query head, before RoPE.
+pub const ATTN_Q_NORM: &str = "attn_q_norm.weight";
+/// `attn_k_norm.weight` (qwen3, gemma3): RMSNorm scale of each key head, before RoPE.
+pub const ATTN_K_NORM: &str = "attn_k_norm.weight";
 /// `attn_output.weight`: attention output projection.
 pub const ATTN_OUTPUT: &str = "attn_output.weight";
 /// `ffn_norm.weight`: RMSNorm scale before the MLP.
@@ -44,6 +48,9 @@ pub struct AttentionSpec {
     pub shape: AttentionShape,
     /// RoPE of queries and keys.
     pub rope: Rope,
+    /// `Some(eps)`: each query and key head is RMS-normed with `attn_q_norm` /
+    /// `attn_k_norm` (one scale of the head size) before RoPE (qwen3, gemma3).
+    pub qk_norm: Option<f32>,
 }
 
 /// RMSNorm of `x` with the scale `scale`, into the scratch tensor `name`.
@@ -60,8 +67,31 @@ pub fn rms_norm(
     out
 }
 
+/// RMSNorm of each `head_dim`-wide head of each row of `x` with the scale `scale` (one
+/// value per head element, shared by the heads), into the scratch tensor `name`.
+pub fn head_rms_norm(
+    g: &mut Graph,
+    x: TensorId,
+    head_dim: usize,
+    scale: WeightRef,
+    eps: f32,
+    name: &'static str,
+) -> TensorId {
+    let d = g.desc(x).clone();
+    let out = g.scratch(name, d.rows, d.width);
+    g.push(Op::HeadRmsNorm {
+        x,
+        head_dim,
+        scale,
+        eps,
+        out,
+    });
+    out
+}
+
 /// Self-attention of layer `layer` on the normed input `h`: q/k/v (with their biases
-/// when the layer has them), RoPE, the KV write, the policy's host sync point when it
+/// when the layer has them), the per-head Q/K norm when the spec has one, RoPE, the KV
+/// write, the policy's host sync point when it
 /// acts between layers, attention over the cache, and the output projection. Returns
 /// the projected output (`n_tokens × width of h`).
 pub fn attention(
@@ -92,6 +122,27 @@ pub fn attention(
             bias: WeightRef::layer(bias),
         });
     }
+    let (q, k) = match spec.qk_norm {
+        Some(eps) => (
+            head_rms_norm(
+                g,
+                q,
+                s.head_dim,
+                WeightRef::layer(ATTN_Q_NORM),
+                eps,
+                "q_normed",
+            ),
+            head_rms_norm(
+                g,
+                k,
+                s.head_dim,
+                WeightRef::layer(ATTN_K_NORM),
+                eps,
+                "k_normed",
+            ),
+        ),
+        None => (q, k),
+    };
     for (x, n_heads) in [(q, s.n_heads), (k, s.n_kv_heads)] {
         g.push(Op::Rope {
             x,

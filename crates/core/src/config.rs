@@ -12,6 +12,9 @@ pub enum Architecture {
     Llama,
     /// Qwen2: as llama, plus Q/K/V biases and NeoX-style RoPE.
     Qwen2,
+    /// Qwen3: as qwen2 without the biases, with an RMSNorm of each query and key head
+    /// before RoPE and the head size from `attention.key_length`.
+    Qwen3,
 }
 
 impl Architecture {
@@ -20,6 +23,7 @@ impl Architecture {
         match self {
             Architecture::Llama => "llama",
             Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
         }
     }
 
@@ -27,7 +31,7 @@ impl Architecture {
     pub fn rope_style(self) -> RopeStyle {
         match self {
             Architecture::Llama => RopeStyle::Normal,
-            Architecture::Qwen2 => RopeStyle::Neox,
+            Architecture::Qwen2 | Architecture::Qwen3 => RopeStyle::Neox,
         }
     }
 }
@@ -69,6 +73,7 @@ impl ModelConfig {
         let arch = match arch_name {
             "llama" => Architecture::Llama,
             "qwen2" => Architecture::Qwen2,
+            "qwen3" => Architecture::Qwen3,
             other => {
                 return Err(Error::UnsupportedArchitecture {
                     arch: other.to_string(),
@@ -107,6 +112,14 @@ impl ModelConfig {
                 d_model / n_heads
             }
         };
+        // Keys and values share one head size in every architecture here; a file that
+        // says otherwise would attend with the wrong value width.
+        if let Some(v) = get_opt("attention.value_length")?.filter(|&v| v != head_dim) {
+            return Err(invalid(
+                "attention.value_length",
+                format!("{v} differs from the key head size {head_dim}"),
+            ));
+        }
         let n_rot = get_opt("rope.dimension_count")?.unwrap_or(head_dim);
         if n_rot > head_dim || n_rot % 2 != 0 || head_dim == 0 {
             return Err(invalid(
@@ -133,6 +146,7 @@ impl ModelConfig {
                 head_dim,
             },
             rope,
+            qk_norm: (arch == Architecture::Qwen3).then_some(rms_eps),
         };
         Ok(ModelConfig {
             arch,

@@ -395,13 +395,14 @@ pub enum Error {
     },
     // ---- tokenizer and chat template ---------------------------------------------
     /// `tokenizer.ggml.model` names a tokenizer family that is not implemented.
-    #[error("unsupported tokenizer model '{model}' (supported: gpt2)")]
+    #[error("unsupported tokenizer model '{model}' (supported: gpt2, llama)")]
     TokenizerUnsupportedModel {
         /// The value of `tokenizer.ggml.model`.
         model: String,
     },
-    /// `tokenizer.ggml.pre` names a pre-tokenizer that is not implemented.
-    #[error("unsupported pre-tokenizer type '{pre}'")]
+    /// `tokenizer.ggml.pre` names a pre-tokenizer that is not implemented (for a
+    /// SentencePiece vocabulary, anything but `default`).
+    #[error("unsupported pre-tokenizer type '{pre}' (tokenizer.ggml.pre)")]
     TokenizerUnsupportedPre {
         /// The value of `tokenizer.ggml.pre`.
         pre: String,
@@ -424,7 +425,8 @@ pub enum Error {
         /// Message from the BPE engine.
         message: String,
     },
-    /// The underlying BPE engine failed while encoding text.
+    /// Encoding failed: the BPE engine's error, or a character a SentencePiece
+    /// vocabulary can neither merge nor spell in byte tokens.
     #[error("failed to encode text: {message}")]
     TokenizerEncode {
         /// Message from the BPE engine.

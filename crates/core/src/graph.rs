@@ -163,6 +163,20 @@ pub enum Op {
         /// Output, same shape as `x`.
         out: TensorId,
     },
+    /// RMSNorm of each `head_dim`-wide head of each row of `x` times `scale` (one value
+    /// per element of a head), into `out`: the per-head Q/K norm of qwen3 and gemma3.
+    HeadRmsNorm {
+        /// Input, a width that is a multiple of `head_dim`.
+        x: TensorId,
+        /// Size of a head: the length of `scale`.
+        head_dim: usize,
+        /// Scale vector.
+        scale: WeightRef,
+        /// Epsilon.
+        eps: f32,
+        /// Output, same shape as `x`.
+        out: TensorId,
+    },
     /// Matrix products sharing the input `x` (quantized once): `out = x · weightᵀ` per
     /// job.
     Matmul {
@@ -384,6 +398,18 @@ impl std::fmt::Display for Graph {
                 Op::RmsNorm { x, scale, eps, out } => {
                     format!("{} = rms_norm({}, {}, eps {eps})", t(out), t(x), w(scale))
                 }
+                Op::HeadRmsNorm {
+                    x,
+                    head_dim,
+                    scale,
+                    eps,
+                    out,
+                } => format!(
+                    "{} = rms_norm per head of {head_dim}({}, {}, eps {eps})",
+                    t(out),
+                    t(x),
+                    w(scale)
+                ),
                 Op::Matmul { x, jobs } => jobs
                     .iter()
                     .map(|(wr, o)| format!("{} = {} · {}ᵀ", t(o), t(x), w(wr)))
@@ -425,6 +451,33 @@ impl std::fmt::Display for Graph {
             None => writeln!(f, "output: none"),
         }
     }
+}
+
+/// Checks a [`Op::HeadRmsNorm`]: a scale of `head_dim` values, and `x` whole heads wide.
+/// Every executor calls it, so a scale of the wrong size is an error naming it, never a
+/// norm over rows that are not heads.
+pub fn check_head_norm(
+    graph: &Graph,
+    x: TensorId,
+    head_dim: usize,
+    scale_len: usize,
+) -> Result<()> {
+    let d = graph.desc(x);
+    if scale_len != head_dim {
+        return Err(Error::ShapeMismatch {
+            what: format!("per-head norm scale of {}", d.name),
+            expected: head_dim,
+            got: scale_len,
+        });
+    }
+    if head_dim == 0 || d.width % head_dim != 0 {
+        return Err(Error::ShapeMismatch {
+            what: format!("width of {} in heads of {head_dim}", d.name),
+            expected: d.width.div_ceil(head_dim.max(1)) * head_dim,
+            got: d.width,
+        });
+    }
+    Ok(())
 }
 
 /// What the host executor needs besides the graph: the pass's tokens, the weights, the
@@ -485,6 +538,21 @@ pub fn run_on_host(
             Op::RmsNorm { x, scale, eps, out } => {
                 let mut o = std::mem::take(&mut buffers[out.0]);
                 let r = backend.rms_norm(&buffers[x.0], scale.vector(globals, lw)?, *eps, &mut o);
+                buffers[out.0] = o;
+                r?;
+            }
+            Op::HeadRmsNorm {
+                x,
+                head_dim,
+                scale,
+                eps,
+                out,
+            } => {
+                let scale = scale.vector(globals, lw)?;
+                check_head_norm(graph, *x, *head_dim, scale.len())?;
+                // The norm's rows are the heads: the scale's length sets the row length.
+                let mut o = std::mem::take(&mut buffers[out.0]);
+                let r = backend.rms_norm(&buffers[x.0], scale, *eps, &mut o);
                 buffers[out.0] = o;
                 r?;
             }

@@ -15,13 +15,27 @@ use crate::ggml_type::GgmlType;
 use crate::gguf::{Array, GgufWriter, Value};
 use crate::quant;
 
-/// The shape and types of a tiny model. The vocabulary is GPT-2 style byte-level: the
-/// 256 byte tokens (no merges) and one control token, `<|endoftext|>` (id 256), which
-/// is also the end-of-sequence token.
+/// The vocabulary of a tiny model.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TinyVocab {
+    /// GPT-2 style byte-level BPE: the 256 byte tokens (no merges) and one control
+    /// token, `<|endoftext|>` (id 256), which is also the end-of-sequence token
+    /// ([`TINY_VOCAB`] tokens).
+    #[default]
+    ByteLevel,
+    /// SentencePiece ([`spm_vocab`]): `<unk>`, `<s>` (BOS, added), `</s>` (EOS), the 256
+    /// byte tokens `<0x00>`..`<0xFF>`, then scored pieces with `▁` for spaces, one
+    /// user-defined and one unused token; no `add_space_prefix` key, so the default
+    /// (true) applies.
+    SentencePiece,
+}
+
+/// The shape and types of a tiny model.
 #[derive(Clone, Debug)]
 pub struct TinyModelSpec {
-    /// `"llama"` or `"qwen2"` (which adds Q/K/V biases); anything else makes a file the
-    /// model loader will refuse.
+    /// `"llama"`, `"qwen2"` (which adds Q/K/V biases) or `"qwen3"` (which adds the
+    /// per-head Q/K norms and writes `attention.key_length`); anything else makes a file
+    /// the model loader will refuse.
     pub arch: String,
     /// Transformer blocks.
     pub n_layers: usize,
@@ -29,6 +43,11 @@ pub struct TinyModelSpec {
     pub d_model: usize,
     /// Query heads.
     pub n_heads: usize,
+    /// Size of one head, written as `attention.key_length` and `value_length`; `None`:
+    /// `d_model / n_heads`, and no such keys.
+    pub head_dim: Option<usize>,
+    /// The vocabulary.
+    pub vocab: TinyVocab,
     /// Key/value heads.
     pub n_kv_heads: usize,
     /// MLP width.
@@ -54,6 +73,8 @@ impl Default for TinyModelSpec {
             n_layers: 2,
             d_model: 64,
             n_heads: 4,
+            head_dim: None,
+            vocab: TinyVocab::ByteLevel,
             n_kv_heads: 2,
             n_ff: 128,
             weight_type: GgmlType::Q8_0,
@@ -66,8 +87,107 @@ impl Default for TinyModelSpec {
     }
 }
 
-/// Vocabulary size of every tiny model: 256 byte tokens and `<|endoftext|>`.
+/// Vocabulary size of a tiny model with the byte-level vocabulary: 256 byte tokens and
+/// `<|endoftext|>`.
 pub const TINY_VOCAB: usize = 257;
+
+/// Normal pieces of the tiny SentencePiece vocabulary, best score first. Scores fall by
+/// one every two pieces, so equal scores (where the leftmost pair wins) are common.
+const SPM_PIECES: &[&str] = &[
+    "\u{2581}t",
+    "he",
+    "\u{2581}a",
+    "in",
+    "er",
+    "\u{2581}the",
+    "\u{2581}th",
+    "on",
+    "re",
+    "at",
+    "en",
+    "nd",
+    "\u{2581}s",
+    "\u{2581}w",
+    "ll",
+    "\u{2581}o",
+    "is",
+    "it",
+    "es",
+    "or",
+    "\u{2581}h",
+    "lo",
+    "el",
+    "ell",
+    "ello",
+    "\u{2581}H",
+    "\u{2581}He",
+    "\u{2581}Hello",
+    "\u{2581}wor",
+    "\u{2581}world",
+    "ld",
+    "\u{2581}is",
+    "\u{2581}in",
+    "\u{2581}\u{2581}",
+    "ing",
+    "\u{2581}of",
+    "of",
+    "an",
+    "\u{2581}and",
+    "\u{2581}",
+    "e",
+    "t",
+    "a",
+    "o",
+    "i",
+    "n",
+    "s",
+    "h",
+    "r",
+    "l",
+    "d",
+    "u",
+    "c",
+    "m",
+    "w",
+    "y",
+    "g",
+    "f",
+    "p",
+    "b",
+    "k",
+    "v",
+    ".",
+    ",",
+    "!",
+    "?",
+    "'",
+    "T",
+    "H",
+    "W",
+    "I",
+    "\u{e9}",
+    "\u{65e5}",
+];
+
+/// The tiny SentencePiece vocabulary: token texts, scores and GGUF token types.
+pub fn spm_vocab() -> (Vec<String>, Vec<f32>, Vec<i32>) {
+    let mut tokens: Vec<String> = ["<unk>", "<s>", "</s>"].map(String::from).to_vec();
+    let mut types = vec![2, 3, 3];
+    tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
+    types.extend([6; 256]);
+    let mut scores = vec![0.0; tokens.len()];
+    for (i, piece) in SPM_PIECES.iter().enumerate() {
+        tokens.push(piece.to_string());
+        types.push(1);
+        scores.push(-((i / 2) as f32));
+    }
+    for (text, ty) in [("<mask>", 4), ("<unused0>", 5)] {
+        tokens.push(text.into());
+        types.push(ty);
+        scores.push(0.0);
+    }
+    (tokens, scores, types)
+}
 
 /// GPT-2's byte-to-character map: printable bytes stand for themselves, the others
 /// for the characters from U+0100 on, in order.
@@ -105,7 +225,15 @@ impl Rng {
 impl TinyModelSpec {
     /// Size of one head.
     pub fn head_dim(&self) -> usize {
-        self.d_model / self.n_heads
+        self.head_dim.unwrap_or(self.d_model / self.n_heads)
+    }
+
+    /// Tokens of the vocabulary.
+    pub fn vocab_size(&self) -> usize {
+        match self.vocab {
+            TinyVocab::ByteLevel => TINY_VOCAB,
+            TinyVocab::SentencePiece => spm_vocab().0.len(),
+        }
     }
 
     /// The model as the bytes of a GGUF v3 file.
@@ -149,28 +277,50 @@ impl TinyModelSpec {
         )?;
         w.add_metadata(format!("{a}.rope.freq_base"), Value::F32(self.rope_base))?;
         w.add_metadata(format!("{a}.rope.dimension_count"), Value::U32(hd as u32))?;
+        if self.head_dim.is_some() {
+            for k in ["key_length", "value_length"] {
+                w.add_metadata(format!("{a}.attention.{k}"), Value::U32(hd as u32))?;
+            }
+        }
         w.add_metadata(
             format!("{a}.attention.layer_norm_rms_epsilon"),
             Value::F32(1e-5),
         )?;
-        let mut tokens: Vec<String> = (0..=255u8).map(|b| gpt2_byte_char(b).to_string()).collect();
-        tokens.push("<|endoftext|>".into());
-        let mut types = vec![1i32; 256];
-        types.push(3);
-        w.add_metadata("tokenizer.ggml.model", Value::String("gpt2".into()))?;
-        w.add_metadata("tokenizer.ggml.pre", Value::String("gpt-2".into()))?;
-        w.add_metadata("tokenizer.ggml.tokens", Value::Array(Array::String(tokens)))?;
-        w.add_metadata("tokenizer.ggml.token_type", Value::Array(Array::I32(types)))?;
-        w.add_metadata(
-            "tokenizer.ggml.merges",
-            Value::Array(Array::String(Vec::new())),
-        )?;
-        w.add_metadata("tokenizer.ggml.eos_token_id", Value::U32(256))?;
-        w.add_metadata("tokenizer.ggml.bos_token_id", Value::U32(256))?;
-        w.add_metadata("tokenizer.ggml.add_bos_token", Value::Bool(false))?;
+        match self.vocab {
+            TinyVocab::ByteLevel => {
+                let mut tokens: Vec<String> =
+                    (0..=255u8).map(|b| gpt2_byte_char(b).to_string()).collect();
+                tokens.push("<|endoftext|>".into());
+                let mut types = vec![1i32; 256];
+                types.push(3);
+                w.add_metadata("tokenizer.ggml.model", Value::String("gpt2".into()))?;
+                w.add_metadata("tokenizer.ggml.pre", Value::String("gpt-2".into()))?;
+                w.add_metadata("tokenizer.ggml.tokens", Value::Array(Array::String(tokens)))?;
+                w.add_metadata("tokenizer.ggml.token_type", Value::Array(Array::I32(types)))?;
+                w.add_metadata(
+                    "tokenizer.ggml.merges",
+                    Value::Array(Array::String(Vec::new())),
+                )?;
+                w.add_metadata("tokenizer.ggml.eos_token_id", Value::U32(256))?;
+                w.add_metadata("tokenizer.ggml.bos_token_id", Value::U32(256))?;
+                w.add_metadata("tokenizer.ggml.add_bos_token", Value::Bool(false))?;
+            }
+            TinyVocab::SentencePiece => {
+                let (tokens, scores, types) = spm_vocab();
+                w.add_metadata("tokenizer.ggml.model", Value::String("llama".into()))?;
+                w.add_metadata("tokenizer.ggml.tokens", Value::Array(Array::String(tokens)))?;
+                w.add_metadata("tokenizer.ggml.scores", Value::Array(Array::F32(scores)))?;
+                w.add_metadata("tokenizer.ggml.token_type", Value::Array(Array::I32(types)))?;
+                w.add_metadata("tokenizer.ggml.unknown_token_id", Value::U32(0))?;
+                w.add_metadata("tokenizer.ggml.bos_token_id", Value::U32(1))?;
+                w.add_metadata("tokenizer.ggml.eos_token_id", Value::U32(2))?;
+                w.add_metadata("tokenizer.ggml.add_bos_token", Value::Bool(true))?;
+                w.add_metadata("tokenizer.ggml.add_eos_token", Value::Bool(false))?;
+            }
+        }
 
         let mut rng = Rng(self.seed);
-        let vocab = TINY_VOCAB as u64;
+        let vocab = self.vocab_size() as u64;
         let mut matrix =
             |w: &mut GgufWriter, name: &str, ty: GgmlType, cols: u64, rows: u64| -> Result<()> {
                 let values = rng.values((cols * rows) as usize, 1.0 / (cols as f32).sqrt());
@@ -199,6 +349,10 @@ impl TinyModelSpec {
             matrix(&mut w, &n("ffn_gate.weight"), t, d, ff)?;
             matrix(&mut w, &n("ffn_up.weight"), t, d, ff)?;
             matrix(&mut w, &n("ffn_down.weight"), t, ff, d)?;
+            if self.arch == "qwen3" {
+                norm(&mut w, &n("attn_q_norm.weight"), hd as u64)?;
+                norm(&mut w, &n("attn_k_norm.weight"), hd as u64)?;
+            }
             if self.arch == "qwen2" {
                 for (name, len) in [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)] {
                     let v = biases.values(len as usize, 0.1);
@@ -232,3 +386,33 @@ pub fn gpu_for_tests() -> Option<std::sync::Arc<crate::gpu::GpuContext>> {
     })
     .clone()
 }
+
+/// The tiny models whose first-step logits were also computed by llama.cpp (recorded
+/// in `tests/data/llama_cpp_logits.json`; `cargo xtask tiny-model NAME FILE` writes
+/// one): `llama-spm` (the TinyLlama / Mistral layout: llama with the SentencePiece
+/// vocabulary) and `qwen3` (per-head Q/K norm, a head size that is not
+/// `d_model / n_heads`). F32 weights, so no activation is quantized on either side.
+pub fn reference_spec(name: &str) -> Option<TinyModelSpec> {
+    let base = TinyModelSpec {
+        weight_type: GgmlType::F32,
+        embd_type: GgmlType::F32,
+        vocab: TinyVocab::SentencePiece,
+        tied: false,
+        seed: 13,
+        ..TinyModelSpec::default()
+    };
+    match name {
+        "llama-spm" => Some(base),
+        "qwen3" => Some(TinyModelSpec {
+            arch: "qwen3".into(),
+            head_dim: Some(32),
+            rope_base: 1_000_000.0,
+            tied: true,
+            ..base
+        }),
+        _ => None,
+    }
+}
+
+/// Names [`reference_spec`] knows.
+pub const REFERENCE_SPECS: &[&str] = &["llama-spm", "qwen3"];

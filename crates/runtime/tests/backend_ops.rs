@@ -326,6 +326,37 @@ fn rms_norm_case(be: &dyn Backend, rows: usize, n: usize, seed: u64) -> Result<(
     check_close("rms_norm", &got, &want, &mag, 1e-5)
 }
 
+/// The per-head Q/K norm (`Op::HeadRmsNorm`, qwen3): every executor runs it as the
+/// RMSNorm with a scale of one head, over `tokens × heads` rows. Held to an f64 norm of
+/// each head and to the CPU backend.
+fn head_norm_case(
+    be: &dyn Backend,
+    tokens: usize,
+    heads: usize,
+    head_dim: usize,
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let x = values(seed, tokens * heads * head_dim, 3.0);
+    let scale = values(seed + 1, head_dim, 1.5);
+    let mut got = vec![f32::NAN; x.len()];
+    let mut cpu = vec![f32::NAN; x.len()];
+    be.rms_norm(&x, &scale, 1e-6, &mut got).unwrap();
+    reference().rms_norm(&x, &scale, 1e-6, &mut cpu).unwrap();
+    let exact: Vec<f32> = x
+        .chunks(head_dim)
+        .flat_map(|h| {
+            let ms = h.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / head_dim as f64;
+            let inv = 1.0 / (ms + 1e-6).sqrt();
+            h.iter()
+                .zip(&scale)
+                .map(move |(&v, &s)| (v as f64 * inv * s as f64) as f32)
+        })
+        .collect();
+    let mag: Vec<f64> = exact.iter().map(|v| v.abs() as f64 + 1e-3).collect();
+    check_close("head norm vs f64", &got, &exact, &mag, 1e-5)?;
+    check_close("head norm vs cpu", &got, &cpu, &mag, 1e-5)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn rope_case(
     be: &dyn Backend,
@@ -565,6 +596,17 @@ macro_rules! backend_suite {
                 ) {
                     let Some(be) = $make() else { return Ok(()) };
                     rms_norm_case(be.as_ref(), rows, n, seed)?;
+                }
+
+                #[test]
+                fn head_norm_matches_the_reference(
+                    tokens in 1usize..4,
+                    heads in 1usize..9,
+                    head_dim in prop_oneof![Just(32usize), Just(64), Just(128), Just(256)],
+                    seed in any::<u64>(),
+                ) {
+                    let Some(be) = $make() else { return Ok(()) };
+                    head_norm_case(be.as_ref(), tokens, heads, head_dim, seed)?;
                 }
 
                 #[test]

@@ -161,3 +161,43 @@ fn the_host_executor_names_what_a_graph_asks_for_and_is_not_there() {
     let err = run(&g);
     assert!(err.contains("token_embd.bias"), "{err}");
 }
+
+// qwen3: the per-head norm of the queries and of the keys comes after the projections
+// and before RoPE, so RoPE and attention see the normed heads; llama has none.
+#[test]
+fn qwen3_norms_query_and_key_heads_before_rope() {
+    assert_eq!(
+        count(&tiny("llama").pass_graph(2, Logits::Last, None), |op| {
+            matches!(op, Op::HeadRmsNorm { .. })
+        }),
+        0
+    );
+    let model = tiny("qwen3");
+    let g = model.pass_graph(2, Logits::Last, None);
+    let layer0: Vec<&Op> = g
+        .ops()
+        .iter()
+        .skip_while(|op| !matches!(op, Op::BeginLayer { layer: 0 }))
+        .take_while(|op| !matches!(op, Op::EndLayer))
+        .collect();
+    let norms: Vec<(usize, &Op)> = layer0
+        .iter()
+        .enumerate()
+        .filter(|(_, op)| matches!(op, Op::HeadRmsNorm { .. }))
+        .map(|(i, op)| (i, *op))
+        .collect();
+    assert_eq!(norms.len(), 2, "{g}");
+    let ropes: Vec<usize> = (0..layer0.len())
+        .filter(|&i| matches!(layer0[i], Op::Rope { .. }))
+        .collect();
+    for ((at, norm), rope) in norms.iter().zip(&ropes) {
+        assert!(at < rope, "{g}");
+        let (Op::HeadRmsNorm { out, head_dim, .. }, Op::Rope { x, .. }) = (norm, layer0[*rope])
+        else {
+            unreachable!()
+        };
+        assert_eq!(out, x, "RoPE rotates the normed heads");
+        assert_eq!(*head_dim, model.config().head_dim);
+    }
+    assert!(g.to_string().contains("rms_norm per head of 16"), "{g}");
+}

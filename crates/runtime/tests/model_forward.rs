@@ -59,7 +59,9 @@ fn reference_logits(spec: &TinyModelSpec, ids: &[u32]) -> Vec<Vec<f64>> {
     let file = GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap();
     let (d, hd) = (spec.d_model, spec.head_dim());
     let group = spec.n_heads / spec.n_kv_heads;
-    let neox = spec.arch == "qwen2";
+    let neox = spec.arch == "qwen2" || spec.arch == "qwen3";
+    let biases = spec.arch == "qwen2";
+    let qk_norm = spec.arch == "qwen3";
     let embd = tensor(&file, "token_embd.weight");
     let out_w = if spec.tied {
         embd.clone()
@@ -73,7 +75,7 @@ fn reference_logits(spec: &TinyModelSpec, ids: &[u32]) -> Vec<Vec<f64>> {
     for l in 0..spec.n_layers {
         let t = |s: &str| tensor(&file, &format!("blk.{l}.{s}"));
         let bias = |s: &str, n: usize| {
-            if neox {
+            if biases {
                 t(s)
             } else {
                 vec![0.0; n]
@@ -98,6 +100,12 @@ fn reference_logits(spec: &TinyModelSpec, ids: &[u32]) -> Vec<Vec<f64>> {
             let h = rms_norm(x, &t("attn_norm.weight"), 1e-5);
             let mut q = add(matvec(&wq, &h), &bq);
             let mut k = add(matvec(&wk, &h), &bk);
+            if qk_norm {
+                // Each head on its own, with one scale of the head size.
+                let (qn, kn) = (t("attn_q_norm.weight"), t("attn_k_norm.weight"));
+                q = q.chunks(hd).flat_map(|h| rms_norm(h, &qn, 1e-5)).collect();
+                k = k.chunks(hd).flat_map(|h| rms_norm(h, &kn, 1e-5)).collect();
+            }
             rope(&mut q, p, hd, spec.rope_base as f64, neox);
             rope(&mut k, p, hd, spec.rope_base as f64, neox);
             qs.push(q);
@@ -178,8 +186,9 @@ fn check_against_reference(spec: TinyModelSpec, tolerance: f64) {
     let reference = reference_logits(&spec, &ids);
     let mut model = load(&spec, 2);
     let got = all_logits(&mut model, &ids);
+    let vocab = spec.vocab_size();
     for (p, want) in reference.iter().enumerate() {
-        let row = &got[p * TINY_VOCAB..(p + 1) * TINY_VOCAB];
+        let row = &got[p * vocab..(p + 1) * vocab];
         let diff = max_abs_diff(row, want);
         assert!(
             diff < tolerance,
@@ -222,6 +231,36 @@ fn llama_f32_matches_reference() {
         tied: false,
         ..Default::default()
     };
+    check_against_reference(spec, 1e-3);
+}
+
+// qwen3: a per-head RMSNorm of queries and keys before RoPE, a head size (32) that is
+// not d_model / n_heads (16), no biases.
+#[test]
+fn qwen3_with_head_norms_and_key_length_matches_reference() {
+    let spec = TinyModelSpec {
+        arch: "qwen3".into(),
+        head_dim: Some(32),
+        weight_type: GgmlType::F32,
+        embd_type: GgmlType::F32,
+        ..Default::default()
+    };
+    check_against_reference(spec.clone(), 1e-3);
+    check_against_reference(
+        TinyModelSpec {
+            weight_type: GgmlType::Q8_0,
+            embd_type: GgmlType::Q8_0,
+            ..spec
+        },
+        0.05,
+    );
+}
+
+// Llama with the SentencePiece vocabulary (TinyLlama / Mistral layout): the vocabulary
+// changes only the table's rows.
+#[test]
+fn llama_with_a_sentencepiece_vocabulary_matches_reference() {
+    let spec = ballast_runtime::testing::reference_spec("llama-spm").unwrap();
     check_against_reference(spec, 1e-3);
 }
 
@@ -378,4 +417,72 @@ fn a_wrongly_shaped_tensor_is_named() {
         matches!(err, Error::TensorShape { ref tensor, .. } if tensor == "blk.0.ffn_gate.weight"),
         "{err}"
     );
+}
+
+/// `spec`'s file rewritten without the tensor `drop` and with `meta` overriding or
+/// adding metadata values.
+fn rewritten(spec: &TinyModelSpec, drop: &str, meta: &[(&str, Value)]) -> Arc<GgufFile> {
+    let file = GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in file.metadata() {
+        let v = meta
+            .iter()
+            .find(|(m, _)| m == k)
+            .map_or(v.clone(), |(_, v)| v.clone());
+        w.add_metadata(k.clone(), v).unwrap();
+    }
+    for (k, v) in meta {
+        if !file.metadata().iter().any(|(m, _)| m == k) {
+            w.add_metadata(*k, v.clone()).unwrap();
+        }
+    }
+    for t in file.tensors().iter().filter(|t| t.name != drop) {
+        w.add_tensor(&t.name, t.ty, &t.dims, file.tensor_data(t).to_vec())
+            .unwrap();
+    }
+    Arc::new(GgufFile::from_bytes(w.to_bytes()).unwrap())
+}
+
+// A qwen3 file without a layer's head norm, with a head norm of the wrong size, or with
+// a value head size other than the key's, is refused by an error naming it.
+#[test]
+fn a_qwen3_file_missing_or_misshaping_its_head_norms_is_a_named_error() {
+    let spec = TinyModelSpec {
+        arch: "qwen3".into(),
+        head_dim: Some(32),
+        n_layers: 2,
+        ..Default::default()
+    };
+    let cpu = || -> Arc<dyn ballast_runtime::Backend> { Arc::new(CpuBackend::new(1)) };
+    let file = rewritten(&spec, "blk.1.attn_k_norm.weight", &[]);
+    match Model::load(file, cpu(), false).err().expect("refused") {
+        Error::GgufMissingTensor { tensor, .. } => assert_eq!(tensor, "blk.1.attn_k_norm.weight"),
+        other => panic!("unexpected: {other}"),
+    }
+    let file = rewritten(
+        &spec,
+        "",
+        &[("qwen3.attention.value_length", Value::U32(16))],
+    );
+    match Model::load(file, cpu(), false).err().expect("refused") {
+        Error::InvalidHyperParameter { key, .. } => {
+            assert_eq!(key, "qwen3.attention.value_length")
+        }
+        other => panic!("unexpected: {other}"),
+    }
+    // key_length 16 makes the q norm of 32 the wrong size (and attn_q too: the first
+    // tensor of the table that disagrees is named).
+    let file = rewritten(
+        &spec,
+        "",
+        &[
+            ("qwen3.attention.key_length", Value::U32(16)),
+            ("qwen3.attention.value_length", Value::U32(16)),
+            ("qwen3.rope.dimension_count", Value::U32(16)),
+        ],
+    );
+    match Model::load(file, cpu(), false).err().expect("refused") {
+        Error::TensorShape { tensor, .. } => assert_eq!(tensor, "blk.0.attn_q.weight"),
+        other => panic!("unexpected: {other}"),
+    }
 }

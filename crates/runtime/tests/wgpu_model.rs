@@ -65,9 +65,10 @@ fn check_spec(spec: TinyModelSpec, tolerance: f32) {
     let Some(ctx) = gpu() else { return };
     let want = all_logits(&mut load(&spec, Arc::new(CpuBackend::new(2))), &IDS);
     let got = all_logits(&mut load(&spec, Arc::new(WgpuBackend::new(ctx))), &IDS);
-    assert_eq!(got.len(), IDS.len() * TINY_VOCAB);
+    let vocab = spec.vocab_size();
+    assert_eq!(got.len(), IDS.len() * vocab);
     for p in 0..IDS.len() {
-        let r = p * TINY_VOCAB..(p + 1) * TINY_VOCAB;
+        let r = p * vocab..(p + 1) * vocab;
         let d = max_rel_diff(&got[r.clone()], &want[r]);
         assert!(
             d < tolerance,
@@ -81,6 +82,30 @@ fn check_spec(spec: TinyModelSpec, tolerance: f32) {
 #[test]
 fn llama_q8_0_pass_matches_the_cpu_backend() {
     check_spec(TinyModelSpec::default(), 0.02);
+}
+
+// qwen3's per-head Q/K norm runs on the device (the rms_norm kernel over heads as rows);
+// Q8_0 adds the activation rounding of the llama case.
+#[test]
+fn qwen3_with_head_norms_matches_the_cpu_backend() {
+    let spec = ballast_runtime::testing::reference_spec("qwen3").unwrap();
+    check_spec(spec.clone(), 1e-3);
+    check_spec(
+        TinyModelSpec {
+            weight_type: GgmlType::Q8_0,
+            embd_type: GgmlType::Q8_0,
+            ..spec
+        },
+        0.02,
+    );
+}
+
+#[test]
+fn llama_with_a_sentencepiece_vocabulary_matches_the_cpu_backend() {
+    check_spec(
+        ballast_runtime::testing::reference_spec("llama-spm").unwrap(),
+        1e-3,
+    );
 }
 
 #[test]

@@ -1,10 +1,11 @@
-//! The llama builder (Llama 2/3, SmolLM2, Mistral; qwen2 is the same graph with Q/K/V
-//! biases, which [`blocks::attention`] adds when a layer has them): the layer table it
-//! reads and the pass it emits.
+//! The llama builder (Llama 2/3, SmolLM2, TinyLlama, Mistral; qwen2 is the same graph
+//! with Q/K/V biases, which [`blocks::attention`] adds when a layer has them; qwen3 is
+//! the same graph with the per-head Q/K norm its attention spec asks for, and no
+//! biases): the layer table it reads and the pass it emits.
 //!
 //! ```text
 //! embed
-//! per layer: x += attn_output(attention(rope(q, k, v of rms_norm(x))))
+//! per layer: x += attn_output(attention(rope([head_norm](q, k)), v of rms_norm(x)))
 //!            x += ffn(rms_norm(x))
 //! logits = output(rms_norm(x))
 //! ```
@@ -21,20 +22,29 @@ pub(super) fn layer_tensors(c: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
     let s = spec.shape;
     let (d, ff) = (c.d_model, c.n_ff);
     let (q, kv) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
-    vec![
+    let mut table = vec![
         TensorSpec::required(ATTN_NORM, &[d]),
         TensorSpec::required(ATTN_Q, &[d, q]),
         TensorSpec::required(ATTN_K, &[d, kv]),
         TensorSpec::required(ATTN_V, &[d, kv]),
-        TensorSpec::optional(ATTN_Q_BIAS, &[q]),
-        TensorSpec::optional(ATTN_K_BIAS, &[kv]),
-        TensorSpec::optional(ATTN_V_BIAS, &[kv]),
+    ];
+    if spec.qk_norm.is_some() {
+        // qwen3: llama.cpp reads no biases there, so a file's biases are not read either.
+        table.push(TensorSpec::required(ATTN_Q_NORM, &[s.head_dim]));
+        table.push(TensorSpec::required(ATTN_K_NORM, &[s.head_dim]));
+    } else {
+        table.push(TensorSpec::optional(ATTN_Q_BIAS, &[q]));
+        table.push(TensorSpec::optional(ATTN_K_BIAS, &[kv]));
+        table.push(TensorSpec::optional(ATTN_V_BIAS, &[kv]));
+    }
+    table.extend([
         TensorSpec::required(ATTN_OUTPUT, &[q, d]),
         TensorSpec::required(FFN_NORM, &[d]),
         TensorSpec::required(FFN_GATE, &[d, ff]),
         TensorSpec::required(FFN_UP, &[d, ff]),
         TensorSpec::required(FFN_DOWN, &[ff, d]),
-    ]
+    ]);
+    table
 }
 
 /// The pass over `n` tokens.

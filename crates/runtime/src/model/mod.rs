@@ -107,7 +107,9 @@ impl TensorSpec {
 /// The layer table `config`'s architecture reads for layer `layer`.
 pub fn layer_tensors(config: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
     match config.arch {
-        Architecture::Llama | Architecture::Qwen2 => llama::layer_tensors(config, layer),
+        Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 => {
+            llama::layer_tensors(config, layer)
+        }
     }
 }
 
@@ -372,7 +374,7 @@ impl Model {
         let between_layers = policy.is_some_and(|p| p.acts_between_layers());
         let config = &self.shared.config;
         match config.arch {
-            Architecture::Llama | Architecture::Qwen2 => {
+            Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 => {
                 llama::build(config, n, logits, between_layers, self.ffn.as_ref())
             }
         }

@@ -1,9 +1,16 @@
-//! Byte-level BPE tokenizer built from a GGUF vocabulary, reproducing llama.cpp's
-//! `llama_tokenize` / `llama_token_to_piece` behaviour.
+//! Tokenizers built from a GGUF vocabulary, reproducing llama.cpp's `llama_tokenize` /
+//! `llama_token_to_piece` behaviour for two families (`tokenizer.ggml.model`):
 //!
-//! The BPE merge loop is delegated to the Hugging Face `tokenizers` crate; the
-//! pre-tokenizer regexes, the special-token partitioning, BOS/EOS handling and the
-//! end-of-generation set follow `src/llama-vocab.cpp`.
+//! - `gpt2`: byte-level BPE. The merge loop is delegated to the Hugging Face
+//!   `tokenizers` crate; the pre-tokenizer regexes (`tokenizer.ggml.pre`) follow
+//!   `src/llama-vocab.cpp`.
+//! - `llama`: SentencePiece (`spm`): scores-based merges of adjacent pieces, `▁` for
+//!   spaces, a space prefix as `tokenizer.ggml.add_space_prefix` says, byte fallback
+//!   `<0xNN>`; BOS added by default, as llama.cpp does for this family.
+//!
+//! The special-token partitioning, BOS/EOS handling and the end-of-generation set are
+//! shared, and follow `src/llama-vocab.cpp`. Other models and unknown pre-tokenizers are
+//! refused with an error naming them.
 //!
 //! # Example
 //! ```
@@ -23,6 +30,7 @@
 //!     eog_ids: vec![],
 //!     add_bos: false,
 //!     add_eos: false,
+//!     ..TokenizerSpec::default()
 //! };
 //! let tok = Tokenizer::from_spec(spec)?;
 //! let ids = tok.encode("ab a<|end|>", false, true)?;
@@ -43,6 +51,7 @@
 mod byte_level;
 mod from_gguf;
 mod pre;
+mod spm;
 mod stream;
 
 pub use stream::StreamDecoder;
@@ -113,7 +122,7 @@ const FIM_EOG_TEXTS: &[&str] = &[
 /// Tokenizer metadata as read from a GGUF file (`tokenizer.ggml.*` keys).
 #[derive(Debug, Clone, Default)]
 pub struct TokenizerSpec {
-    /// `tokenizer.ggml.model`, e.g. `"gpt2"`.
+    /// `tokenizer.ggml.model`: `"gpt2"` (byte-level BPE) or `"llama"` (SentencePiece).
     pub model: String,
     /// `tokenizer.ggml.pre`, e.g. `"smollm"`; `None` means llama.cpp's `default`.
     pub pre: Option<String>,
@@ -122,8 +131,14 @@ pub struct TokenizerSpec {
     /// `tokenizer.ggml.token_type`: 1 normal, 2 unknown, 3 control, 4 user-defined,
     /// 5 unused, 6 byte. May be empty (all normal).
     pub token_types: Vec<i32>,
-    /// `tokenizer.ggml.merges`: `"left right"` pairs, highest priority first.
+    /// `tokenizer.ggml.merges`: `"left right"` pairs, highest priority first (BPE).
     pub merges: Vec<String>,
+    /// `tokenizer.ggml.scores`: one per token, higher merges first (SentencePiece). May
+    /// be empty (all zero).
+    pub scores: Vec<f32>,
+    /// `tokenizer.ggml.add_space_prefix` (SentencePiece): a space before text that
+    /// starts the input or follows a special token.
+    pub add_space_prefix: bool,
     /// `tokenizer.ggml.bos_token_id`.
     pub bos_id: Option<u32>,
     /// `tokenizer.ggml.eos_token_id`.
@@ -162,11 +177,62 @@ impl Kind {
     }
 }
 
-/// A byte-level BPE tokenizer equivalent to llama.cpp's for the supported pre-tokenizers.
+/// The byte-level BPE engine for `token_to_id`, `merges` and the pre-tokenizer `pre`.
+fn bpe(
+    token_to_id: &HashMap<String, u32>,
+    merges_in: &[String],
+    pre: &pre::PreConfig,
+) -> Result<HfTokenizer> {
+    // BPE model. The BPE engine rejects merges whose parts or result are not in the
+    // vocabulary, so they are skipped. (llama.cpp would still apply such a merge and then
+    // emit byte tokens for the unknown result; only malformed vocabularies have them.)
+    let vocab: Vocab = token_to_id.iter().map(|(k, &v)| (k.clone(), v)).collect();
+    let mut merges = Vec::with_capacity(merges_in.len());
+    for m in merges_in {
+        // llama.cpp splits at the first space after the first byte.
+        let Some(pos) = m.bytes().skip(1).position(|b| b == b' ').map(|p| p + 1) else {
+            continue;
+        };
+        let (a, b) = (&m[..pos], &m[pos + 1..]);
+        if token_to_id.contains_key(a)
+            && token_to_id.contains_key(b)
+            && token_to_id.contains_key(&format!("{a}{b}"))
+        {
+            merges.push((a.to_string(), b.to_string()));
+        }
+    }
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .ignore_merges(pre.ignore_merges)
+        .build()
+        .map_err(|e| Error::TokenizerBuild {
+            message: e.to_string(),
+        })?;
+
+    let mut steps: Vec<PreTokenizerWrapper> = Vec::with_capacity(pre.regexes.len() + 1);
+    for re in &pre.regexes {
+        let split = Split::new(
+            SplitPattern::Regex((*re).to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| Error::TokenizerBuild {
+            message: format!("regex {re:?}: {e}"),
+        })?;
+        steps.push(split.into());
+    }
+    steps.push(ByteLevel::new(false, false, false).into());
+    let mut hf = HfTokenizer::new(bpe);
+    hf.with_pre_tokenizer(Some(Sequence::new(steps)));
+
+    Ok(hf)
+}
+
+/// A tokenizer equivalent to llama.cpp's for the supported pre-tokenizers.
 ///
 /// Cheap to share: it is `Send + Sync` and every method takes `&self`.
 pub struct Tokenizer {
-    hf: HfTokenizer,
+    engine: Engine,
     tokens: Vec<String>,
     kinds: Vec<Kind>,
     pieces: Vec<Vec<u8>>,
@@ -196,6 +262,14 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
+/// The merge loop of the vocabulary's family.
+enum Engine {
+    /// Byte-level BPE (`gpt2`).
+    Bpe(Box<HfTokenizer>),
+    /// SentencePiece (`llama`).
+    Spm(spm::Spm),
+}
+
 enum Fragment {
     Text(usize, usize),
     Token(u32),
@@ -217,13 +291,24 @@ impl Tokenizer {
     /// [`Error::TokenizerInvalidVocab`] for inconsistent metadata,
     /// [`Error::TokenizerMissingSpecialToken`] when `add_bos`/`add_eos` is set without an id.
     pub fn from_spec(spec: TokenizerSpec) -> Result<Tokenizer> {
-        if spec.model != "gpt2" {
-            return Err(Error::TokenizerUnsupportedModel { model: spec.model });
-        }
-        let pre =
-            pre::lookup(spec.pre.as_deref()).ok_or_else(|| Error::TokenizerUnsupportedPre {
-                pre: spec.pre.clone().unwrap_or_default(),
-            })?;
+        let sentencepiece = match spec.model.as_str() {
+            "gpt2" => false,
+            "llama" => true,
+            _ => return Err(Error::TokenizerUnsupportedModel { model: spec.model }),
+        };
+        let unsupported_pre = || Error::TokenizerUnsupportedPre {
+            pre: spec.pre.clone().unwrap_or_default(),
+        };
+        let pre = if sentencepiece {
+            // llama.cpp gives SentencePiece no pre-tokenizer; a file naming one expects
+            // something this engine would not do, so only `default` passes.
+            match spec.pre.as_deref() {
+                None | Some("default") => None,
+                Some(_) => return Err(unsupported_pre()),
+            }
+        } else {
+            Some(pre::lookup(spec.pre.as_deref()).ok_or_else(unsupported_pre)?)
+        };
         let n = spec.tokens.len();
         if n == 0 {
             return Err(Error::TokenizerInvalidVocab {
@@ -323,17 +408,29 @@ impl Tokenizer {
             .enumerate()
             .map(|(b, &c)| (c, b as u8))
             .collect();
-        let pieces: Vec<Vec<u8>> = tokens
+        let pieces = tokens
             .iter()
             .zip(&kinds)
             .map(|(t, k)| match k {
-                Kind::Control | Kind::UserDefined | Kind::Unknown => t.as_bytes().to_vec(),
-                Kind::Byte => parse_hex_byte(t).map_or_else(|| t.as_bytes().to_vec(), |b| vec![b]),
-                Kind::Normal => byte_level::decode_token_text(t, &chars_to_bytes),
-                // llama.cpp renders unused tokens of BPE vocabularies as nothing.
-                Kind::Unused => Vec::new(),
+                Kind::Control | Kind::UserDefined | Kind::Unknown => Ok(t.as_bytes().to_vec()),
+                // llama.cpp reads the two hex digits of a SentencePiece byte token
+                // without checking them; a token that has none is refused here.
+                Kind::Byte if sentencepiece => {
+                    parse_hex_byte(t)
+                        .map(|b| vec![b])
+                        .ok_or_else(|| Error::TokenizerInvalidVocab {
+                            reason: format!("byte token '{t}' is not of the form <0xNN>"),
+                        })
+                }
+                Kind::Byte => {
+                    Ok(parse_hex_byte(t).map_or_else(|| t.as_bytes().to_vec(), |b| vec![b]))
+                }
+                Kind::Normal if sentencepiece => Ok(t.replace(spm::SPACE, " ").into_bytes()),
+                Kind::Normal => Ok(byte_level::decode_token_text(t, &chars_to_bytes)),
+                // llama.cpp renders unused tokens as nothing.
+                Kind::Unused => Ok(Vec::new()),
             })
-            .collect();
+            .collect::<Result<Vec<Vec<u8>>>>()?;
 
         let mut specials: Vec<u32> = (0..n as u32)
             .filter(|&i| {
@@ -350,50 +447,17 @@ impl Tokenizer {
                 .then(a.cmp(&b))
         });
 
-        // BPE model. The BPE engine rejects merges whose parts or result are not in the
-        // vocabulary, so they are skipped. (llama.cpp would still apply such a merge and then
-        // emit byte tokens for the unknown result; only malformed vocabularies have them.)
-        let vocab: Vocab = token_to_id.iter().map(|(k, &v)| (k.clone(), v)).collect();
-        let mut merges = Vec::with_capacity(spec.merges.len());
-        for m in &spec.merges {
-            // llama.cpp splits at the first space after the first byte.
-            let Some(pos) = m.bytes().skip(1).position(|b| b == b' ').map(|p| p + 1) else {
-                continue;
-            };
-            let (a, b) = (&m[..pos], &m[pos + 1..]);
-            if token_to_id.contains_key(a)
-                && token_to_id.contains_key(b)
-                && token_to_id.contains_key(&format!("{a}{b}"))
-            {
-                merges.push((a.to_string(), b.to_string()));
-            }
-        }
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .ignore_merges(pre.ignore_merges)
-            .build()
-            .map_err(|e| Error::TokenizerBuild {
-                message: e.to_string(),
-            })?;
-
-        let mut steps: Vec<PreTokenizerWrapper> = Vec::with_capacity(pre.regexes.len() + 1);
-        for re in &pre.regexes {
-            let split = Split::new(
-                SplitPattern::Regex((*re).to_string()),
-                SplitDelimiterBehavior::Isolated,
-                false,
-            )
-            .map_err(|e| Error::TokenizerBuild {
-                message: format!("regex {re:?}: {e}"),
-            })?;
-            steps.push(split.into());
-        }
-        steps.push(ByteLevel::new(false, false, false).into());
-        let mut hf = HfTokenizer::new(bpe);
-        hf.with_pre_tokenizer(Some(Sequence::new(steps)));
-
+        let engine = match pre {
+            None => Engine::Spm(spm::Spm::new(
+                &token_to_id,
+                n,
+                spec.scores,
+                spec.add_space_prefix,
+            )?),
+            Some(pre) => Engine::Bpe(Box::new(bpe(&token_to_id, &spec.merges, &pre)?)),
+        };
         Ok(Tokenizer {
-            hf,
+            engine,
             tokens,
             kinds,
             pieces,
@@ -419,16 +483,31 @@ impl Tokenizer {
         if add_special && self.add_bos {
             out.extend(self.bos_id);
         }
+        // SentencePiece: text that starts the input or follows a special token gets
+        // the space prefix (llama.cpp's `is_prev_special`).
+        let mut prev_special = true;
         for frag in self.partition(text, parse_special) {
-            match frag {
-                Fragment::Token(id) => out.push(id),
-                Fragment::Text(s, e) => {
-                    let enc = self.hf.encode_fast(&text[s..e], false).map_err(|err| {
+            match (frag, &self.engine) {
+                (Fragment::Token(id), _) => {
+                    out.push(id);
+                    prev_special = true;
+                }
+                (Fragment::Text(s, e), Engine::Bpe(hf)) => {
+                    let enc = hf.encode_fast(&text[s..e], false).map_err(|err| {
                         Error::TokenizerEncode {
                             message: err.to_string(),
                         }
                     })?;
                     out.extend_from_slice(enc.get_ids());
+                }
+                (Fragment::Text(s, e), Engine::Spm(spm)) => {
+                    let piece = &text[s..e];
+                    if spm.add_space_prefix && prev_special {
+                        spm.encode(&format!(" {piece}"), &self.token_to_id, &mut out)?;
+                    } else {
+                        spm.encode(piece, &self.token_to_id, &mut out)?;
+                    }
+                    prev_special = false;
                 }
             }
         }
@@ -498,10 +577,38 @@ impl Tokenizer {
     }
 
     /// Decodes ids to text (special tokens rendered as their text): the concatenation of
-    /// the tokens' pieces, without llama.cpp's `llama_detokenize` space clean-up. Invalid
+    /// the tokens' pieces, which is what a [`StreamDecoder`] shows, without llama.cpp's
+    /// `llama_detokenize` space clean-up (see [`detokenize`](Self::detokenize)). Invalid
     /// UTF-8, such as a character cut off at the end, becomes U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> String {
         self.decode_with(ids, true)
+    }
+
+    /// The inverse of [`encode`](Self::encode) without special tokens added, as
+    /// llama.cpp's `llama_detokenize(remove_special = false)`: like
+    /// [`decode_with`](Self::decode_with), except that a SentencePiece vocabulary with
+    /// the space prefix drops one leading space of the first token's piece (the space
+    /// `encode` put there). For byte-level BPE it is `decode_with`.
+    pub fn detokenize(&self, ids: &[u32], special: bool) -> String {
+        let strip = matches!(&self.engine, Engine::Spm(spm) if spm.add_space_prefix);
+        let mut bytes = Vec::with_capacity(ids.len() * 4);
+        for (i, &id) in ids.iter().enumerate() {
+            let piece = self.token_piece(id, special);
+            let piece = match piece {
+                [b' ', rest @ ..] if strip && i == 0 => rest,
+                _ => piece,
+            };
+            bytes.extend_from_slice(piece);
+        }
+        match String::from_utf8(bytes) {
+            Ok(s) => s,
+            Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+        }
+    }
+
+    /// True for a SentencePiece vocabulary (`tokenizer.ggml.model = "llama"`).
+    pub fn is_sentencepiece(&self) -> bool {
+        matches!(self.engine, Engine::Spm(_))
     }
 
     /// Decodes ids to text; `special` chooses whether control/unknown tokens are rendered

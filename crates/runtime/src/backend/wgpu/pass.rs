@@ -17,7 +17,7 @@ use super::{rope_table, DeviceKv, DeviceWeight, WgpuBackend, ARGMAX};
 use crate::backend::{DeviceForward, DeviceForwardInput, LayerSource, PassReport, Rope};
 use crate::error::{Error, Result};
 use crate::ffn::FeedForward;
-use crate::graph::{Graph, Op, TensorId, WeightRef};
+use crate::graph::{self, Graph, Op, TensorId, WeightRef};
 use crate::kv::KvCache;
 use crate::weights::LayerWeights;
 
@@ -354,6 +354,29 @@ impl WgpuBackend {
                         d.rows,
                         v.raw(),
                         d.width,
+                        *eps,
+                        buf(*out),
+                    );
+                }
+                Op::HeadRmsNorm {
+                    x,
+                    head_dim,
+                    scale,
+                    eps,
+                    out,
+                } => {
+                    let host = scale.vector(input.globals, host_layer)?;
+                    graph::check_head_norm(graph, *x, *head_dim, host.len())?;
+                    let v = self.vector(host)?;
+                    // The rms_norm kernel normalizes rows of any length: a head is a row.
+                    let d = graph.desc(*x);
+                    self.record_rms_norm(
+                        &mut rec,
+                        buf(*x),
+                        0,
+                        d.len() / head_dim,
+                        v.raw(),
+                        *head_dim,
                         *eps,
                         buf(*out),
                     );
