@@ -652,6 +652,31 @@ fn a_full_queue_is_503_and_an_aborted_stream_frees_its_sequence() {
     assert_eq!(s.metric("ballast_requests_cancelled_total"), 1.0);
     assert!(s.metric("ballast_generation_tokens_total") < 3000.0);
     assert_eq!(s.greedy("Hi", 1)["usage"]["completion_tokens"], 1);
+
+    // A client waiting for one whole response that goes away frees its sequence too.
+    let body = json!({"prompt": "Tell me a long story.", "max_tokens": 3000, "ignore_eos": true});
+    let conn = send(
+        &s.addr,
+        "POST",
+        COMPLETIONS,
+        &[],
+        body.to_string().as_bytes(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while s.metric("ballast_requests_running") != 1.0 {
+        assert!(Instant::now() < deadline, "the request never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(conn);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while s.metric("ballast_requests_running") != 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the abandoned request kept its sequence"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(s.metric("ballast_requests_cancelled_total"), 2.0);
 }
 
 #[test]
