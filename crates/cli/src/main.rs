@@ -4,6 +4,7 @@ mod bench;
 mod chat;
 mod common;
 mod inspect;
+mod pack;
 mod perplexity;
 mod plan;
 mod run;
@@ -30,8 +31,11 @@ enum Command {
     Run(run::RunArgs),
     /// Talk with a model, using its own chat template.
     Chat(chat::ChatArgs),
-    /// Print a GGUF file's metadata and tensor table.
+    /// Print a GGUF file's (or a pack's) metadata and tensor table.
     Inspect(inspect::InspectArgs),
+    /// Compress a GGUF file losslessly into a pack, which every command opens like a
+    /// GGUF (-m OUT).
+    Pack(pack::PackArgs),
     /// Measure prompt processing and generation speed (llama-bench's flags).
     Bench(bench::BenchArgs),
     /// Perplexity of a text file, computed the way llama-perplexity does.
@@ -55,6 +59,7 @@ fn main() {
         Command::Run(a) => run::run(a),
         Command::Chat(a) => chat::run(a),
         Command::Inspect(a) => inspect::run(a),
+        Command::Pack(a) => pack::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Perplexity(a) => perplexity::run(a),
         Command::Plan(a) => plan::run(a),

@@ -89,6 +89,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let threads = common::threads(args.model.threads);
     let loaded = common::load(&args.model, threads, args.ctx, args.batch)?;
     let tiered = loaded.tiered;
+    let compressed = loaded.compressed;
     let tokenizer = loaded.tokenizer;
     let meta = SessionMeta {
         fingerprint: model_fingerprint(&loaded.file),
@@ -267,6 +268,19 @@ pub fn run(args: RunArgs) -> Result<()> {
                     "read_ms_per_token": m.read_time_per_token.as_secs_f64() * 1e3,
                 })),
                 "peak_device_bytes": backend.device_memory().map(|m| m.bytes().1),
+                "compressed": compressed.as_ref().map(|h| {
+                    let c = h.get();
+                    json!({
+                        "passes": c.passes,
+                        "decompressions": c.decompressions,
+                        "decompressions_per_pass": c.decompressions_per_pass(),
+                        "bytes_decoded": c.bytes_decoded,
+                        "bytes_read": c.bytes_read,
+                        "decode_ms": c.decode_time.as_secs_f64() * 1e3,
+                        "stall_ms": c.stall_time.as_secs_f64() * 1e3,
+                        "decoded_bytes_peak": c.decoded_bytes_peak,
+                    })
+                }),
             }})
         )?;
     } else {
@@ -297,6 +311,19 @@ pub fn run(args: RunArgs) -> Result<()> {
                 common::human_bytes(*non_resident),
                 m.stall_per_token.as_secs_f64() * 1e3,
                 m.read_time_per_token.as_secs_f64() * 1e3,
+            );
+        }
+        if let Some(c) = compressed.as_ref().map(|h| h.get()) {
+            eprintln!(
+                "compressed store: {} passes, {} decompressions ({:.1} per pass), {} decoded from {} stored, decoding {:.1} ms, waited {:.1} ms, at most {} decoded at once",
+                c.passes,
+                c.decompressions,
+                c.decompressions_per_pass(),
+                common::human_bytes(c.bytes_decoded),
+                common::human_bytes(c.bytes_read),
+                c.decode_time.as_secs_f64() * 1e3,
+                c.stall_time.as_secs_f64() * 1e3,
+                common::human_bytes(c.decoded_bytes_peak),
             );
         }
         if let Some((_, device_peak)) = backend.device_memory().map(|m| m.bytes()) {

@@ -31,6 +31,20 @@ pub enum StoreKind {
     Ram,
     /// Keep what fits the budget resident, stream the rest from disk with prefetch.
     Tiered,
+    /// For a pack (`ballast pack`): keep the layers compressed, decode each when a
+    /// forward pass needs it (see --cache). The default for a pack.
+    Compressed,
+}
+
+/// How long the compressed store keeps a decoded layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CacheKind {
+    /// Decoded for each use and dropped after: the least memory.
+    EveryUse,
+    /// Decoded on first use in a forward pass, dropped when the next pass starts.
+    PerPass,
+    /// Decoded once and kept (as much memory as the plain file).
+    Keep,
 }
 
 /// Flags that choose the weight store and its budget.
@@ -61,6 +75,18 @@ pub struct StoreArgs {
     /// Read with plain reads plus posix_fadvise(DONTNEED) instead of O_DIRECT.
     #[arg(long)]
     pub no_direct_io: bool,
+    /// With a pack: how long a decoded layer lives.
+    #[arg(long, value_enum, default_value_t = CacheKind::EveryUse)]
+    pub cache: CacheKind,
+    /// With a pack: keep the first N layers decoded once decoded.
+    #[arg(long, default_value_t = 0)]
+    pub keep_layers: usize,
+    /// With a pack: do not decode layer i+1 on a worker while layer i computes.
+    #[arg(long)]
+    pub no_prefetch: bool,
+    /// With a pack: threads that decode one layer's chunks.
+    #[arg(long, default_value_t = 1)]
+    pub decode_threads: usize,
 }
 
 /// What a tiered model reports.
@@ -82,6 +108,7 @@ impl TieredInfo {
 pub struct Built {
     pub model: Model,
     pub tiered: Option<TieredInfo>,
+    pub compressed: Option<ballast_weight_codec::store::StatsHandle>,
     pub store_name: &'static str,
 }
 
@@ -114,6 +141,7 @@ pub fn ram_budget(flag: Option<&str>) -> Result<(u64, String)> {
 #[allow(clippy::too_many_arguments)] // each is a separate fact about the run
 pub fn build(
     file: &Arc<GgufFile>,
+    pack: Option<&Arc<ballast_weight_codec::PackFile>>,
     path: &Path,
     backend: Arc<dyn Backend>,
     args: &StoreArgs,
@@ -135,6 +163,45 @@ pub fn build(
     if separate_device {
         on_wgpu_device(&mut shape, Some(&globals));
     }
+    match (pack, args.store) {
+        (Some(pack), StoreKind::Auto | StoreKind::Compressed) => {
+            use ballast_weight_codec::{CachePolicy, CompressedStore, StoreOptions};
+            let opts = StoreOptions {
+                policy: match args.cache {
+                    CacheKind::EveryUse => CachePolicy::EveryUse,
+                    CacheKind::PerPass => CachePolicy::PerPass,
+                    CacheKind::Keep => CachePolicy::Keep,
+                },
+                keep_layers: args.keep_layers,
+                prefetch: !args.no_prefetch,
+                decode_threads: args.decode_threads.max(1),
+            };
+            let store = CompressedStore::new(pack.clone(), globals, layers, opts, mapped)
+                .with_context(|| format!("loading {}", path.display()))?;
+            if separate_device {
+                // Decoded layers are lent per pass: the device uploads them into slots.
+                if let Some(memory) = backend.device_memory() {
+                    memory.set_stream_slots(2);
+                }
+            }
+            let stats = store.stats_handle();
+            return Ok(Built {
+                model: Model::from_parts(config, Box::new(store), backend, Box::new(DenseFfn::new())),
+                tiered: None,
+                compressed: Some(stats),
+                store_name: "compressed",
+            });
+        }
+        (Some(_), StoreKind::Tiered) => bail!(
+            "{}: tiered streaming of a pack is not implemented yet; use --store compressed (the default for a pack), mmap or ram",
+            path.display()
+        ),
+        (None, StoreKind::Compressed) => bail!(
+            "{}: --store compressed needs a pack (make one with `ballast pack`)",
+            path.display()
+        ),
+        _ => {}
+    }
     let kind = match args.store {
         StoreKind::Auto if args.ram.is_some() || args.vram.is_some() => StoreKind::Tiered,
         StoreKind::Auto => {
@@ -155,6 +222,7 @@ pub fn build(
         return Ok(Built {
             model: Model::from_parts(config, Box::new(store), backend, Box::new(DenseFfn::new())),
             tiered: None,
+            compressed: None,
             store_name: if mapped { "mmap" } else { "ram" },
         });
     }
@@ -212,6 +280,7 @@ pub fn build(
     Ok(Built {
         model: Model::from_parts(config, Box::new(store), backend, Box::new(DenseFfn::new())),
         tiered: Some(info),
+        compressed: None,
         store_name: "tiered",
     })
 }

@@ -846,3 +846,37 @@ fn sampling_flags_out_of_range_are_refused() {
     let o = ballast(&["run", "-m", model, "Hi", "-n", "1", "--top-p=1", "--temp=0"]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+#[test]
+fn a_pack_runs_like_its_gguf_and_inspect_shows_codecs() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let packed = dir.path().join("tiny.pack");
+    let (m, p) = (model.to_str().unwrap(), packed.to_str().unwrap());
+    let o = ballast(&["pack", m, p, "--chunk", "1K"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("| Q8_0 |"), "{}", stdout(&o));
+    let want = generated_tokens(m, "hello", 8, &[]);
+    for cache in ["every-use", "per-pass", "keep"] {
+        assert_eq!(
+            generated_tokens(p, "hello", 8, &["--cache", cache]),
+            want,
+            "--cache {cache}"
+        );
+    }
+    // The stores that read a plain file get the pack decoded whole.
+    assert_eq!(generated_tokens(p, "hello", 8, &["--store", "ram"]), want);
+    let o = ballast(&["inspect", p]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("pack of a GGUF"), "{}", stdout(&o));
+    assert!(stdout(&o).contains("blk.0.attn_q.weight"), "{}", stdout(&o));
+    // A flipped byte in the last chunk: an error naming the tensor and chunk.
+    let mut bytes = std::fs::read(&packed).unwrap();
+    let n = bytes.len();
+    bytes[n - 1] ^= 0x10;
+    std::fs::write(&packed, bytes).unwrap();
+    let o = ballast(&["run", "-m", p, "-n", "2", "--temp", "0", "hello"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains(", chunk "), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+}

@@ -114,6 +114,13 @@ impl GgufFile {
         GgufFile::from_storage(PathBuf::from(MEMORY_PATH), Storage::Owned(bytes))
     }
 
+    /// Parses and validates a GGUF file laid out in a read-only memory map that did not
+    /// come from opening `path` (an anonymous map a compressed pack was decoded into);
+    /// errors name `path`.
+    pub fn from_map(path: PathBuf, map: memmap2::Mmap) -> Result<GgufFile> {
+        GgufFile::from_storage(path, Storage::Mmap(map))
+    }
+
     fn from_storage(path: PathBuf, storage: Storage) -> Result<GgufFile> {
         let parsed = parse(&path, storage.bytes())?;
         Ok(GgufFile {

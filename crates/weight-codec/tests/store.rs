@@ -1,0 +1,211 @@
+//! `CompressedStore` gives the forward pass the exact weights of the plain file, under
+//! each cache policy, and its counters say how often it decoded.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use ballast_core::ggml_type::GgmlType;
+use ballast_runtime::gguf::GgufFile;
+use ballast_runtime::model::load_weights;
+use ballast_runtime::testing::TinyModelSpec;
+use ballast_runtime::{CpuBackend, DenseFfn, Model, ModelConfig, Session};
+use ballast_weight_codec::store::skeleton;
+use ballast_weight_codec::{
+    write_pack, CachePolicy, CompressedStore, PackFile, PackOptions, StoreOptions,
+};
+
+/// A model over the pack at `path` with a `CompressedStore`, and its counters.
+fn compressed_model(
+    path: &Path,
+    opts: StoreOptions,
+) -> (Model, ballast_weight_codec::store::StatsHandle) {
+    let pack = Arc::new(PackFile::open(path, true).unwrap());
+    let gguf = Arc::new(skeleton(&pack, 2).unwrap());
+    let config = ModelConfig::from_gguf(&gguf).unwrap();
+    let (globals, layers) = load_weights(&gguf, &config).unwrap();
+    let store = CompressedStore::new(pack, globals, layers, opts, true).unwrap();
+    let stats = store.stats_handle();
+    let model = Model::from_parts(
+        config,
+        Box::new(store),
+        Arc::new(CpuBackend::new(2)),
+        Box::new(DenseFfn::new()),
+    );
+    (model, stats)
+}
+
+/// Greedy ids of `model` after `prompt`, for `n` steps.
+fn greedy(model: Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut s = Session::new(model, 256).unwrap();
+    let mut id = s.feed_greedy(prompt).unwrap();
+    let mut out = vec![id];
+    for _ in 1..n {
+        id = s.feed_greedy(&[id]).unwrap();
+        out.push(id);
+    }
+    out
+}
+
+fn pack_tiny(dir: &Path, weight_type: GgmlType) -> (std::path::PathBuf, std::path::PathBuf) {
+    // K-quant rows are whole blocks of 256 values.
+    let width = weight_type.block_len().max(64);
+    let spec = TinyModelSpec {
+        n_layers: 4,
+        d_model: width,
+        n_ff: 2 * width,
+        weight_type,
+        ..TinyModelSpec::default()
+    };
+    let src = dir.join("tiny.gguf");
+    std::fs::write(&src, spec.to_gguf_bytes().unwrap()).unwrap();
+    let gguf = GgufFile::open(&src, true).unwrap();
+    let out = dir.join("tiny.pack");
+    let opts = PackOptions {
+        chunk_bytes: 1000,
+        ..PackOptions::default()
+    };
+    write_pack(&gguf, &out, &opts, &mut |_| {}).unwrap();
+    (src, out)
+}
+
+#[test]
+fn every_policy_gives_the_plain_files_logits_and_counts_its_decodes() {
+    let dir = tempfile::tempdir().unwrap();
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_K] {
+        let (src, packed) = pack_tiny(dir.path(), ty);
+        let plain = Model::load(
+            Arc::new(GgufFile::open(&src, true).unwrap()),
+            Arc::new(CpuBackend::new(2)),
+            true,
+        )
+        .unwrap();
+        let prompt = [1u32, 50, 200, 7, 9];
+        let steps = 6;
+        let want = greedy(plain, &prompt, steps);
+        let passes = steps as u64; // one pass for the prompt, one per further step
+        for (policy, keep, prefetch, per_pass) in [
+            (CachePolicy::PerPass, 0, false, 4.0),
+            (CachePolicy::PerPass, 0, true, 4.0),
+            (CachePolicy::EveryUse, 0, false, 4.0),
+            (CachePolicy::EveryUse, 0, true, 4.0),
+            (CachePolicy::EveryUse, 2, true, 2.0 + 2.0 / passes as f64),
+            (CachePolicy::Keep, 0, false, 4.0 / passes as f64),
+        ] {
+            let opts = StoreOptions {
+                policy,
+                keep_layers: keep,
+                prefetch,
+                decode_threads: 2,
+            };
+            let (model, stats) = compressed_model(&packed, opts.clone());
+            let got = greedy(model, &prompt, steps);
+            assert_eq!(got, want, "{ty} {opts:?}");
+            let s = stats.get();
+            assert_eq!(s.passes, passes, "{opts:?}");
+            assert_eq!(s.requests, 4 * passes, "{opts:?}");
+            // A prefetch may decode layer 0 for a pass that never comes.
+            let extra = s.decompressions as f64 - per_pass * passes as f64;
+            assert!(
+                (0.0..=if prefetch { 1.0 } else { 0.0 }).contains(&extra),
+                "{ty} {opts:?}: {} decompressions in {passes} passes",
+                s.decompressions
+            );
+        }
+    }
+}
+
+#[test]
+fn per_pass_holds_a_pass_and_every_use_holds_a_layer_or_two() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, packed) = pack_tiny(dir.path(), GgmlType::Q8_0);
+    let pack = PackFile::open(&packed, true).unwrap();
+    let layer_bytes: u64 = pack
+        .tensors()
+        .iter()
+        .filter(|t| t.name.starts_with("blk.0.") && t.raw_len > 1000)
+        .map(|t| t.raw_len)
+        .sum();
+    let peak = |policy| {
+        let opts = StoreOptions {
+            policy,
+            prefetch: false,
+            ..StoreOptions::default()
+        };
+        let (model, stats) = compressed_model(&packed, opts);
+        greedy(model, &[3, 4, 5], 3);
+        stats.get().decoded_bytes_peak
+    };
+    let (per_pass, every_use) = (peak(CachePolicy::PerPass), peak(CachePolicy::EveryUse));
+    assert!(
+        per_pass >= 4 * layer_bytes,
+        "{per_pass} < 4 x {layer_bytes}"
+    );
+    assert!(
+        every_use < 2 * layer_bytes + 256,
+        "{every_use} vs {layer_bytes}"
+    );
+}
+
+#[test]
+fn a_corrupt_layer_is_an_error_naming_tensor_and_chunk() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, packed) = pack_tiny(dir.path(), GgmlType::Q8_0);
+    let pack = PackFile::open(&packed, false).unwrap();
+    let t = pack.tensor("blk.2.ffn_up.weight").unwrap().clone();
+    let data_start = pack.file_len() - pack.tensors().iter().map(|t| t.stored_len()).sum::<u64>();
+    let mut bytes = std::fs::read(&packed).unwrap();
+    bytes[(data_start + t.chunks[1].offset) as usize] ^= 1;
+    std::fs::write(&packed, bytes).unwrap();
+    let (model, _) = compressed_model(
+        &packed,
+        StoreOptions {
+            prefetch: true,
+            ..StoreOptions::default()
+        },
+    );
+    let mut s = Session::new(model, 64).unwrap();
+    let err = s.feed_greedy(&[1, 2]).unwrap_err();
+    let msg = format!("{err:#}");
+    let chain = {
+        let mut all = msg.clone();
+        let mut e: &dyn std::error::Error = &err;
+        while let Some(src) = e.source() {
+            all.push_str(&format!(": {src}"));
+            e = src;
+        }
+        all
+    };
+    assert!(chain.contains("blk.2.ffn_up.weight, chunk 1"), "{chain}");
+}
+
+/// The default model packed: the same greedy ids as the plain file on the CPU.
+#[test]
+fn packed_default_model_gives_the_plain_files_greedy_ids() {
+    let path = ballast_runtime::model_cache::default_model_path().unwrap();
+    if !path.is_file() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "the default model is missing under CI"
+        );
+        eprintln!("skipped: the default model is not at {}", path.display());
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = GgufFile::open(&path, true).unwrap();
+    let packed = dir.path().join("smollm2.pack");
+    let reports = write_pack(&gguf, &packed, &PackOptions::default(), &mut |_| {}).unwrap();
+    let stored: u64 = reports.iter().map(|r| r.stored_len()).sum();
+    let raw: u64 = reports.iter().map(|r| r.raw_len).sum();
+    assert!(stored < raw, "{stored} stored for {raw}");
+    let plain = Model::load(Arc::new(gguf), Arc::new(CpuBackend::new(2)), true).unwrap();
+    let prompt = [1u32, 9690, 314, 253, 1789, 30, 2];
+    let want = greedy(plain, &prompt, 12);
+    let (model, stats) = compressed_model(&packed, StoreOptions::default());
+    assert_eq!(greedy(model, &prompt, 12), want);
+    let s = stats.get();
+    assert_eq!(s.requests, 30 * 12);
+    // And the whole file decoded back is the plain file, byte for byte.
+    let pack = PackFile::open(&packed, true).unwrap();
+    let plain = GgufFile::open(&path, true).unwrap();
+    assert!(pack.to_gguf(2).unwrap().as_bytes() == plain.as_bytes());
+}
