@@ -111,9 +111,18 @@ fn load(args: &ServeArgs) -> Result<Engine> {
         .file
         .get_str_opt("tokenizer.chat_template")?
         .map(str::to_string);
+    let path = common::resolve_model(args.model.model.as_deref())?;
     let mut sessions = Vec::with_capacity(parallel);
     for _ in 0..parallel {
-        let model = loaded.model.share();
+        // Each slot's handle gets its own MLP: the sparse one too, with --sparsity
+        // (`Model::share` alone would give it the dense one).
+        let (model, _) = common::apply_sparsity(
+            args.model.sparsity,
+            args.model.sparsity_profile.as_deref(),
+            &path,
+            &loaded.file,
+            loaded.model.share(),
+        )?;
         let (cache, policy) = args.kv.build(&model, args.ctx)?;
         let mut session = Session::with_cache(model, cache, policy);
         session.set_batch(args.batch);
