@@ -38,7 +38,9 @@ pub struct ModelArgs {
     /// smallest (CATS thresholds per layer; approximate: see `ballast perplexity`).
     /// `--sparsity` alone means 0.15, the most that kept SmolLM2's perplexity on GPL-3
     /// within 3% of dense (+1.2%; 0.2 gave +3.1%). Needs the model's sparsity profile,
-    /// which `ballast sparsify` makes.
+    /// which `ballast sparsify` makes. Today it reads fewer MLP bytes (the up rows of
+    /// skipped neurons) but decodes slower than dense when the weights are resident:
+    /// it computes gate and up apart, on the host side of the pass.
     #[arg(long, num_args = 0..=1, default_missing_value = "0.15")]
     pub sparsity: Option<f32>,
     /// The sparsity profile for --sparsity. Default: MODEL.sparsity beside the model.
