@@ -582,20 +582,11 @@ impl KvCache for DenseKv {
                 }
             })
             .collect();
-        out.write_all(&kv_payload::encode(self.element(), self.shape, &layers))
-            .map_err(|source| Error::Io {
-                what: "writing a KV cache".into(),
-                source,
-            })
+        kv_payload::write(out, self.element(), self.shape, &layers)
     }
 
     fn load(&mut self, input: &mut dyn Read) -> Result<()> {
-        let mut buf = Vec::new();
-        input.read_to_end(&mut buf).map_err(|source| Error::Io {
-            what: "reading a KV cache".into(),
-            source,
-        })?;
-        let layers = kv_payload::decode(&buf, self.element(), self.shape, self.capacity)?;
+        let layers = kv_payload::read(input, self.element(), self.shape, self.capacity)?;
         let row = self.dtype.bytes() * self.shape.kv_dim();
         let mut loaded = DenseKv::with_dtype(self.shape, self.capacity, self.dtype);
         for (l, layer) in layers.into_iter().enumerate() {

@@ -127,6 +127,36 @@ pub fn decode(
     Ok(layers)
 }
 
+/// [`encode`]s `layers` and writes them to `out`: what [`crate::KvCache::save`] does.
+pub fn write(
+    out: &mut dyn std::io::Write,
+    element: KvElement,
+    shape: KvShape,
+    layers: &[LayerRows],
+) -> Result<()> {
+    out.write_all(&encode(element, shape, layers))
+        .map_err(|source| Error::Io {
+            what: "writing a KV cache".into(),
+            source,
+        })
+}
+
+/// Reads all of `input` and [`decode`]s it: what [`crate::KvCache::load`] does before
+/// it touches the cache, so a bad payload leaves the cache as it was.
+pub fn read(
+    input: &mut dyn std::io::Read,
+    element: KvElement,
+    shape: KvShape,
+    capacity: usize,
+) -> Result<Vec<LayerRows>> {
+    let mut buf = Vec::new();
+    input.read_to_end(&mut buf).map_err(|source| Error::Io {
+        what: "reading a KV cache".into(),
+        source,
+    })?;
+    decode(&buf, element, shape, capacity)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -627,23 +627,14 @@ fn save_layout<L: Layout>(cache: &L, out: &mut dyn Write) -> Result<()> {
         })
         .collect();
     let element = core.precision.element();
-    out.write_all(&kv_payload::encode(element, core.shape, &layers))
-        .map_err(|source| Error::Io {
-            what: "writing a KV cache".into(),
-            source,
-        })
+    kv_payload::write(out, element, core.shape, &layers)
 }
 
 fn load_layout<L: Layout>(cache: &mut L, input: &mut dyn Read) -> Result<()> {
-    let mut buf = Vec::new();
-    input.read_to_end(&mut buf).map_err(|source| Error::Io {
-        what: "reading a KV cache".into(),
-        source,
-    })?;
     let core = cache.core();
     let (shape, capacity) = (core.shape, core.capacity);
     let element = core.precision.element();
-    let layers = kv_payload::decode(&buf, element, shape, capacity)?;
+    let layers = kv_payload::read(input, element, shape, capacity)?;
     let row = element.row_bytes(shape.kv_dim());
     let mut loaded = cache.empty();
     let zeros = vec![0f32; shape.kv_dim()];

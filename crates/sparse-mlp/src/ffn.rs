@@ -81,6 +81,7 @@ pub struct SparseFfn {
     up: Vec<f32>,
     hidden: Vec<f32>,
     keep: Vec<bool>,
+    token_keep: Vec<bool>,
     ranges: Vec<Range<usize>>,
 }
 
@@ -101,6 +102,7 @@ impl SparseFfn {
             up: Vec::new(),
             hidden: Vec::new(),
             keep: Vec::new(),
+            token_keep: Vec::new(),
             ranges: Vec::new(),
         }
     }
@@ -160,16 +162,17 @@ impl FeedForward for SparseFfn {
             h[layer].add(self.gate.iter().map(|&g| silu(g)));
             *c.n_ff.lock().unwrap_or_else(|p| p.into_inner()) = n_ff;
         }
-        // A neuron's up row is computed if any token keeps it.
+        // Which (token, neuron) pairs are kept, decided once; a neuron's up row is
+        // computed if any token keeps it.
+        self.token_keep.clear();
+        self.token_keep
+            .extend(self.gate.iter().map(|&g| silu(g).abs() > threshold));
+        let active = self.token_keep.iter().filter(|&&k| k).count() as u64;
         self.keep.clear();
         self.keep.resize(n_ff, false);
-        let mut active = 0u64;
-        for row in self.gate.chunks_exact(n_ff) {
-            for (k, &g) in self.keep.iter_mut().zip(row) {
-                if silu(g).abs() > threshold {
-                    *k = true;
-                    active += 1;
-                }
+        for row in self.token_keep.chunks_exact(n_ff) {
+            for (k, &t) in self.keep.iter_mut().zip(row) {
+                *k |= t;
             }
         }
         self.ranges.clear();
@@ -203,13 +206,13 @@ impl FeedForward for SparseFfn {
         // Each token keeps only its own active neurons.
         let mut idle_blocks = 0u64;
         let block = down_w.ty.block_len().max(1);
-        for (h, g) in self
+        for (h, kept) in self
             .hidden
             .chunks_exact_mut(n_ff)
-            .zip(self.gate.chunks_exact(n_ff))
+            .zip(self.token_keep.chunks_exact(n_ff))
         {
-            for (hv, &gv) in h.iter_mut().zip(g) {
-                if silu(gv).abs() <= threshold {
+            for (hv, &k) in h.iter_mut().zip(kept) {
+                if !k {
                     *hv = 0.0;
                 }
             }

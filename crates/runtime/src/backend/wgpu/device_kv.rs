@@ -546,20 +546,11 @@ impl KvCache for DeviceKv {
                 rows,
             });
         }
-        out.write_all(&kv_payload::encode(self.element, self.shape, &layers))
-            .map_err(|source| Error::Io {
-                what: "writing a KV cache".into(),
-                source,
-            })
+        kv_payload::write(out, self.element, self.shape, &layers)
     }
 
     fn load(&mut self, input: &mut dyn Read) -> Result<()> {
-        let mut buf = Vec::new();
-        input.read_to_end(&mut buf).map_err(|source| Error::Io {
-            what: "reading a KV cache".into(),
-            source,
-        })?;
-        let layers = kv_payload::decode(&buf, self.element, self.shape, self.capacity)?;
+        let layers = kv_payload::read(input, self.element, self.shape, self.capacity)?;
         self.release(0..usize::MAX);
         for (layer, rows) in layers.iter().enumerate() {
             self.upload_stored(layer, rows)?;
