@@ -17,14 +17,16 @@ fn thread_cpu_ns() -> Option<u64> {
     s.split_whitespace().next()?.parse().ok()
 }
 
-/// Runs `f` `iters` times and returns the thread CPU time it took (wall time as fallback).
+/// Runs `f` `iters` times and returns the thread CPU time it took (wall time as fallback,
+/// also when the CPU time did not advance: the kernel updates it at ticks and context
+/// switches, so a short run can read as taking no time at all).
 fn cpu_time(iters: u64, mut f: impl FnMut()) -> Duration {
     let (c0, t0) = (thread_cpu_ns(), Instant::now());
     for _ in 0..iters {
         f();
     }
     match (c0, thread_cpu_ns()) {
-        (Some(a), Some(b)) => Duration::from_nanos(b - a),
+        (Some(a), Some(b)) if b > a => Duration::from_nanos(b - a),
         _ => t0.elapsed(),
     }
 }

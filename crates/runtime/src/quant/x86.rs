@@ -804,6 +804,11 @@ unsafe fn q41_like_avx512<const RR: usize, const NT: usize, const FIVE: bool>(
 /// Q8_0 / Q4_0 / Q5_0 (`KIND` 0, 1, 2) x Q8_0 in llama.cpp's summation order
 /// (`ggml_vec_dot_q8_0_q8_0`, AVX2 path): eight f32 lanes per row and token, one FMA per
 /// block, ggml's horizontal sum. One 512-bit vector carries two rows.
+///
+/// `vpdpbusd` multiplies unsigned by signed bytes, so the weights go in unsigned with an
+/// offset (`x + 128` for Q8_0, the stored 4- or 5-bit quants for Q4_0 / Q5_0) and
+/// `offset * (sum of the activations)` per group of four, computed once per token and
+/// block for all rows, starts the accumulation negated: exactly `x . y`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn q8_0_like_avx512<const RR: usize, const NT: usize, const KIND: u8>(
     w: Rows<RR>,
@@ -812,16 +817,22 @@ unsafe fn q8_0_like_avx512<const RR: usize, const NT: usize, const KIND: u8>(
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
     let bb = [34, 18, 22][KIND as usize];
+    let offset = _mm512_set1_epi8([-128i8, 8, 16][KIND as usize]);
     let np = RR.div_ceil(2);
     let idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    let bias = _mm512_set1_epi8(-128);
-    let eight = _mm512_set1_epi8(8);
-    let sixteen = _mm512_set1_epi8(16);
     let zero = _mm512_setzero_si512();
     let mut acc = [[_mm512_setzero_ps(); NT]; RR];
     for b in 0..nb {
         // SAFETY: block b of each row and of each activation row is in bounds.
         unsafe {
+            let mut y = [zero; NT];
+            let mut neg_corr = [zero; NT];
+            let mut sy = [_mm512_setzero_ps(); NT];
+            for t in 0..NT {
+                y[t] = broadcast32(a[t].add(b * 34 + 2));
+                neg_corr[t] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, y[t]));
+                sy[t] = _mm512_set1_ps(*s[t].add(b));
+            }
             for (p, acc) in acc.iter_mut().enumerate().take(np) {
                 let (r0, r1) = pair_rows::<RR>(p);
                 let (wa, wb) = (w[r0].add(b * bb), w[r1].add(b * bb));
@@ -830,26 +841,26 @@ unsafe fn q8_0_like_avx512<const RR: usize, const NT: usize, const KIND: u8>(
                 let h = (wa as *const u16).read_unaligned() as i32
                     | (((wb as *const u16).read_unaligned() as i32) << 16);
                 let d = halves(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), idx);
+                // The weights plus the offset, as unsigned bytes.
                 let x = match KIND {
-                    1 => _mm512_sub_epi8(nibbles_pair(wa.add(2), wb.add(2)), eight),
+                    1 => nibbles_pair(wa.add(2), wb.add(2)),
                     2 => {
                         let qa = (wa.add(2) as *const u32).read_unaligned();
                         let qb = (wb.add(2) as *const u32).read_unaligned();
                         let q = nibbles_pair(wa.add(6), wb.add(6));
-                        _mm512_sub_epi8(_mm512_or_si512(q, high_bits_pair(qa, qb)), sixteen)
+                        _mm512_or_si512(q, high_bits_pair(qa, qb))
                     }
-                    _ => _mm512_inserti64x4::<1>(
-                        _mm512_castsi256_si512(_mm256_loadu_si256(wa.add(2) as *const __m256i)),
-                        _mm256_loadu_si256(wb.add(2) as *const __m256i),
+                    _ => _mm512_xor_si512(
+                        _mm512_inserti64x4::<1>(
+                            _mm512_castsi256_si512(_mm256_loadu_si256(wa.add(2) as *const __m256i)),
+                            _mm256_loadu_si256(wb.add(2) as *const __m256i),
+                        ),
+                        offset,
                     ),
                 };
-                // (y + 128) . x - 128 * sum(x) = y . x, exactly, per group of four.
-                let neg_corr = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, x));
                 for t in 0..NT {
-                    let y = _mm512_xor_si512(broadcast32(a[t].add(b * 34 + 2)), bias);
-                    let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg_corr, y, x));
-                    let dd = _mm512_mul_ps(d, _mm512_set1_ps(*s[t].add(b)));
-                    acc[t] = _mm512_fmadd_ps(dd, xy, acc[t]);
+                    let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg_corr[t], x, y[t]));
+                    acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, sy[t]), xy, acc[t]);
                 }
             }
         }
