@@ -15,6 +15,14 @@ use std::time::{Duration, Instant};
 /// samples and detokenizes, which takes well under this.
 const SPIN_BEFORE_PARK: Duration = Duration::from_millis(2);
 
+/// Spins after which a waiting thread yields its core on each further turn. A region's
+/// threads finish within a few microseconds of each other when each has a core; when
+/// the machine is oversubscribed (other processes, more threads than cores), the thread
+/// waited for may be descheduled, and pure spinning would burn the waiter's whole time
+/// slice before the other gets the core back: decode at 2 threads fell below a tenth
+/// of its speed that way on a loaded 2-core machine.
+const SPINS_BEFORE_YIELD: u32 = 4096;
+
 type Job = dyn Fn(usize, usize) + Sync;
 
 struct Shared {
@@ -109,8 +117,14 @@ impl ThreadPool {
             self.shared.wake.notify_all();
         }
         let mine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(0, n)));
+        let mut spins = 0u32;
         while self.shared.finished.load(Ordering::Acquire) < n - 1 {
-            std::hint::spin_loop();
+            spins = spins.saturating_add(1);
+            if spins > SPINS_BEFORE_YIELD {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
         *self.shared.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
         if let Err(payload) = mine {
@@ -146,7 +160,11 @@ fn worker_loop(shared: &Shared, index: usize) {
                 }
                 spin_start = Instant::now();
             }
-            std::hint::spin_loop();
+            if spins > SPINS_BEFORE_YIELD {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
         let job = *shared.job.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(JobPtr(ptr)) = job {
