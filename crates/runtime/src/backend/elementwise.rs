@@ -180,8 +180,8 @@ mod tests {
         assert_eq!(expf_ggml(200.0), f32::INFINITY);
     }
 
-    /// GELU against its erf form's neighbourhood and ggml's clamps; GeGLU through the
-    /// f16 table is within f16 rounding of the f32 formula.
+    /// GELU at known points; GeGLU through the f16 table is within f16 rounding of the
+    /// f32 formula, and follows ggml's clamps.
     #[test]
     fn geglu_follows_gelu() {
         assert_eq!(gelu_tanh(0.0), 0.0);
@@ -199,10 +199,10 @@ mod tests {
             } else {
                 gelu_tanh(g) * u
             };
-            assert!(
-                (o - want).abs() <= 2e-3 * want.abs().max(1e-2),
-                "{g}: {o} vs {want}"
-            );
+            // The gate rounded to f16 moves it by up to |g| 2^-11 (GELU's slope is below
+            // 1.13), and the GELU rounded to f16 by |gelu| 2^-11.
+            let tol = (1.13 * g.abs() + gelu_tanh(g).abs()) * u.abs() / 2048.0 + 1e-7;
+            assert!((o - want).abs() <= tol, "{g}: {o} vs {want}");
         }
     }
 
