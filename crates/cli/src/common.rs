@@ -18,8 +18,9 @@ use clap::Args;
 /// Flags that choose and load a model.
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
-    /// GGUF model file, or a pack made by `ballast pack`. Default: the default model,
-    /// fetched on first use.
+    /// GGUF model file, a pack made by `ballast pack`, or the name of a model
+    /// `ballast fetch-model --list` shows (fetched on first use). Default: the default
+    /// model (smollm2-135m), fetched on first use.
     #[arg(short = 'm', long)]
     pub model: Option<PathBuf>,
     /// Threads to compute with. Default: every core.
@@ -149,23 +150,42 @@ impl SamplingArgs {
     }
 }
 
-/// The model file to use: the one named, or the default one (fetched if needed, with a
-/// spinner on stderr).
+/// The model file to use: the file named, a known model's name (fetched into the cache
+/// if needed), or the default model (likewise), with a spinner on stderr while fetching.
 pub fn resolve_model(named: Option<&Path>) -> Result<PathBuf> {
-    if let Some(p) = named {
-        anyhow::ensure!(p.is_file(), "model file {} does not exist", p.display());
-        return Ok(p.to_path_buf());
-    }
-    let cached = model_cache::default_model_path()?;
+    let known = match named {
+        None => &model_cache::DEFAULT_MODEL,
+        Some(p) if p.is_file() => return Ok(p.to_path_buf()),
+        Some(p) => match p.to_str().and_then(model_cache::known_model) {
+            Some(known) => known,
+            None => anyhow::bail!(
+                "model file {} does not exist (nor is it a model `ballast fetch-model` knows: {})",
+                p.display(),
+                known_model_names()
+            ),
+        },
+    };
+    fetch_known(known)
+}
+
+/// The names `fetch-model` and `-m` accept, comma-separated.
+pub fn known_model_names() -> String {
+    let names: Vec<&str> = model_cache::KNOWN_MODELS.iter().map(|m| m.name).collect();
+    names.join(", ")
+}
+
+/// The cached path of a known model, fetched first (with a spinner) if needed.
+pub fn fetch_known(known: &model_cache::KnownModel) -> Result<PathBuf> {
+    let cached = model_cache::model_path(known)?;
     if cached.is_file() {
         return Ok(cached);
     }
     let bar = indicatif::ProgressBar::new_spinner();
     bar.enable_steady_tick(Duration::from_millis(120));
-    let path = model_cache::ensure_default_model(|line| bar.set_message(line.to_string()));
+    let path = model_cache::ensure_model(known, |line| bar.set_message(line.to_string()));
     bar.finish_and_clear();
-    let path = path.context("fetching the default model")?;
-    eprintln!("default model cached at {}", path.display());
+    let path = path.with_context(|| format!("fetching the model {}", known.name))?;
+    eprintln!("{} cached at {}", known.name, path.display());
     Ok(path)
 }
 

@@ -40,8 +40,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Perplexity of a text file, computed the way llama-perplexity does.
     Perplexity(perplexity::PerplexityArgs),
-    /// Fetch the default model into the model cache and print its path.
-    FetchModel,
+    /// Fetch a model (default: the default model) into the model cache and print its
+    /// path; `--list` shows the models it knows.
+    FetchModel(FetchModelArgs),
     /// Where each layer would live (device, RAM, disk) and the speed to expect, for a
     /// model and this machine, or for a machine and a model shape given by flags.
     Plan(plan::PlanArgs),
@@ -51,6 +52,39 @@ enum Command {
     /// Serve the model over an OpenAI-compatible HTTP API (chat and text completions,
     /// streaming, metrics).
     Serve(serve::ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct FetchModelArgs {
+    /// The model's name (see --list). Default: the default model.
+    name: Option<String>,
+    /// List the models this command knows, with their sizes, and whether each is cached.
+    #[arg(long)]
+    list: bool,
+}
+
+fn fetch_model(args: FetchModelArgs) -> anyhow::Result<()> {
+    use ballast_runtime::model_cache;
+    if args.list {
+        for m in model_cache::KNOWN_MODELS {
+            let cached = model_cache::model_path(m).is_ok_and(|p| p.is_file());
+            let mark = if cached { "cached" } else { "" };
+            println!("{:<20} {:<7} {}", m.name, mark, m.description);
+        }
+        return Ok(());
+    }
+    let known = match args.name.as_deref() {
+        None => &model_cache::DEFAULT_MODEL,
+        Some(name) => model_cache::known_model(name).ok_or_else(|| {
+            anyhow::anyhow!(
+                "unknown model '{name}' (known: {})",
+                common::known_model_names()
+            )
+        })?,
+    };
+    let path = common::fetch_known(known)?;
+    println!("{}", path.display());
+    Ok(())
 }
 
 fn main() {
@@ -65,7 +99,7 @@ fn main() {
         Command::Plan(a) => plan::run(a),
         Command::Sparsify(a) => sparsify::run(a),
         Command::Serve(a) => serve::run(a),
-        Command::FetchModel => common::resolve_model(None).map(|p| println!("{}", p.display())),
+        Command::FetchModel(a) => fetch_model(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

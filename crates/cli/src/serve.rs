@@ -134,7 +134,16 @@ fn load(args: &ServeArgs) -> Result<Engine> {
         args.ctx,
         loaded.model.backend().name()
     );
+    // The handle every step's pass runs on, with the MLP the slots have.
+    let (model, _) = common::apply_sparsity(
+        args.model.sparsity,
+        args.model.sparsity_profile.as_deref(),
+        &path,
+        &loaded.file,
+        loaded.model.share(),
+    )?;
     Ok(Engine {
+        model,
         sessions,
         tokenizer: loaded.tokenizer,
         chat_template,

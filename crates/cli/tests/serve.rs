@@ -502,6 +502,10 @@ fn four_concurrent_clients_get_their_own_answers() {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(together, alone);
+    // Alone, each pass served one sequence; together, some served several.
+    let steps = s.metric("ballast_steps_total");
+    let served = s.metric("ballast_step_sequences_total");
+    assert!(served > steps, "{served} sequences in {steps} passes");
     assert!(s.metric("ballast_requests_total") >= 8.0);
     assert_eq!(s.metric("ballast_request_errors_total"), 0.0);
 }

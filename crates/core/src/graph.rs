@@ -281,6 +281,16 @@ pub enum Op {
         /// Its output.
         out: TensorId,
     },
+    /// Copies the rows `rows` of `x`, in that order, into `out` (a batched pass's last
+    /// row of each sequence, for the head).
+    Gather {
+        /// Source.
+        x: TensorId,
+        /// The rows copied, one per row of `out`.
+        rows: Vec<usize>,
+        /// Destination.
+        out: TensorId,
+    },
     /// Copies rows `first..first + out.rows` of `x` into `out`.
     Rows {
         /// Source.
@@ -462,6 +472,7 @@ impl std::fmt::Display for Graph {
                     format!("host sync: {} = mlp {layer}({})", t(out), t(x))
                 }
                 Op::Rows { x, first, out } => format!("{} = rows of {} from {first}", t(out), t(x)),
+                Op::Gather { x, rows, out } => format!("{} = rows {rows:?} of {}", t(out), t(x)),
             };
             writeln!(f, "{:indent$}{line}", "", indent = depth * 2)?;
         }
@@ -500,21 +511,32 @@ pub fn check_head_norm(
     Ok(())
 }
 
+/// One sequence of a pass: the next `rows` rows of the pass's tokens, with the cache
+/// they append to and attend over, and its KV policy. A pass over several sequences
+/// (continuous batching) computes every matrix product once over all their rows and
+/// attention per sequence, each over its own cache.
+pub struct PassSequence<'a> {
+    /// How many consecutive rows of the pass are this sequence's.
+    pub rows: usize,
+    /// Its cache.
+    pub kv: &'a mut dyn KvCache,
+    /// Its KV policy, for [`Op::KvPolicy`].
+    pub policy: Option<&'a mut dyn KvPolicy>,
+}
+
 /// What the host executor needs besides the graph: the pass's tokens, the weights, the
-/// cache and the levers that act on the host.
-pub struct HostPass<'a, 's> {
-    /// Token ids.
+/// sequences with their caches, and the MLP lever.
+pub struct HostPass<'a, 's, 'q> {
+    /// Token ids, every sequence's in turn.
     pub ids: &'a [u32],
-    /// Their positions.
+    /// Their positions (each sequence's own).
     pub positions: &'a [u32],
     /// Embedding table, final norm, head.
     pub globals: &'a GlobalWeights,
     /// Layers, one at a time.
     pub layers: &'a mut LayerSource<'s>,
-    /// The cache the pass appends to and attends over.
-    pub kv: &'a mut dyn KvCache,
-    /// The KV policy, for [`Op::KvPolicy`].
-    pub policy: Option<&'a mut dyn KvPolicy>,
+    /// The sequences, whose rows add up to the pass's tokens.
+    pub sequences: Vec<PassSequence<'q>>,
     /// The MLP lever, for [`Op::FfnPrepare`] and [`Op::FeedForward`].
     pub ffn: &'a mut dyn FeedForward,
 }
@@ -525,7 +547,7 @@ pub struct HostPass<'a, 's> {
 pub fn run_on_host(
     graph: &Graph,
     backend: &dyn Backend,
-    pass: HostPass<'_, '_>,
+    pass: HostPass<'_, '_, '_>,
     buffers: &mut Vec<Vec<f32>>,
 ) -> Result<()> {
     let HostPass {
@@ -533,11 +555,22 @@ pub fn run_on_host(
         positions,
         globals,
         layers,
-        kv,
-        mut policy,
+        mut sequences,
         ffn,
     } = pass;
     let n = graph.n_tokens();
+    let total: usize = sequences.iter().map(|s| s.rows).sum();
+    if total != n || ids.len() != n || positions.len() != n {
+        return Err(Error::ShapeMismatch {
+            what: "tokens, positions and sequence rows of a pass".into(),
+            expected: n,
+            got: if total != n {
+                total
+            } else {
+                ids.len().min(positions.len())
+            },
+        });
+    }
     buffers.resize_with(graph.tensors().len(), Vec::new);
     for (buf, desc) in buffers.iter_mut().zip(graph.tensors()) {
         buf.resize(desc.len(), 0.0);
@@ -610,11 +643,25 @@ pub fn run_on_host(
                 rope,
             } => backend.rope(&mut buffers[x.0], positions, *n_heads, *head_dim, rope)?,
             Op::KvWrite { layer: l, k, v } => {
-                kv.append(*l, positions, &buffers[k.0], &buffers[v.0])?
+                let kw = graph.desc(*k).width;
+                let vw = graph.desc(*v).width;
+                let mut first = 0;
+                for seq in sequences.iter_mut() {
+                    let rows = first..first + seq.rows;
+                    seq.kv.append(
+                        *l,
+                        &positions[rows.clone()],
+                        &buffers[k.0][rows.start * kw..rows.end * kw],
+                        &buffers[v.0][rows.start * vw..rows.end * vw],
+                    )?;
+                    first = rows.end;
+                }
             }
             Op::KvPolicy { layer: l } => {
-                if let Some(p) = policy.as_deref_mut() {
-                    p.before_attention(*l, kv)?;
+                for seq in sequences.iter_mut() {
+                    if let Some(p) = seq.policy.as_deref_mut() {
+                        p.before_attention(*l, &mut *seq.kv)?;
+                    }
                 }
             }
             Op::Attention {
@@ -623,8 +670,25 @@ pub fn run_on_host(
                 shape,
                 out,
             } => {
+                let width = graph.desc(*q).width;
                 let mut o = std::mem::take(&mut buffers[out.0]);
-                let r = backend.attention(&buffers[q.0], positions, &kv.view(*l), shape, &mut o);
+                let mut first = 0;
+                let mut r = Ok(());
+                for seq in sequences.iter() {
+                    let rows = first..first + seq.rows;
+                    let span = rows.start * width..rows.end * width;
+                    r = backend.attention(
+                        &buffers[q.0][span.clone()],
+                        &positions[rows.clone()],
+                        &seq.kv.view(*l),
+                        shape,
+                        &mut o[span],
+                    );
+                    if r.is_err() {
+                        break;
+                    }
+                    first = rows.end;
+                }
                 buffers[out.0] = o;
                 r?;
             }
@@ -654,6 +718,26 @@ pub fn run_on_host(
                 })?;
                 let mut o = std::mem::take(&mut buffers[out.0]);
                 let r = ffn.forward(backend, w, &buffers[x.0], n, &mut o);
+                buffers[out.0] = o;
+                r?;
+            }
+            Op::Gather { x, rows, out } => {
+                let width = graph.desc(*x).width;
+                let mut o = std::mem::take(&mut buffers[out.0]);
+                let mut r = Ok(());
+                for (dst, &row) in o.chunks_exact_mut(width).zip(rows) {
+                    match buffers[x.0].get(row * width..(row + 1) * width) {
+                        Some(src) => dst.copy_from_slice(src),
+                        None => {
+                            r = Err(Error::ShapeMismatch {
+                                what: format!("row {row} of {}", graph.desc(*x).name),
+                                expected: (row + 1) * width,
+                                got: graph.desc(*x).len(),
+                            });
+                            break;
+                        }
+                    }
+                }
                 buffers[out.0] = o;
                 r?;
             }

@@ -1,4 +1,5 @@
-//! Single-thread throughput of the quantized matmul kernels on SmolLM2-135M's shapes.
+//! Single-thread throughput of the quantized matmul kernels on SmolLM2-135M's and
+//! Qwen2.5-Coder-0.5B's shapes.
 //!
 //! n_tokens = 1 reports weight bytes per second (matvec, decode); n_tokens = 128 reports
 //! tokens per second through one matrix (prompt processing). Every supported SIMD level is
@@ -16,14 +17,16 @@ fn thread_cpu_ns() -> Option<u64> {
     s.split_whitespace().next()?.parse().ok()
 }
 
-/// Runs `f` `iters` times and returns the thread CPU time it took (wall time as fallback).
+/// Runs `f` `iters` times and returns the thread CPU time it took (wall time as fallback,
+/// also when the CPU time did not advance: the kernel updates it at ticks and context
+/// switches, so a short run can read as taking no time at all).
 fn cpu_time(iters: u64, mut f: impl FnMut()) -> Duration {
     let (c0, t0) = (thread_cpu_ns(), Instant::now());
     for _ in 0..iters {
         f();
     }
     match (c0, thread_cpu_ns()) {
-        (Some(a), Some(b)) => Duration::from_nanos(b - a),
+        (Some(a), Some(b)) if b > a => Duration::from_nanos(b - a),
         _ => t0.elapsed(),
     }
 }
@@ -36,6 +39,41 @@ const SHAPES: [(&str, usize, usize); 5] = [
     ("down", 576, 1536),
     ("head", 49152, 576),
 ];
+
+/// (name, rows, k) of Qwen2.5-Coder-0.5B's matrices: Q5_0 (and Q8_0) where k = 896, the
+/// K-quants only in `ffn_down` (k = 4864; 896 is not a multiple of 256).
+const QWEN_SHAPES: [(&str, usize, usize); 3] = [
+    ("qwen_q_o", 896, 896),
+    ("qwen_gate_up", 4864, 896),
+    ("qwen_down", 896, 4864),
+];
+
+/// Every (type, shape) measured: SmolLM2's Q4_1 / Q8_0 (the head only in Q8_0), and the
+/// other types on the Qwen shapes their rows fit.
+fn cases() -> Vec<(GgmlType, &'static str, usize, usize)> {
+    let mut out = Vec::new();
+    for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        for &(name, rows, k) in SHAPES.iter() {
+            if name != "head" || ty == GgmlType::Q8_0 {
+                out.push((ty, name, rows, k));
+            }
+        }
+    }
+    for ty in [
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+    ] {
+        for &(name, rows, k) in QWEN_SHAPES.iter() {
+            if k % ty.block_len() == 0 && (ty.block_len() == 256 || name != "qwen_down") {
+                out.push((ty, name, rows, k));
+            }
+        }
+    }
+    out
+}
 
 fn data(n: usize, seed: u32) -> Vec<f32> {
     (0..n)
@@ -50,34 +88,29 @@ fn bench(c: &mut Criterion) {
     g.warm_up_time(Duration::from_millis(200))
         .measurement_time(Duration::from_millis(600))
         .sample_size(10);
-    for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
-        for &(name, rows, k) in SHAPES.iter() {
-            if name == "head" && ty != GgmlType::Q8_0 {
-                continue;
+    for (ty, name, rows, k) in cases() {
+        let w = quant::quantize(ty, &data(rows * k, 1)).unwrap();
+        for n in [1usize, 128] {
+            let mut acts = QuantizedActivations::new();
+            quant::quantize_activations(ty, &data(n * k, 7), n, k, &mut acts).unwrap();
+            let mut out = vec![0f32; rows * n];
+            if n == 1 {
+                g.throughput(Throughput::Bytes(w.len() as u64));
+            } else {
+                g.throughput(Throughput::Elements(n as u64));
             }
-            let w = quant::quantize(ty, &data(rows * k, 1)).unwrap();
-            for n in [1usize, 128] {
-                let mut acts = QuantizedActivations::new();
-                quant::quantize_activations(ty, &data(n * k, 7), n, k, &mut acts).unwrap();
-                let mut out = vec![0f32; rows * n];
-                if n == 1 {
-                    g.throughput(Throughput::Bytes(w.len() as u64));
-                } else {
-                    g.throughput(Throughput::Elements(n as u64));
+            for level in quant::available_simd_levels() {
+                if level == SimdLevel::Scalar && n > 1 && name == "head" {
+                    continue;
                 }
-                for level in quant::available_simd_levels() {
-                    if level == SimdLevel::Scalar && n > 1 && name == "head" {
-                        continue;
-                    }
-                    let id = BenchmarkId::new(format!("{}/{name}/n{n}", ty.name()), level.name());
-                    g.bench_function(id, |b| {
-                        b.iter_custom(|iters| {
-                            cpu_time(iters, || {
-                                quant::matmul_at(level, ty, &w, k, &acts, &mut out).unwrap()
-                            })
+                let id = BenchmarkId::new(format!("{}/{name}/n{n}", ty.name()), level.name());
+                g.bench_function(id, |b| {
+                    b.iter_custom(|iters| {
+                        cpu_time(iters, || {
+                            quant::matmul_at(level, ty, &w, k, &acts, &mut out).unwrap()
                         })
-                    });
-                }
+                    })
+                });
             }
         }
     }
@@ -117,44 +150,39 @@ fn table() {
     }
     println!();
     println!("|---|---|---|---|{}", "---|".repeat(levels.len()));
-    for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
-        for &(name, rows, k) in SHAPES.iter() {
-            if name == "head" && ty != GgmlType::Q8_0 {
-                continue;
-            }
-            let filter = std::env::var("BALLAST_BENCH_TABLE").unwrap_or_default();
-            if !format!("{}/{name}", ty.name()).contains(filter.trim_start_matches('1')) {
-                continue;
-            }
-            let w = quant::quantize(ty, &data(rows * k, 1)).unwrap();
-            for n in [1usize, 128] {
-                let mut acts = QuantizedActivations::new();
-                quant::quantize_activations(ty, &data(n * k, 7), n, k, &mut acts).unwrap();
-                let mut out = vec![0f32; rows * n];
-                let unit = if n == 1 { "GB/s" } else { "tok/s" };
-                print!("| {} | {name} {rows}x{k} | {n} | {unit} |", ty.name());
-                for &level in &levels {
-                    let mut run = || quant::matmul_at(level, ty, &w, k, &acts, &mut out).unwrap();
-                    if level == SimdLevel::Scalar && n > 1 && name == "head" {
-                        print!(" - |");
-                        continue;
-                    }
-                    let t = Instant::now();
-                    run();
-                    let once = t.elapsed().as_secs_f64().max(1e-6);
-                    let iters = ((0.02 / once) as u64).clamp(1, 10_000);
-                    let reps = if once > 0.2 { 2 } else { 7 };
-                    let best = (0..reps)
-                        .map(|_| cpu_time(iters, &mut run).as_secs_f64() / iters as f64)
-                        .fold(f64::MAX, f64::min);
-                    if n == 1 {
-                        print!(" {:.2} |", w.len() as f64 / best / 1e9);
-                    } else {
-                        print!(" {:.0} |", n as f64 / best);
-                    }
+    for (ty, name, rows, k) in cases() {
+        let filter = std::env::var("BALLAST_BENCH_TABLE").unwrap_or_default();
+        if !format!("{}/{name}", ty.name()).contains(filter.trim_start_matches('1')) {
+            continue;
+        }
+        let w = quant::quantize(ty, &data(rows * k, 1)).unwrap();
+        for n in [1usize, 128] {
+            let mut acts = QuantizedActivations::new();
+            quant::quantize_activations(ty, &data(n * k, 7), n, k, &mut acts).unwrap();
+            let mut out = vec![0f32; rows * n];
+            let unit = if n == 1 { "GB/s" } else { "tok/s" };
+            print!("| {} | {name} {rows}x{k} | {n} | {unit} |", ty.name());
+            for &level in &levels {
+                let mut run = || quant::matmul_at(level, ty, &w, k, &acts, &mut out).unwrap();
+                if level == SimdLevel::Scalar && n > 1 && name == "head" {
+                    print!(" - |");
+                    continue;
                 }
-                println!();
+                let t = Instant::now();
+                run();
+                let once = t.elapsed().as_secs_f64().max(1e-6);
+                let iters = ((0.02 / once) as u64).clamp(1, 10_000);
+                let reps = if once > 0.2 { 2 } else { 7 };
+                let best = (0..reps)
+                    .map(|_| cpu_time(iters, &mut run).as_secs_f64() / iters as f64)
+                    .fold(f64::MAX, f64::min);
+                if n == 1 {
+                    print!(" {:.2} |", w.len() as f64 / best / 1e9);
+                } else {
+                    print!(" {:.0} |", n as f64 / best);
+                }
             }
+            println!();
         }
     }
 }

@@ -92,6 +92,6 @@ pub use kv::{
 };
 pub use model::{Model, ModelConfig};
 pub use sampler::{Sampler, SamplerConfig};
-pub use session::Session;
+pub use session::{feed_batch, BatchFeed, Session};
 pub use store::{ResidentStore, TierBytes, WeightStore};
 pub use tokenizer::Tokenizer;

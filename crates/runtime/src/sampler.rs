@@ -133,7 +133,7 @@ pub fn apply_repeat_penalty(logits: &mut [f32], history: &[u32], penalty: f32, l
 }
 
 /// Index of the largest finite-or-not logit, lowest index on exact ties; 0 if empty.
-pub(crate) fn argmax(logits: &[f32]) -> u32 {
+pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0usize;
     for (i, &l) in logits.iter().enumerate() {
         if l > logits[best] || logits[best].is_nan() {

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::kv::{DenseKv, KvCache, KvPolicy};
-use crate::model::{Logits, Model};
+use crate::model::{BatchSequence, Logits, Model};
 use crate::sampler::log_softmax_at;
 
 /// Tokens per forward pass during prefill, unless the caller says otherwise.
@@ -192,6 +192,80 @@ impl Session {
         self.tokens = tokens;
         self.logits = logits;
     }
+}
+
+/// One session's share of a batched step ([`feed_batch`]).
+pub struct BatchFeed<'s> {
+    /// The session.
+    pub session: &'s mut Session,
+    /// Its tokens this step: a prompt chunk (at most its batch size) or one token.
+    pub ids: &'s [u32],
+    /// Whether the logits after them are wanted (then [`Session::logits`] has them).
+    pub logits: bool,
+}
+
+/// Feeds several sessions in one pass of `model` (continuous batching): each layer's
+/// weights are read once for all of them, and each session's cache gets its own keys
+/// and values, exactly as [`Session::feed`] of one chunk would. `model` must be a handle
+/// on the sessions' weights ([`Model::share`]); its MLP lever serves the pass.
+///
+/// A session whose chunk does not fit its cache is refused before anything runs. If
+/// the pass fails, the sessions' caches may hold part of it: rewind them.
+pub fn feed_batch(model: &mut Model, feeds: &mut [BatchFeed<'_>]) -> Result<()> {
+    for feed in feeds.iter() {
+        let session = &*feed.session;
+        if !model.shares_weights_with(&session.model) {
+            return Err(Error::InvalidArgument {
+                what: "a batched step's model must share the sessions' weights".into(),
+            });
+        }
+        if feed.ids.is_empty() {
+            return Err(Error::EmptyInput);
+        }
+        let needed = session.kv.len() + feed.ids.len();
+        if needed > session.kv.capacity() && session.policy.is_none() {
+            return Err(Error::ContextFull {
+                needed,
+                capacity: session.kv.capacity(),
+            });
+        }
+    }
+    let mut sequences = Vec::with_capacity(feeds.len());
+    for feed in feeds.iter_mut() {
+        let session = &mut *feed.session;
+        let start = session.tokens.len() as u32;
+        session.positions.clear();
+        session
+            .positions
+            .extend((0..feed.ids.len() as u32).map(|j| start + j));
+        sequences.push(BatchSequence {
+            ids: feed.ids,
+            positions: &session.positions,
+            kv: session.kv.as_mut(),
+            policy: match session.policy.as_deref_mut() {
+                Some(p) => Some(p),
+                None => None,
+            },
+            logits: feed.logits,
+        });
+    }
+    let vocab = model.config().vocab_size;
+    let logits = model.forward_batch(sequences)?;
+    let mut rows = logits.chunks_exact(vocab);
+    for feed in feeds.iter_mut() {
+        let session = &mut *feed.session;
+        if feed.logits {
+            let row = rows.next().ok_or(Error::ShapeMismatch {
+                what: "logits of a batched step".into(),
+                expected: vocab,
+                got: 0,
+            })?;
+            session.logits.clear();
+            session.logits.extend_from_slice(row);
+        }
+        session.tokens.extend_from_slice(feed.ids);
+    }
+    Ok(())
 }
 
 /// The result of [`perplexity`].

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use ballast_runtime::gguf::GgufFile;
-use ballast_runtime::graph::{run_on_host, Graph, HostPass, Op, WeightRef};
+use ballast_runtime::graph::{run_on_host, Graph, HostPass, Op, PassSequence, WeightRef};
 use ballast_runtime::kv::{KvCache, KvPolicy};
 use ballast_runtime::model::Logits;
 use ballast_runtime::testing::TinyModelSpec;
@@ -105,8 +105,11 @@ fn the_host_executor_names_what_a_graph_asks_for_and_is_not_there() {
                 positions: &[0],
                 globals: store.globals(),
                 layers: &mut layers,
-                kv: &mut kv,
-                policy: None,
+                sequences: vec![PassSequence {
+                    rows: 1,
+                    kv: &mut kv,
+                    policy: None,
+                }],
                 ffn: &mut ffn,
             },
             &mut Vec::new(),

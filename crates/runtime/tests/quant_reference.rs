@@ -322,20 +322,18 @@ proptest! {
     }
 
     /// Every SIMD level agrees with the scalar kernels. Both compute each block's integer
-    /// sum exactly; only the f32 accumulation order differs, bounded by the same
-    /// `(nb + 16) * eps_f32 * M` as above (the f16 `s` term is identical on both sides).
-    /// The 32-element formats follow llama.cpp's order on every level: there the results
-    /// are the same bits.
+    /// sum exactly. The quantized formats accumulate f32 in one order on every level (the
+    /// 32-element ones in llama.cpp's, the K-quants superblock by superblock): there the
+    /// results are the same bits. The float formats differ only in the f32 accumulation
+    /// order, bounded by the same `(nb + 16) * eps_f32 * M` as above. The cases have 1 to 5
+    /// rows and 1 to 9 tokens, so every tile shape and its tails are reached.
     #[test]
     fn simd_levels_agree_with_scalar(seed in any::<u64>()) {
         for ty in WEIGHT_TYPES {
             let c = make_case(ty, seed.rotate_left(7) ^ ty.id() as u64);
             let want = reference(&c);
             let scalar = run(&c, SimdLevel::Scalar);
-            let same_order = matches!(
-                ty,
-                GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0
-            );
+            let same_order = !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
             for level in quant::available_simd_levels() {
                 let got = run(&c, level);
                 if same_order {
@@ -614,8 +612,10 @@ fn simd_level_is_reported() {
     assert!(quant::current_simd_level().is_supported());
 }
 
-/// The default model's shapes (k = 576 and 1536, several row and token tails) through every
-/// level, against the f64 reference with the same bound as the proptests.
+/// The default model's shapes (k = 576 and 1536) and Qwen2.5-0.5B's (k = 896 and 4864),
+/// with several row and token tails, through every level: against the f64 reference with
+/// the same bound as the proptests, and bit for bit against the scalar kernels for the
+/// quantized formats.
 #[test]
 fn model_shapes_agree_across_levels() {
     let mut r = Rng(42);
@@ -623,10 +623,23 @@ fn model_shapes_agree_across_levels() {
         GgmlType::Q4_1,
         GgmlType::Q8_0,
         GgmlType::Q4_0,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
         GgmlType::Q4_K,
+        GgmlType::Q5_K,
         GgmlType::Q6_K,
     ] {
-        for (rows, k, n) in [(9, 576, 1), (7, 576, 7), (5, 1536, 1), (3, 1536, 9)] {
+        let shapes = [
+            (9, 576, 1),
+            (7, 576, 7),
+            (5, 1536, 1),
+            (3, 1536, 9),
+            (7, 896, 1),
+            (5, 896, 6),
+            (6, 4864, 1),
+            (3, 4864, 5),
+        ];
+        for (rows, k, n) in shapes {
             if k % ty.block_len() != 0 {
                 continue;
             }
@@ -643,12 +656,19 @@ fn model_shapes_agree_across_levels() {
                 acts,
             };
             let want = reference(&c);
+            let scalar = run(&c, SimdLevel::Scalar);
             for level in quant::available_simd_levels() {
                 let got = run(&c, level);
                 for (i, (g, (w, tol))) in got.iter().zip(&want).enumerate() {
                     assert!(
                         (*g as f64 - w).abs() <= *tol,
                         "{ty:?} {level:?} {rows}x{k} n={n} out[{i}]: {g} vs {w}"
+                    );
+                    assert_eq!(
+                        g.to_bits(),
+                        scalar[i].to_bits(),
+                        "{ty:?} {level:?} {rows}x{k} n={n} out[{i}]: {g} vs scalar {}",
+                        scalar[i]
                     );
                 }
             }

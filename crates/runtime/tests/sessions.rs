@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::testing::{TinyModelSpec, TINY_VOCAB};
-use ballast_runtime::{Backend, CpuBackend, Model, Session};
+use ballast_runtime::{feed_batch, Backend, BatchFeed, CpuBackend, Model, Session};
 
 const PROMPTS: [&[u32]; 2] = [&[72, 101, 108, 108, 111, 44, 32], &[3, 256, 17, 99]];
 const STEPS: usize = 12;
@@ -82,6 +82,96 @@ fn check_backend(backend: Arc<dyn Backend>) {
         }
     }
     assert_eq!(got, expected, "interleaved");
+
+    // Batched: one pass per step over both sessions, the prompts' lengths differing
+    // (a pass of 7 + 4 rows, then 1 + 1).
+    let mut batch_model = model.share();
+    let mut sessions: Vec<Session> = PROMPTS.iter().map(|_| session(model.share())).collect();
+    let mut inputs: Vec<Vec<u32>> = PROMPTS.iter().map(|p| p.to_vec()).collect();
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); PROMPTS.len()];
+    for _ in 0..STEPS {
+        let mut feeds: Vec<BatchFeed<'_>> = sessions
+            .iter_mut()
+            .zip(&inputs)
+            .map(|(session, ids)| BatchFeed {
+                session,
+                ids,
+                logits: true,
+            })
+            .collect();
+        feed_batch(&mut batch_model, &mut feeds).unwrap();
+        for (i, s) in sessions.iter().enumerate() {
+            let id = ballast_runtime::sampler::argmax(s.logits());
+            got[i].push(id);
+            inputs[i] = vec![id];
+        }
+    }
+    assert_eq!(got, expected, "batched");
+}
+
+/// A batched pass over sequences at different depths, some of them without logits,
+/// writes each cache exactly what a pass of that sequence alone writes, and gives the
+/// same logits, bit for bit.
+#[test]
+fn a_batched_pass_equals_one_pass_per_sequence() {
+    let model = tiny(Arc::new(CpuBackend::new(2)));
+    // Histories of different lengths, then a mixed step: a prompt chunk, one token, a
+    // chunk whose logits are not wanted.
+    let histories: [&[u32]; 3] = [&[5, 6, 7], &[200, 1, 2, 3, 4, 9], &[42]];
+    let step: [(&[u32], bool); 3] = [(&[8, 9, 10, 11], true), (&[12], true), (&[13, 14], false)];
+    let mut alone: Vec<Session> = histories.iter().map(|_| session(model.share())).collect();
+    let mut batched: Vec<Session> = histories.iter().map(|_| session(model.share())).collect();
+    for ((a, b), h) in alone.iter_mut().zip(batched.iter_mut()).zip(histories) {
+        a.feed(h).unwrap();
+        b.feed(h).unwrap();
+    }
+    for (a, (ids, _)) in alone.iter_mut().zip(step) {
+        a.feed(ids).unwrap();
+    }
+    let mut feeds: Vec<BatchFeed<'_>> = batched
+        .iter_mut()
+        .zip(step)
+        .map(|(session, (ids, logits))| BatchFeed {
+            session,
+            ids,
+            logits,
+        })
+        .collect();
+    feed_batch(&mut model.share(), &mut feeds).unwrap();
+    for (i, ((a, b), (_, logits))) in alone.iter().zip(&batched).zip(step).enumerate() {
+        assert_eq!(a.tokens(), b.tokens(), "sequence {i}: history");
+        assert_eq!(a.kv().len(), b.kv().len(), "sequence {i}: cached tokens");
+        for layer in 0..model.config().n_layers {
+            let (va, vb) = (a.kv().view(layer), b.kv().view(layer));
+            assert_eq!(
+                format!("{va:?}"),
+                format!("{vb:?}"),
+                "sequence {i} layer {layer}"
+            );
+        }
+        if logits {
+            assert_eq!(a.logits(), b.logits(), "sequence {i}: logits");
+        }
+    }
+
+    // A chunk that does not fit its cache is refused before anything runs.
+    let mut small = Session::new(model.share(), 8).unwrap();
+    let mut other = session(model.share());
+    let mut feeds = vec![
+        BatchFeed {
+            session: &mut other,
+            ids: &[1, 2],
+            logits: true,
+        },
+        BatchFeed {
+            session: &mut small,
+            ids: &[1; 9],
+            logits: true,
+        },
+    ];
+    let err = feed_batch(&mut model.share(), &mut feeds).unwrap_err();
+    assert!(err.to_string().contains('9'), "{err}");
+    assert_eq!(other.kv().len(), 0, "nothing ran");
 }
 
 #[test]

@@ -40,8 +40,8 @@
 //!     let chat_template = file.get_str_opt("tokenizer.chat_template")?.map(String::from);
 //!     let model = Model::load(file, Arc::new(CpuBackend::new(2)), true)?;
 //!     // Two slots: two sessions on the same weights, each with its own KV cache.
-//!     let sessions = vec![Session::new(model.share(), 2048)?, Session::new(model, 2048)?];
-//!     Ok(Engine { sessions, tokenizer, chat_template })
+//!     let sessions = vec![Session::new(model.share(), 2048)?, Session::new(model.share(), 2048)?];
+//!     Ok(Engine { model, sessions, tokenizer, chat_template })
 //! };
 //! serve(listener, config, load, std::future::pending()).await
 //! # }
@@ -58,7 +58,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 use ballast_runtime::chat::ChatTemplate;
-use ballast_runtime::{Session, Tokenizer};
+use ballast_runtime::{Model, Session, Tokenizer};
 
 /// An error of the loader, in whatever type it has.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -80,7 +80,10 @@ pub enum Error {
 /// What the loader gives: the sessions (one per slot; `Model::share` handles on the
 /// same weights, each with its own KV cache), the tokenizer, the chat template.
 pub struct Engine {
-    /// One per slot: as many sequences run at once.
+    /// The handle every step's one pass runs on, for all running sequences (a
+    /// [`Model::share`] of the sessions' weights); its MLP lever serves them all.
+    pub model: Model,
+    /// One per slot: as many sequences run at once, each with its own KV cache.
     pub sessions: Vec<Session>,
     /// The model's tokenizer.
     pub tokenizer: Tokenizer,
@@ -174,6 +177,7 @@ where
             // which it takes at its first turn.
             let _ = loader_state.ready.set(ready);
             scheduler::run(
+                engine.model,
                 engine.sessions,
                 tokenizer,
                 batch,

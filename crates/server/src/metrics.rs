@@ -24,6 +24,10 @@ pub struct Metrics {
     pub prompt_nanos: AtomicU64,
     /// Time spent on decode passes, nanoseconds.
     pub generation_nanos: AtomicU64,
+    /// Forward passes (steps) run; each serves every sequence running then.
+    pub steps: AtomicU64,
+    /// Sequences served, summed over the steps (over `steps`: the mean batch).
+    pub step_sequences: AtomicU64,
     /// Tokens the running sequences hold in their KV caches.
     pub kv_tokens: AtomicU64,
     /// Tokens all KV caches can hold.
@@ -162,6 +166,20 @@ impl Metrics {
             "gauge",
             "Generated tokens per second of decoding, since the start.",
             &[("", per_s(&self.generated_tokens, &self.generation_nanos))],
+        );
+        metric(
+            "ballast_steps_total",
+            "counter",
+            "Forward passes run; one pass serves every running sequence (continuous \
+             batching).",
+            &[("", get(&self.steps))],
+        );
+        metric(
+            "ballast_step_sequences_total",
+            "counter",
+            "Sequences served, summed over the passes: over ballast_steps_total, the mean \
+             number of sequences per pass.",
+            &[("", get(&self.step_sequences))],
         );
         metric(
             "ballast_weight_bytes",

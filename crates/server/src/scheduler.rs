@@ -1,9 +1,11 @@
-//! The scheduler: one thread that owns the sessions (one per slot, each on its own
-//! `Model::share` handle with its own KV cache) and runs the running sequences step
-//! by step. A step gives every running sequence one pass: the next chunk of its
-//! prompt, or one decoded token. Sequences take turns within a step (one pass each,
-//! not yet one pass for all); new requests join between steps, and a sequence whose
-//! client went away is dropped at its next turn.
+//! The scheduler: one thread that owns the sessions (one per slot, each with its own
+//! KV cache) and runs the running sequences step by step (continuous batching). A step
+//! is one forward pass over every running sequence ([`feed_batch`]): one decoded token
+//! of each generating sequence, plus prompt chunks of those still reading their prompt
+//! (at most `batch` prompt tokens per step in all, so a long prompt does not hold up the
+//! others' tokens). Each layer's weights are read once per step for all sequences. New
+//! requests join between steps, and a sequence whose client went away is dropped at the
+//! next step.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
@@ -12,7 +14,7 @@ use std::time::Instant;
 
 use ballast_runtime::sampler::log_softmax_at;
 use ballast_runtime::tokenizer::StreamDecoder;
-use ballast_runtime::{Sampler, Session, TierBytes, Tokenizer};
+use ballast_runtime::{feed_batch, BatchFeed, Model, Sampler, Session, TierBytes, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::{ApiError, FinishReason, Generation, TokenLogprob, TopLogprob, Usage};
@@ -157,7 +159,13 @@ pub fn context_of(session: &Session) -> Option<usize> {
 }
 
 /// Runs the scheduler on this thread until [`Shared::shutdown`].
-pub fn run(sessions: Vec<Session>, tokenizer: Arc<Tokenizer>, batch: usize, shared: Arc<Shared>) {
+pub fn run(
+    model: Model,
+    sessions: Vec<Session>,
+    tokenizer: Arc<Tokenizer>,
+    batch: usize,
+    shared: Arc<Shared>,
+) {
     let capacity: usize = sessions.iter().map(|s| s.kv().capacity()).sum();
     shared.metrics.kv_capacity.store(capacity as u64, Relaxed);
     shared.parallel.store(sessions.len(), Relaxed);
@@ -170,6 +178,7 @@ pub fn run(sessions: Vec<Session>, tokenizer: Arc<Tokenizer>, batch: usize, shar
         })
         .collect();
     let mut sched = Scheduler {
+        model,
         tokenizer,
         batch: batch.max(1),
         shared,
@@ -178,17 +187,26 @@ pub fn run(sessions: Vec<Session>, tokenizer: Arc<Tokenizer>, batch: usize, shar
         if !sched.admit(&mut slots) {
             return;
         }
-        for slot in slots.iter_mut() {
-            sched.step(slot);
-        }
+        sched.step(&mut slots);
         sched.gauges(&slots);
     }
 }
 
 struct Scheduler {
+    /// The handle the steps' passes run on.
+    model: Model,
     tokenizer: Arc<Tokenizer>,
     batch: usize,
     shared: Arc<Shared>,
+}
+
+/// What one slot feeds in a step.
+struct StepInput {
+    slot: usize,
+    ids: Vec<u32>,
+    /// The prompt is done after these tokens (or this is a generated token): sample.
+    sample: bool,
+    prompt: bool,
 }
 
 /// Tokens two sequences share at the start.
@@ -280,48 +298,90 @@ impl Scheduler {
         true
     }
 
-    /// One pass for the sequence in `slot`, if any.
-    fn step(&mut self, slot: &mut Slot) {
-        let Some(seq) = slot.seq.as_mut() else {
-            return;
-        };
-        let m = &self.shared.metrics;
-        if seq.job.events.is_closed() {
-            m.cancelled.fetch_add(1, Relaxed);
-            self.release(slot);
+    /// One pass over every running sequence: a generated token of each that has one,
+    /// and prompt chunks, at most `batch` prompt tokens in all.
+    fn step(&mut self, slots: &mut [Slot]) {
+        let shared = self.shared.clone();
+        let m = &shared.metrics;
+        let mut inputs = Vec::new();
+        let mut prompt_budget = self.batch;
+        for (i, slot) in slots.iter_mut().enumerate() {
+            let Some(seq) = slot.seq.as_mut() else {
+                continue;
+            };
+            if seq.job.events.is_closed() {
+                m.cancelled.fetch_add(1, Relaxed);
+                self.release(slot);
+                continue;
+            }
+            if let Some(id) = seq.next.take() {
+                inputs.push(StepInput {
+                    slot: i,
+                    ids: vec![id],
+                    sample: true,
+                    prompt: false,
+                });
+            } else if !seq.pending.is_empty() && prompt_budget > 0 {
+                let n = prompt_budget.min(seq.pending.len());
+                prompt_budget -= n;
+                let ids: Vec<u32> = seq.pending.drain(..n).collect();
+                inputs.push(StepInput {
+                    slot: i,
+                    ids,
+                    sample: seq.pending.is_empty(),
+                    prompt: true,
+                });
+            }
+        }
+        if inputs.is_empty() {
             return;
         }
-        let session = &mut slot.session;
-        let result = if !seq.pending.is_empty() {
-            // Prompts go in chunks, one per step, so a long prompt does not hold up
-            // the other sequences' tokens for its whole length.
-            let n = self.batch.min(seq.pending.len());
-            let chunk: Vec<u32> = seq.pending.drain(..n).collect();
-            let t = Instant::now();
-            let r = session.feed(&chunk).map(|_| ());
-            Metrics::add_time(&m.prompt_nanos, t.elapsed());
-            m.prompt_tokens.fetch_add(n as u64, Relaxed);
-            r.map(|()| seq.pending.is_empty())
-        } else if let Some(id) = seq.next.take() {
-            let t = Instant::now();
-            let r = session.feed(&[id]).map(|_| ());
-            Metrics::add_time(&m.generation_nanos, t.elapsed());
-            r.map(|()| true)
-        } else {
-            Ok(false)
+        let t = Instant::now();
+        let result = {
+            let mut wanted: Vec<Option<&mut Slot>> = slots.iter_mut().map(Some).collect();
+            let mut feeds: Vec<BatchFeed<'_>> = inputs
+                .iter()
+                .map(|input| BatchFeed {
+                    session: &mut wanted[input.slot]
+                        .take()
+                        .expect("one input per slot")
+                        .session,
+                    ids: &input.ids,
+                    logits: input.sample,
+                })
+                .collect();
+            feed_batch(&mut self.model, &mut feeds)
         };
-        match result {
-            Err(e) => {
-                let _ = seq.job.events.send(Event::Failed(e.to_string()));
+        // The pass's time, split between prompt and generation by their tokens.
+        let elapsed = t.elapsed();
+        let rows: usize = inputs.iter().map(|i| i.ids.len()).sum();
+        let prompt_rows: usize = inputs
+            .iter()
+            .filter(|i| i.prompt)
+            .map(|i| i.ids.len())
+            .sum();
+        let share = |n: usize| elapsed.mul_f64(n as f64 / rows as f64);
+        Metrics::add_time(&m.prompt_nanos, share(prompt_rows));
+        Metrics::add_time(&m.generation_nanos, share(rows - prompt_rows));
+        m.prompt_tokens.fetch_add(prompt_rows as u64, Relaxed);
+        m.steps.fetch_add(1, Relaxed);
+        m.step_sequences.fetch_add(inputs.len() as u64, Relaxed);
+        if let Err(e) = result {
+            for input in &inputs {
+                let slot = &mut slots[input.slot];
+                if let Some(seq) = slot.seq.as_ref() {
+                    let _ = seq.job.events.send(Event::Failed(e.to_string()));
+                }
                 // The pass may have written part of its keys: start the cache over.
                 slot.session.rewind(0);
                 self.release(slot);
             }
-            Ok(false) => {}
-            Ok(true) => {
-                if let Some(finish) = self.after_logits(slot) {
-                    self.finish(slot, finish);
-                }
+            return;
+        }
+        for input in inputs.iter().filter(|i| i.sample) {
+            let slot = &mut slots[input.slot];
+            if let Some(finish) = self.after_logits(slot) {
+                self.finish(slot, finish);
             }
         }
     }

@@ -19,8 +19,9 @@ fn tiny_engine() -> Engine {
     Engine {
         sessions: vec![
             Session::new(model.share(), 64).unwrap(),
-            Session::new(model, 64).unwrap(),
+            Session::new(model.share(), 64).unwrap(),
         ],
+        model,
         tokenizer,
         chat_template: None,
     }

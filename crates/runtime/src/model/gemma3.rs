@@ -15,7 +15,7 @@
 //! Gemma's `1 +` to them.
 
 use super::blocks::{self, *};
-use super::{Logits, ModelConfig, TensorSpec};
+use super::{HeadRows, ModelConfig, TensorSpec};
 use crate::ffn::FeedForward;
 use crate::graph::{Graph, Op, WeightRef};
 
@@ -46,7 +46,8 @@ pub(super) fn layer_tensors(c: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
 pub(super) fn build(
     c: &ModelConfig,
     n: usize,
-    logits: Logits,
+    head: Option<&HeadRows>,
+    greedy: bool,
     policy_between_layers: bool,
     ffn: &dyn FeedForward,
 ) -> Graph {
@@ -93,12 +94,9 @@ pub(super) fn build(
         g.push(Op::Add { x, y: out });
         g.push(Op::EndLayer);
     }
-    let (first, rows) = match logits {
-        Logits::None => return g,
-        Logits::Last | Logits::Greedy => (n - 1, 1),
-        Logits::All => (0, n),
-    };
-    let out = blocks::head(&mut g, x, first, rows, c.rms_eps, c.vocab_size);
-    g.set_output(out, logits == Logits::Greedy);
+    if let Some(rows) = head {
+        let out = blocks::head(&mut g, x, rows, c.rms_eps, c.vocab_size);
+        g.set_output(out, greedy);
+    }
     g
 }

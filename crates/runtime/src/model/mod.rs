@@ -16,11 +16,12 @@ use crate::error::{Error, Result};
 use crate::ffn::{DenseFfn, FeedForward};
 use crate::ggml_type::GgmlType;
 use crate::gguf::GgufFile;
-use crate::graph::{self, Graph, HostPass, Op};
+use crate::graph::{self, Graph, HostPass, Op, PassSequence};
 use crate::kv::{KvCache, KvElement, KvPolicy, KvShape};
 use crate::quant;
 use crate::store::{PassCounter, ResidentStore, WeightStore};
 use crate::weights::{ByteSource, GlobalWeights, LayerWeights, Weight, WeightBytes, WeightId};
+use blocks::HeadRows;
 
 /// Which rows of logits a forward pass computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -167,9 +168,39 @@ struct Scratch {
     buffers: Vec<Vec<f32>>,
     /// The logits of the last pass, wherever they were computed.
     logits: Vec<f32>,
-    /// The last pass's graph and what it was built for (tokens, logits wanted, whether a
-    /// policy acts between layers): decode builds one graph, not one per token.
-    graph: Option<((usize, Logits, bool), Arc<Graph>)>,
+    /// The last pass's graph and what it was built for: decode builds one graph, not
+    /// one per token.
+    graph: Option<(GraphKey, Arc<Graph>)>,
+    /// A batched pass's tokens and positions, every sequence's in turn.
+    batch_ids: Vec<u32>,
+    batch_positions: Vec<u32>,
+}
+
+/// What a pass's graph depends on besides the model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct GraphKey {
+    tokens: usize,
+    /// The rows the head computes, if any.
+    head: Option<HeadRows>,
+    /// Only the argmax of the logits is wanted.
+    greedy: bool,
+    /// A KV policy acts between layers.
+    policy_between_layers: bool,
+}
+
+/// One sequence of a batched pass ([`Model::forward_batch`]): its tokens at its
+/// positions, the cache they append to and attend over, and its policy.
+pub struct BatchSequence<'a> {
+    /// Token ids.
+    pub ids: &'a [u32],
+    /// Their positions.
+    pub positions: &'a [u32],
+    /// Its cache.
+    pub kv: &'a mut dyn KvCache,
+    /// Its KV policy.
+    pub policy: Option<&'a mut dyn KvPolicy>,
+    /// Whether the logits after its last token are wanted.
+    pub logits: bool,
 }
 
 /// What every handle on a loaded model shares, read-only: the configuration, the
@@ -324,21 +355,95 @@ impl Model {
         mut policy: Option<&mut dyn KvPolicy>,
         logits: Logits,
     ) -> Result<&[f32]> {
-        let logits = if logits == Logits::Greedy {
-            Logits::Last
-        } else {
-            logits
-        };
         // A bounded cache makes room before anything is appended.
         if let Some(p) = policy.as_deref_mut() {
             p.before_pass(kv, ids.len())?;
         }
         self.check_input(ids, positions, kv)?;
-        self.run(ids, positions, kv, policy, logits)?;
-        Ok(match logits {
-            Logits::None => &[],
-            _ => &self.scratch.logits,
-        })
+        let n = ids.len();
+        let head = match logits {
+            Logits::None => None,
+            Logits::Last | Logits::Greedy => Some(HeadRows::Range {
+                first: n - 1,
+                rows: 1,
+            }),
+            Logits::All => Some(HeadRows::Range { first: 0, rows: n }),
+        };
+        let has_head = head.is_some();
+        self.run(
+            ids,
+            positions,
+            vec![pass_sequence(n, kv, policy)],
+            head,
+            false,
+        )?;
+        Ok(if has_head { &self.scratch.logits } else { &[] })
+    }
+
+    /// One pass over several sequences (continuous batching): every matrix product runs
+    /// once over all their tokens, so each layer's weights are read once for all of
+    /// them; attention runs per sequence over its own cache. Returns the logits after
+    /// the last token of each sequence that asks for them (`vocab_size` each, in order).
+    /// Each row's result is the one a pass of that sequence alone gives.
+    ///
+    /// On a device backend the sequences still take turns, one device pass each (the
+    /// device executor attends over one cache per pass).
+    pub fn forward_batch(&mut self, mut sequences: Vec<BatchSequence<'_>>) -> Result<&[f32]> {
+        if sequences.is_empty() {
+            return Err(Error::EmptyInput);
+        }
+        for seq in sequences.iter_mut() {
+            if let Some(p) = seq.policy.as_deref_mut() {
+                p.before_pass(seq.kv, seq.ids.len())?;
+            }
+            self.check_input(seq.ids, seq.positions, seq.kv)?;
+        }
+        if sequences.len() > 1 && self.shared.backend.device_forward().is_some() {
+            let mut logits = Vec::new();
+            for seq in sequences {
+                let mode = if seq.logits {
+                    Logits::Last
+                } else {
+                    Logits::None
+                };
+                let out = self.forward(seq.ids, seq.positions, seq.kv, seq.policy, mode)?;
+                logits.extend_from_slice(out);
+            }
+            self.scratch.logits = logits;
+            return Ok(&self.scratch.logits);
+        }
+        let mut ids = std::mem::take(&mut self.scratch.batch_ids);
+        let mut positions = std::mem::take(&mut self.scratch.batch_positions);
+        ids.clear();
+        positions.clear();
+        let mut picked = Vec::new();
+        let mut parts = Vec::with_capacity(sequences.len());
+        for seq in sequences {
+            ids.extend_from_slice(seq.ids);
+            positions.extend_from_slice(seq.positions);
+            if seq.logits {
+                picked.push(ids.len() - 1);
+            }
+            parts.push(pass_sequence(seq.ids.len(), seq.kv, seq.policy));
+        }
+        let head = match picked.as_slice() {
+            [] => None,
+            // Consecutive rows (a decode step: every row) need no gather.
+            [first, ..] if picked.windows(2).all(|w| w[1] == w[0] + 1) => Some(HeadRows::Range {
+                first: *first,
+                rows: picked.len(),
+            }),
+            _ => Some(HeadRows::Pick(picked)),
+        };
+        let has_head = head.is_some();
+        let r = self.run(&ids, &positions, parts, head, false);
+        self.scratch.batch_ids = ids;
+        self.scratch.batch_positions = positions;
+        r?;
+        if !has_head {
+            self.scratch.logits.clear();
+        }
+        Ok(&self.scratch.logits)
     }
 
     /// Like [`Model::forward`] with [`Logits::Last`], but returns only the greedy id
@@ -355,29 +460,61 @@ impl Model {
             p.before_pass(kv, ids.len())?;
         }
         self.check_input(ids, positions, kv)?;
-        self.run(ids, positions, kv, policy, Logits::Greedy)?
-            .ok_or_else(|| Error::Gpu {
-                what: "the device pass returned no greedy id".into(),
-            })
+        let head = Some(HeadRows::Range {
+            first: ids.len() - 1,
+            rows: 1,
+        });
+        self.run(
+            ids,
+            positions,
+            vec![pass_sequence(ids.len(), kv, policy)],
+            head,
+            true,
+        )?
+        .ok_or_else(|| Error::Gpu {
+            what: "the device pass returned no greedy id".into(),
+        })
     }
 
     /// The ops of a pass over `n` tokens, as this handle would run it with `policy`:
     /// for inspection, dumps and tests (every tensor and weight is named).
     pub fn pass_graph(&self, n: usize, logits: Logits, policy: Option<&dyn KvPolicy>) -> Graph {
-        self.build(n, logits, policy)
+        let head = match logits {
+            Logits::None => None,
+            Logits::Last | Logits::Greedy => Some(HeadRows::Range {
+                first: n - 1,
+                rows: 1,
+            }),
+            Logits::All => Some(HeadRows::Range { first: 0, rows: n }),
+        };
+        self.build(&GraphKey {
+            tokens: n,
+            head,
+            greedy: logits == Logits::Greedy,
+            policy_between_layers: policy.is_some_and(|p| p.acts_between_layers()),
+        })
     }
 
-    /// The pass over `n` tokens as the architecture's builder emits it.
-    fn build(&self, n: usize, logits: Logits, policy: Option<&dyn KvPolicy>) -> Graph {
-        let between_layers = policy.is_some_and(|p| p.acts_between_layers());
+    /// The pass `key` describes, as the architecture's builder emits it.
+    fn build(&self, key: &GraphKey) -> Graph {
         let config = &self.shared.config;
         match config.arch {
-            Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 => {
-                llama::build(config, n, logits, between_layers, self.ffn.as_ref())
-            }
-            Architecture::Gemma3 => {
-                gemma3::build(config, n, logits, between_layers, self.ffn.as_ref())
-            }
+            Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 => llama::build(
+                config,
+                key.tokens,
+                key.head.as_ref(),
+                key.greedy,
+                key.policy_between_layers,
+                self.ffn.as_ref(),
+            ),
+            Architecture::Gemma3 => gemma3::build(
+                config,
+                key.tokens,
+                key.head.as_ref(),
+                key.greedy,
+                key.policy_between_layers,
+                self.ffn.as_ref(),
+            ),
         }
     }
 
@@ -388,19 +525,22 @@ impl Model {
         &mut self,
         ids: &[u32],
         positions: &[u32],
-        kv: &mut dyn KvCache,
-        policy: Option<&mut dyn KvPolicy>,
-        logits: Logits,
+        mut sequences: Vec<PassSequence<'_>>,
+        head: Option<HeadRows>,
+        greedy: bool,
     ) -> Result<Option<u32>> {
-        let key = (
-            ids.len(),
-            logits,
-            policy.as_deref().is_some_and(|p| p.acts_between_layers()),
-        );
+        let key = GraphKey {
+            tokens: ids.len(),
+            head,
+            greedy,
+            policy_between_layers: sequences
+                .iter()
+                .any(|s| s.policy.as_deref().is_some_and(|p| p.acts_between_layers())),
+        };
         let graph = match &self.scratch.graph {
             Some((k, g)) if *k == key => g.clone(),
             _ => {
-                let g = Arc::new(self.build(ids.len(), logits, policy.as_deref()));
+                let g = Arc::new(self.build(&key));
                 self.scratch.graph = Some((key, g.clone()));
                 g
             }
@@ -416,7 +556,7 @@ impl Model {
             .iter()
             .any(|op| matches!(op, Op::KvPolicy { .. }));
         if let Some(device) = shared.backend.device_forward() {
-            if !policy_sync {
+            if let ([seq], false) = (sequences.as_mut_slice(), policy_sync) {
                 let input = DeviceForwardInput {
                     globals,
                     ids,
@@ -426,7 +566,7 @@ impl Model {
                     &graph,
                     &input,
                     &mut layers,
-                    kv,
+                    &mut *seq.kv,
                     self.ffn.as_mut(),
                     &mut self.scratch.logits,
                 );
@@ -441,12 +581,7 @@ impl Model {
                 positions,
                 globals,
                 layers: &mut layers,
-                kv,
-                // Re-wrapped so the trait object's lifetime may shorten to the pass's.
-                policy: match policy {
-                    Some(p) => Some(p),
-                    None => None,
-                },
+                sequences,
                 ffn: self.ffn.as_mut(),
             },
             &mut s.buffers,
@@ -485,5 +620,22 @@ impl Model {
             });
         }
         Ok(())
+    }
+}
+
+/// A pass's sequence of `rows` tokens over `kv`.
+fn pass_sequence<'a, 'k: 'a, 'p: 'a>(
+    rows: usize,
+    kv: &'a mut (dyn KvCache + 'k),
+    policy: Option<&'a mut (dyn KvPolicy + 'p)>,
+) -> PassSequence<'a> {
+    PassSequence {
+        rows,
+        kv,
+        // Re-wrapped so the trait object's lifetime may shorten to the pass's.
+        policy: match policy {
+            Some(p) => Some(p),
+            None => None,
+        },
     }
 }

@@ -12,14 +12,18 @@
 //!
 //! | level | types with their own kernels (others use the next lower level) |
 //! |---|---|
-//! | avx512 (F/BW/VL/DQ + VNNI) | Q4_1 (with VBMI: 4 blocks per step), Q4_0, Q8_0 |
+//! | avx512 (F/BW/VL/DQ + VNNI) | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K |
 //! | avx2 (+ FMA, F16C) | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16 |
 //! | neon | Q4_1, Q8_0 |
 //! | scalar | all weight types |
 //!
-//! Every kernel computes each block's integer dot product exactly; levels differ only in
-//! the order of f32 accumulation (see the tests for the bound). Activation quantization to
-//! Q8_0/Q8_1 also has an AVX2 path, bit-identical to the scalar reference.
+//! Every kernel computes each block's integer dot product exactly. For the quantized
+//! types every level also accumulates f32 in the same order, so all levels give the same
+//! bits: the 32-element formats in llama.cpp's x86 order (eight lanes of FMAs per row, then
+//! its horizontal sum), the K-quants one `+=` per superblock. Only the float types (F32,
+//! F16, BF16) differ between levels in the order of f32 accumulation (see the tests for the
+//! bound). Activation quantization to Q8_0/Q8_1 also has an AVX2 path, bit-identical to the
+//! scalar reference.
 //!
 //! [`matmul`] writes `out[r * n_tokens + t]`, so callers can split weight rows across
 //! threads (each thread passes whole rows and gets a contiguous output chunk). Decode

@@ -46,6 +46,11 @@ pub(crate) fn kernel_avx512(ty: GgmlType) -> Option<TileFn> {
         GgmlType::Q4_0 => tile_q4_0_avx512,
         GgmlType::Q4_1 => tile_q4_1_avx512,
         GgmlType::Q8_0 => tile_q8_0_avx512,
+        GgmlType::Q5_0 => tile_q5_0_avx512,
+        GgmlType::Q5_1 => tile_q5_1_avx512,
+        GgmlType::Q4_K => tile_q4_k_avx512,
+        GgmlType::Q5_K => tile_q5_k_avx512,
+        GgmlType::Q6_K => tile_q6_k_avx512,
         _ => return None,
     })
 }
@@ -140,6 +145,11 @@ tile_fn!(tile_q6_k_avx2, q6_k_avx2, 210);
 tile_fn!(tile_q4_0_avx512, q4_0_avx512, 18);
 tile_fn!(tile_q4_1_avx512, q4_1_avx512, 20);
 tile_fn!(tile_q8_0_avx512, q8_0_avx512, 34);
+tile_fn!(tile_q5_0_avx512, q5_0_avx512, 22);
+tile_fn!(tile_q5_1_avx512, q5_1_avx512, 24);
+tile_fn!(tile_q4_k_avx512, q4_k_avx512, 144);
+tile_fn!(tile_q5_k_avx512, q5_k_avx512, 176);
+tile_fn!(tile_q6_k_avx512, q6_k_avx512, 210);
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -695,11 +705,6 @@ unsafe fn broadcast32(p: *const u8) -> __m512i {
     _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(p as *const __m256i) })
 }
 
-/// Q4_1 x Q8_1 in llama.cpp's summation order (`ggml_vec_dot_q4_1_q8_1`, AVX2 path): per
-/// row and token, eight f32 lanes where lane j takes `d_w * d_a * (sum of elements 4j..4j+3)`
-/// of each block by one FMA, block after block; then ggml's horizontal sum, plus the
-/// `m_w * s_a` terms accumulated by FMA. One 512-bit vector carries two rows, so the
-/// order per row is exactly the 256-bit one.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn q4_1_avx512<const RR: usize, const NT: usize>(
     w: Rows<RR>,
@@ -707,6 +712,40 @@ unsafe fn q4_1_avx512<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
+    unsafe { q41_like_avx512::<RR, NT, false>(w, nb, a, s) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q5_1_avx512<const RR: usize, const NT: usize>(
+    w: Rows<RR>,
+    nb: usize,
+    a: [*const u8; NT],
+    s: [*const f32; NT],
+) -> [[f32; NT]; RR] {
+    unsafe { q41_like_avx512::<RR, NT, true>(w, nb, a, s) }
+}
+
+/// The high bits of the 5-bit quants of two blocks as 0x10 / 0x00 bytes, in the element
+/// order of [`nibbles_pair`]: bit i of `qh_a` for byte i, bit i of `qh_b` for byte 32 + i.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn high_bits_pair(qh_a: u32, qh_b: u32) -> __m512i {
+    _mm512_maskz_mov_epi8(qh_a as u64 | ((qh_b as u64) << 32), _mm512_set1_epi8(0x10))
+}
+
+/// Q4_1 / Q5_1 x Q8_1 in llama.cpp's summation order (`ggml_vec_dot_q4_1_q8_1`, AVX2 path):
+/// per row and token, eight f32 lanes where lane j takes `d_w * d_a * (sum of elements
+/// 4j..4j+3)` of each block by one FMA, block after block; then ggml's horizontal sum, plus
+/// the `m_w * s_a` terms accumulated by FMA. One 512-bit vector carries two rows, so the
+/// order per row is exactly the 256-bit one.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q41_like_avx512<const RR: usize, const NT: usize, const FIVE: bool>(
+    w: Rows<RR>,
+    nb: usize,
+    a: [*const u8; NT],
+    s: [*const f32; NT],
+) -> [[f32; NT]; RR] {
+    let bb = if FIVE { 24 } else { 20 };
     let np = RR.div_ceil(2);
     // Lanes 0 (d of the first row) and 2 (d of the second) of [d0, m0, d1, m1].
     let idx = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -719,7 +758,7 @@ unsafe fn q4_1_avx512<const RR: usize, const NT: usize>(
         unsafe {
             for p in 0..np {
                 let (r0, r1) = pair_rows::<RR>(p);
-                let (wa, wb) = (w[r0].add(b * 20), w[r1].add(b * 20));
+                let (wa, wb) = (w[r0].add(b * bb), w[r1].add(b * bb));
                 _mm_prefetch::<_MM_HINT_T0>(wa.wrapping_add(PREFETCH) as *const i8);
                 _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH) as *const i8);
                 let dm = _mm_cvtph_ps(_mm_set_epi32(
@@ -729,7 +768,13 @@ unsafe fn q4_1_avx512<const RR: usize, const NT: usize>(
                     (wa as *const i32).read_unaligned(),
                 ));
                 let d = halves(dm, idx);
-                let q = nibbles_pair(wa.add(4), wb.add(4));
+                let q = if FIVE {
+                    let qa = (wa.add(4) as *const u32).read_unaligned();
+                    let qb = (wb.add(4) as *const u32).read_unaligned();
+                    _mm512_or_si512(nibbles_pair(wa.add(8), wb.add(8)), high_bits_pair(qa, qb))
+                } else {
+                    nibbles_pair(wa.add(4), wb.add(4))
+                };
                 for t in 0..NT {
                     let y = broadcast32(a[t].add(b * 36 + 4));
                     // [d_a, s_a, d_a, s_a]
@@ -756,26 +801,38 @@ unsafe fn q4_1_avx512<const RR: usize, const NT: usize>(
     res
 }
 
-/// Q8_0 / Q4_0 x Q8_0 in llama.cpp's summation order (`ggml_vec_dot_q8_0_q8_0`, AVX2
-/// path): eight f32 lanes per row and token, one FMA per block, ggml's horizontal sum.
-/// One 512-bit vector carries two rows.
+/// Q8_0 / Q4_0 / Q5_0 (`KIND` 0, 1, 2) x Q8_0 in llama.cpp's summation order
+/// (`ggml_vec_dot_q8_0_q8_0`, AVX2 path): eight f32 lanes per row and token, one FMA per
+/// block, ggml's horizontal sum. One 512-bit vector carries two rows.
+///
+/// `vpdpbusd` multiplies unsigned by signed bytes, so the weights go in unsigned with an
+/// offset (`x + 128` for Q8_0, the stored 4- or 5-bit quants for Q4_0 / Q5_0) and
+/// `offset * (sum of the activations)` per group of four, computed once per token and
+/// block for all rows, starts the accumulation negated: exactly `x . y`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn q8_0_like_avx512<const RR: usize, const NT: usize, const Q4: bool>(
+unsafe fn q8_0_like_avx512<const RR: usize, const NT: usize, const KIND: u8>(
     w: Rows<RR>,
     nb: usize,
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
-    let bb = if Q4 { 18 } else { 34 };
+    let bb = [34, 18, 22][KIND as usize];
+    let offset = _mm512_set1_epi8([-128i8, 8, 16][KIND as usize]);
     let np = RR.div_ceil(2);
     let idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    let bias = _mm512_set1_epi8(-128);
-    let eight = _mm512_set1_epi8(8);
     let zero = _mm512_setzero_si512();
     let mut acc = [[_mm512_setzero_ps(); NT]; RR];
     for b in 0..nb {
         // SAFETY: block b of each row and of each activation row is in bounds.
         unsafe {
+            let mut y = [zero; NT];
+            let mut neg_corr = [zero; NT];
+            let mut sy = [_mm512_setzero_ps(); NT];
+            for t in 0..NT {
+                y[t] = broadcast32(a[t].add(b * 34 + 2));
+                neg_corr[t] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, y[t]));
+                sy[t] = _mm512_set1_ps(*s[t].add(b));
+            }
             for (p, acc) in acc.iter_mut().enumerate().take(np) {
                 let (r0, r1) = pair_rows::<RR>(p);
                 let (wa, wb) = (w[r0].add(b * bb), w[r1].add(b * bb));
@@ -784,21 +841,26 @@ unsafe fn q8_0_like_avx512<const RR: usize, const NT: usize, const Q4: bool>(
                 let h = (wa as *const u16).read_unaligned() as i32
                     | (((wb as *const u16).read_unaligned() as i32) << 16);
                 let d = halves(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), idx);
-                let x = if Q4 {
-                    _mm512_sub_epi8(nibbles_pair(wa.add(2), wb.add(2)), eight)
-                } else {
-                    _mm512_inserti64x4::<1>(
-                        _mm512_castsi256_si512(_mm256_loadu_si256(wa.add(2) as *const __m256i)),
-                        _mm256_loadu_si256(wb.add(2) as *const __m256i),
-                    )
+                // The weights plus the offset, as unsigned bytes.
+                let x = match KIND {
+                    1 => nibbles_pair(wa.add(2), wb.add(2)),
+                    2 => {
+                        let qa = (wa.add(2) as *const u32).read_unaligned();
+                        let qb = (wb.add(2) as *const u32).read_unaligned();
+                        let q = nibbles_pair(wa.add(6), wb.add(6));
+                        _mm512_or_si512(q, high_bits_pair(qa, qb))
+                    }
+                    _ => _mm512_xor_si512(
+                        _mm512_inserti64x4::<1>(
+                            _mm512_castsi256_si512(_mm256_loadu_si256(wa.add(2) as *const __m256i)),
+                            _mm256_loadu_si256(wb.add(2) as *const __m256i),
+                        ),
+                        offset,
+                    ),
                 };
-                // (y + 128) . x - 128 * sum(x) = y . x, exactly, per group of four.
-                let neg_corr = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, x));
                 for t in 0..NT {
-                    let y = _mm512_xor_si512(broadcast32(a[t].add(b * 34 + 2)), bias);
-                    let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg_corr, y, x));
-                    let dd = _mm512_mul_ps(d, _mm512_set1_ps(*s[t].add(b)));
-                    acc[t] = _mm512_fmadd_ps(dd, xy, acc[t]);
+                    let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg_corr[t], x, y[t]));
+                    acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, sy[t]), xy, acc[t]);
                 }
             }
         }
@@ -821,7 +883,7 @@ unsafe fn q8_0_avx512<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
-    unsafe { q8_0_like_avx512::<RR, NT, false>(w, nb, a, s) }
+    unsafe { q8_0_like_avx512::<RR, NT, 0>(w, nb, a, s) }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
@@ -831,7 +893,331 @@ unsafe fn q4_0_avx512<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
-    unsafe { q8_0_like_avx512::<RR, NT, true>(w, nb, a, s) }
+    unsafe { q8_0_like_avx512::<RR, NT, 1>(w, nb, a, s) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q5_0_avx512<const RR: usize, const NT: usize>(
+    w: Rows<RR>,
+    nb: usize,
+    a: [*const u8; NT],
+    s: [*const f32; NT],
+) -> [[f32; NT]; RR] {
+    unsafe { q8_0_like_avx512::<RR, NT, 2>(w, nb, a, s) }
+}
+
+/// The eight 6-bit scales and the eight 6-bit mins of a Q4_K / Q5_K superblock from its
+/// 12 packed bytes at `p` (the layout `blocks::scale_min_k4` reads one at a time), one byte
+/// each in sub-block order.
+///
+/// # Safety
+/// `p` must point to 12 readable bytes.
+#[inline(always)]
+unsafe fn k4_scales_mins(p: *const u8) -> (u64, u64) {
+    // SAFETY: 12 bytes at p, per the contract.
+    let [u0, u1, u2] = unsafe {
+        [
+            (p as *const u32).read_unaligned(),
+            (p.add(4) as *const u32).read_unaligned(),
+            (p.add(8) as *const u32).read_unaligned(),
+        ]
+    };
+    let (low6, low4, top2) = (0x3f3f_3f3f, 0x0f0f_0f0f, 0x0303_0303);
+    // Sub-blocks 0..4 keep the low 6 bits of bytes 0..4 (scales) and 4..8 (mins); 4..8
+    // take 4 bits from bytes 8..12 and their top 2 from the top of bytes 0..4 / 4..8.
+    let sc_hi = (u2 & low4) | (((u0 >> 6) & top2) << 4);
+    let mn_hi = ((u2 >> 4) & low4) | (((u1 >> 6) & top2) << 4);
+    (
+        (u0 & low6) as u64 | ((sc_hi as u64) << 32),
+        (u1 & low6) as u64 | ((mn_hi as u64) << 32),
+    )
+}
+
+/// Sums the 16 i32 lanes of each of four vectors: `[sum v[0], .., sum v[3]]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn reduce4_epi32(v: [__m512i; 4]) -> __m128i {
+    // 128-bit lanes [v0 (2 lanes), v1 (2 lanes)], then [v0, v1, v2, v3] with one lane each.
+    let fold = |x: __m512i, y: __m512i| {
+        _mm512_add_epi32(
+            _mm512_shuffle_i64x2::<0x44>(x, y),
+            _mm512_shuffle_i64x2::<0xEE>(x, y),
+        )
+    };
+    let (x01, x23) = (fold(v[0], v[1]), fold(v[2], v[3]));
+    let y = _mm512_add_epi32(
+        _mm512_shuffle_i64x2::<0x88>(x01, x23),
+        _mm512_shuffle_i64x2::<0xDD>(x01, x23),
+    );
+    // Each 128-bit lane's total in all four of its i32, then lanes 0, 4, 8, 12 gathered.
+    let y = _mm512_add_epi32(y, _mm512_shuffle_epi32::<0x4E>(y));
+    let y = _mm512_add_epi32(y, _mm512_shuffle_epi32::<0xB1>(y));
+    let idx = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm512_castsi512_si128(_mm512_permutexvar_epi32(idx, y))
+}
+
+/// Sums the four i32 lanes of each of four vectors: `[sum v[0], .., sum v[3]]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn reduce4_epi32_128(v: [__m128i; 4]) -> __m128i {
+    _mm_hadd_epi32(_mm_hadd_epi32(v[0], v[1]), _mm_hadd_epi32(v[2], v[3]))
+}
+
+/// A `vpermw` index vector: word lane i takes word `f(i)`.
+#[inline(always)]
+fn word_index(f: impl Fn(usize) -> usize) -> __m512i {
+    let lanes: [i16; 32] = std::array::from_fn(|i| f(i) as i16);
+    // SAFETY: 64 readable bytes; an unaligned load.
+    unsafe { _mm512_loadu_si512(lanes.as_ptr() as *const __m512i) }
+}
+
+/// Up to 8 (row, token) pairs of a tile, `c = r * NT + t`, handled four at a time.
+const K_GROUPS: usize = 2;
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q4_k_avx512<const RR: usize, const NT: usize>(
+    w: Rows<RR>,
+    nb: usize,
+    a: [*const u8; NT],
+    s: [*const f32; NT],
+) -> [[f32; NT]; RR] {
+    unsafe { q45_k_avx512::<RR, NT, false>(w, nb, a, s) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q5_k_avx512<const RR: usize, const NT: usize>(
+    w: Rows<RR>,
+    nb: usize,
+    a: [*const u8; NT],
+    s: [*const f32; NT],
+) -> [[f32; NT]; RR] {
+    unsafe { q45_k_avx512::<RR, NT, true>(w, nb, a, s) }
+}
+
+/// Q4_K / Q5_K x Q8_K with the f32 arithmetic of the scalar and AVX2 kernels (one
+/// `acc += d * dy * sumi - dmin * dy * summ` per superblock, so the same bits), the
+/// integers computed 64 quants per instruction pair: `vpmaddubsw` of unsigned quants and
+/// activations (pairs at most 2 * 31 * 128, no saturation), then `vpdpwssd` with the
+/// sub-block's scale. Each 512-bit weight vector holds sub-blocks `2c` and `2c + 1`, which
+/// sit side by side in the activations. The integer totals of four (row, token) pairs are
+/// reduced together and the f32 step runs on four lanes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q45_k_avx512<const RR: usize, const NT: usize, const FIVE: bool>(
+    w: Rows<RR>,
+    nb: usize,
+    a: [*const u8; NT],
+    s: [*const f32; NT],
+) -> [[f32; NT]; RR] {
+    let bb = if FIVE { 176 } else { 144 };
+    let m4 = _mm512_set1_epi8(0x0F);
+    let sixteen = _mm512_set1_epi8(16);
+    // Word lanes 0..16 take scale 2c, lanes 16..32 scale 2c + 1.
+    let sidx: [__m512i; 4] = std::array::from_fn(|c| word_index(|i| 2 * c + i / 16));
+    // Q5_K: the fifth bit of sub-block j is bit j of qh[l].
+    let hmask: [__m512i; 4] = std::array::from_fn(|c| {
+        _mm512_inserti64x4::<1>(
+            _mm512_set1_epi8((1u8 << (2 * c)) as i8),
+            _mm256_set1_epi8((1u8 << (2 * c + 1)) as i8),
+        )
+    });
+    const { assert!(RR * NT <= 4 * K_GROUPS) };
+    let pairs = RR * NT;
+    let mut acc = [_mm_setzero_ps(); K_GROUPS];
+    for b in 0..nb {
+        // SAFETY: superblock b of each row and activation row is in bounds.
+        unsafe {
+            let mut q8s = [_mm_setzero_si128(); NT];
+            let mut dy = [0f32; NT];
+            let mut y = [std::ptr::null::<u8>(); NT];
+            for t in 0..NT {
+                y[t] = a[t].add(b * 292);
+                dy[t] = *s[t].add(b);
+                // Sums of the activations of each 32-value sub-block.
+                let bs = _mm256_loadu_si256(y[t].add(260) as *const __m256i);
+                q8s[t] = _mm_hadd_epi16(
+                    _mm256_castsi256_si128(bs),
+                    _mm256_extracti128_si256::<1>(bs),
+                );
+            }
+            let mut sums = [[_mm512_setzero_si512(); NT]; RR];
+            let mut msums = [[_mm_setzero_si128(); NT]; RR];
+            let mut d = [0f32; RR];
+            let mut dmin = [0f32; RR];
+            for r in 0..RR {
+                let x = w[r].add(b * bb);
+                for off in (0..bb).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + off) as *const i8);
+                }
+                let hd = f16x2(x);
+                d[r] = _mm_cvtss_f32(hd);
+                dmin[r] = _mm_cvtss_f32(_mm_movehdup_ps(hd));
+                let (sc, mn) = k4_scales_mins(x.add(4));
+                let sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
+                let mn = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64));
+                let qs = x.add(if FIVE { 48 } else { 16 });
+                let mut wv = [_mm512_setzero_si512(); 4];
+                for h in 0..2 {
+                    // Bytes of chunks 2h and 2h + 1: low nibbles are sub-blocks 4h and
+                    // 4h + 2, high nibbles 4h + 1 and 4h + 3.
+                    let q = _mm512_loadu_si512(qs.add(64 * h) as *const __m512i);
+                    let lo = _mm512_and_si512(q, m4);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
+                    wv[2 * h] = _mm512_shuffle_i64x2::<0x44>(lo, hi);
+                    wv[2 * h + 1] = _mm512_shuffle_i64x2::<0xEE>(lo, hi);
+                }
+                if FIVE {
+                    let qh =
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256(x.add(16) as *const __m256i));
+                    for c in 0..4 {
+                        let k = _mm512_test_epi8_mask(qh, hmask[c]);
+                        wv[c] = _mm512_mask_add_epi8(wv[c], k, wv[c], sixteen);
+                    }
+                }
+                let sv: [__m512i; 4] =
+                    std::array::from_fn(|c| _mm512_permutexvar_epi16(sidx[c], sc));
+                for t in 0..NT {
+                    let yq = y[t].add(4);
+                    let mut sum = _mm512_setzero_si512();
+                    for c in 0..4 {
+                        let yv = _mm512_loadu_si512(yq.add(64 * c) as *const __m512i);
+                        sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(wv[c], yv), sv[c]);
+                    }
+                    sums[r][t] = sum;
+                    msums[r][t] = _mm_madd_epi16(mn, q8s[t]);
+                }
+            }
+            for (g, acc) in acc.iter_mut().enumerate().take(pairs.div_ceil(4)) {
+                let mut si = [_mm512_setzero_si512(); 4];
+                let mut sm = [_mm_setzero_si128(); 4];
+                let mut dd = [0f32; 4];
+                let mut dm = [0f32; 4];
+                for k in 0..4 {
+                    let c = 4 * g + k;
+                    if c < pairs {
+                        let (r, t) = (c / NT, c % NT);
+                        si[k] = sums[r][t];
+                        sm[k] = msums[r][t];
+                        dd[k] = d[r] * dy[t];
+                        dm[k] = dmin[r] * dy[t];
+                    }
+                }
+                let fsi = _mm_cvtepi32_ps(reduce4_epi32(si));
+                let fsm = _mm_cvtepi32_ps(reduce4_epi32_128(sm));
+                let v = _mm_sub_ps(
+                    _mm_mul_ps(_mm_loadu_ps(dd.as_ptr()), fsi),
+                    _mm_mul_ps(_mm_loadu_ps(dm.as_ptr()), fsm),
+                );
+                *acc = _mm_add_ps(*acc, v);
+            }
+        }
+    }
+    k_results(acc)
+}
+
+/// The f32 lanes of the pair groups as `[row][token]` (pair `c = r * NT + t`).
+#[inline(always)]
+fn k_results<const RR: usize, const NT: usize>(acc: [__m128; K_GROUPS]) -> [[f32; NT]; RR] {
+    let mut lanes = [0f32; 4 * K_GROUPS];
+    for (g, v) in acc.iter().enumerate() {
+        // SAFETY: `lanes` has room for four f32 at 4g.
+        unsafe { _mm_storeu_ps(lanes.as_mut_ptr().add(4 * g), *v) };
+    }
+    std::array::from_fn(|r| std::array::from_fn(|t| lanes[r * NT + t]))
+}
+
+/// Q6_K x Q8_K with the f32 arithmetic of the scalar and AVX2 kernels (one
+/// `acc += d * dy * sumi` per superblock, so the same bits). The unsigned 6-bit quants go
+/// through `vpmaddubsw` (pairs at most 2 * 63 * 128) and `vpdpwssd` with their i8 scale;
+/// the -32 offset is one more `vpdpwssd` of the Q8_K block sums with `-32 * scale`. Each
+/// 512-bit weight vector holds 64 consecutive quants, each 128-bit lane 16 of one scale.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q6_k_avx512<const RR: usize, const NT: usize>(
+    w: Rows<RR>,
+    nb: usize,
+    a: [*const u8; NT],
+    s: [*const f32; NT],
+) -> [[f32; NT]; RR] {
+    let m4 = _mm512_set1_epi8(0x0F);
+    let m30 = _mm512_set1_epi8(0x30);
+    // Bits (0, 1) of qh to (4, 5) for the first 32 quants, bits (2, 3) for the next 32;
+    // then bits (4, 5) where they are and (6, 7) down by two.
+    let shl_a = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
+    let shr_b = _mm512_inserti64x4::<1>(_mm512_set1_epi16(0), _mm256_set1_epi16(2));
+    // Word lanes of vector g: scale 4g + lane / 8.
+    let sidx: [__m512i; 4] = std::array::from_fn(|g| word_index(|i| 4 * g + i / 8));
+    const { assert!(RR * NT <= 4 * K_GROUPS) };
+    let pairs = RR * NT;
+    let mut acc = [_mm_setzero_ps(); K_GROUPS];
+    for b in 0..nb {
+        // SAFETY: superblock b of each row and activation row is in bounds.
+        unsafe {
+            let mut bs = [_mm512_setzero_si512(); NT];
+            let mut dy = [0f32; NT];
+            let mut y = [std::ptr::null::<u8>(); NT];
+            for t in 0..NT {
+                y[t] = a[t].add(b * 292);
+                dy[t] = *s[t].add(b);
+                bs[t] = _mm512_zextsi256_si512(_mm256_loadu_si256(y[t].add(260) as *const __m256i));
+            }
+            let mut sums = [[_mm512_setzero_si512(); NT]; RR];
+            let mut d = [0f32; RR];
+            for r in 0..RR {
+                let x = w[r].add(b * 210);
+                for off in (0..210).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + off) as *const i8);
+                }
+                d[r] = _mm_cvtss_f32(f16x1(x.add(208)));
+                let sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(x.add(192) as *const __m128i));
+                let neg32 = _mm512_zextsi256_si512(_mm256_sub_epi16(
+                    _mm256_setzero_si256(),
+                    _mm256_slli_epi16::<5>(sc),
+                ));
+                let sc = _mm512_zextsi256_si512(sc);
+                let mut wv = [_mm512_setzero_si512(); 4];
+                for n in 0..2 {
+                    // ql[64n..64n + 64]: low nibbles are quants 128n + 0..64, high nibbles
+                    // 128n + 64..128; qh[32n..32n + 32] gives both halves their top bits.
+                    let ql = _mm512_loadu_si512(x.add(64 * n) as *const __m512i);
+                    let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                        x.add(128 + 32 * n) as *const __m256i
+                    ));
+                    let lo = _mm512_and_si512(ql, m4);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4);
+                    // a | (b & c)
+                    wv[2 * n] =
+                        _mm512_ternarylogic_epi32::<0xF8>(lo, _mm512_sllv_epi16(qh, shl_a), m30);
+                    wv[2 * n + 1] =
+                        _mm512_ternarylogic_epi32::<0xF8>(hi, _mm512_srlv_epi16(qh, shr_b), m30);
+                }
+                let sv: [__m512i; 4] =
+                    std::array::from_fn(|g| _mm512_permutexvar_epi16(sidx[g], sc));
+                for t in 0..NT {
+                    let yq = y[t].add(4);
+                    let mut sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), bs[t], neg32);
+                    for g in 0..4 {
+                        let yv = _mm512_loadu_si512(yq.add(64 * g) as *const __m512i);
+                        sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(wv[g], yv), sv[g]);
+                    }
+                    sums[r][t] = sum;
+                }
+            }
+            for (g, acc) in acc.iter_mut().enumerate().take(pairs.div_ceil(4)) {
+                let mut si = [_mm512_setzero_si512(); 4];
+                let mut dd = [0f32; 4];
+                for k in 0..4 {
+                    let c = 4 * g + k;
+                    if c < pairs {
+                        let (r, t) = (c / NT, c % NT);
+                        si[k] = sums[r][t];
+                        dd[k] = d[r] * dy[t];
+                    }
+                }
+                let fsi = _mm_cvtepi32_ps(reduce4_epi32(si));
+                *acc = _mm_add_ps(*acc, _mm_mul_ps(_mm_loadu_ps(dd.as_ptr()), fsi));
+            }
+        }
+    }
+    k_results(acc)
 }
 
 // ---------------------------------------------------------------- activation quantization
@@ -906,56 +1292,90 @@ pub(crate) unsafe fn quantize_q8_avx2<const Q8_1: bool>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::{quantize, quantize_activations, scalar};
+    use crate::quant::{quantize_activations, scalar};
 
-    /// Both Q4_1 kernels directly against the scalar one, on every tile shape, bit for
-    /// bit.
+    /// Every AVX-512 and AVX2 quantized kernel directly against the scalar one, on every
+    /// tile shape `tile_fn!` dispatches (and a 3 x 2 one it splits), bit for bit.
     #[test]
-    fn q4_1_kernels_match_scalar() {
-        for which in 0..2 {
-            if (which == 0 && !has_avx512()) || !has_avx2() {
-                continue;
+    fn kernels_match_scalar_on_every_tile_shape() {
+        let types = [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q8_0,
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+        ];
+        for ty in types {
+            if has_avx512() {
+                if let Some(k) = kernel_avx512(ty) {
+                    check_kernel(ty, k, "avx512");
+                }
             }
-            check_q4_1_kernel(which);
+            if has_avx2() {
+                check_kernel(ty, kernel_avx2(ty).unwrap(), "avx2");
+            }
         }
     }
 
-    fn check_q4_1_kernel(which: usize) {
-        for nb in 1..8 {
-            let k = 32 * nb;
+    /// `bytes` random bytes (whole blocks of `ty`) with small finite f16 scale fields.
+    fn random_rows(ty: GgmlType, bytes: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed;
+        let mut w: Vec<u8> = (0..bytes)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (x >> 56) as u8
+            })
+            .collect();
+        let f16_fields: &[usize] = match ty {
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+            GgmlType::Q6_K => &[208],
+            _ => &[0, 2],
+        };
+        for (i, b) in w.chunks_exact_mut(ty.block_bytes()).enumerate() {
+            for &o in f16_fields {
+                let v = ((i * 7 + o) % 13) as f32 / 8.0 - 0.75;
+                b[o..o + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+            }
+        }
+        w
+    }
+
+    fn check_kernel(ty: GgmlType, kernel: TileFn, level: &str) {
+        let bl = ty.block_len();
+        for nb in [1, 2, 3, 7] {
+            let k = bl * nb;
+            let rb = ty.block_bytes() * nb;
             for n in 1..6 {
                 let rows = 5;
-                let w: Vec<f32> = (0..rows * k)
-                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
-                    .collect();
+                let wq = random_rows(ty, rows * rb, (nb * 31 + n) as u64);
                 let x: Vec<f32> = (0..n * k)
                     .map(|i| ((i * 53 % 89) as f32 - 44.0) / 9.0)
                     .collect();
-                let wq = quantize(GgmlType::Q4_1, &w).unwrap();
                 let mut acts = QuantizedActivations::new();
-                quantize_activations(GgmlType::Q4_1, &x, n, k, &mut acts).unwrap();
-                let rb = 20 * nb;
+                quantize_activations(ty, &x, n, k, &mut acts).unwrap();
                 for (rr, nt) in [(4, 1), (2, 4), (1, 4), (1, 3), (1, 2), (1, 1), (3, 2)] {
                     if nt > n {
                         continue;
                     }
                     let mut out = vec![0f32; rr * n];
-                    // SAFETY: AVX-512 support was checked; the lengths are consistent.
-                    unsafe {
-                        if which == 0 {
-                            tile_q4_1_avx512(&wq[..rr * rb], rb, &acts, 0, nt, &mut out, n)
-                        } else {
-                            tile_q4_1_avx2(&wq[..rr * rb], rb, &acts, 0, nt, &mut out, n)
-                        }
-                    };
+                    // SAFETY: the kernel's level is supported; the lengths are consistent.
+                    unsafe { kernel(&wq[..rr * rb], rb, &acts, 0, nt, &mut out, n) };
                     for r in 0..rr {
                         for t in 0..nt {
                             let (a, s, f) = acts.parts(t);
-                            let want =
-                                scalar::dot(GgmlType::Q4_1, &wq[r * rb..(r + 1) * rb], a, s, f);
+                            let want = scalar::dot(ty, &wq[r * rb..(r + 1) * rb], a, s, f);
                             let got = out[r * n + t];
                             // Same order as the scalar kernel: same bits.
-                            assert_eq!(got.to_bits(), want.to_bits(), "{got} vs {want}");
+                            assert_eq!(
+                                got.to_bits(),
+                                want.to_bits(),
+                                "{ty:?} {level} nb={nb} {rr}x{nt} row {r} token {t}: {got} vs {want}"
+                            );
                         }
                     }
                 }

@@ -526,6 +526,19 @@ impl WgpuBackend {
                         (len * 4) as u64,
                     );
                 }
+                Op::Gather { x, rows, out } => {
+                    // One copy per row: the head's rows of a batched pass, a handful.
+                    let row_bytes = (graph.desc(*x).width * 4) as u64;
+                    for (i, &row) in rows.iter().enumerate() {
+                        rec.copy(
+                            buf(*x),
+                            row as u64 * row_bytes,
+                            buf(*out),
+                            i as u64 * row_bytes,
+                            row_bytes,
+                        );
+                    }
+                }
                 Op::FfnPrepare { layer: l, x } => {
                     let host = self.read_tensor(&mut rec, graph, *x, buf(*x))?;
                     ffn.prepare(*l, &host, n)?;
