@@ -14,7 +14,7 @@
 //! - `bench-codec`: per tensor type, the ratio and decode speed of each codec of
 //!   `ballast-weight-codec`.
 //! - `tiny-model NAME FILE`: write one of the tiny reference models (`llama-spm`,
-//!   `qwen3`) whose llama.cpp logits the runtime's tests hold Ballast to.
+//!   `qwen3`, `gemma3`) whose llama.cpp logits the runtime's tests hold Ballast to.
 
 mod codec_bench;
 mod serve_bench;
@@ -55,7 +55,7 @@ const USAGE: &str =
                 mixed prompt lengths, some streams dropped: errors, p50/p99 latency, tokens/s,
                 the server's RSS before and after. BALLAST_BIN=path skips the release build.
 
-  tiny-model    write the tiny random-weight reference model NAME (llama-spm, qwen3) to FILE,
+  tiny-model    write the tiny random-weight reference model NAME (llama-spm, qwen3, gemma3) to FILE,
                 e.g. to compute its logits or tokens with llama.cpp";
 
 fn main() -> Result<()> {
@@ -325,11 +325,7 @@ fn bench_kv() -> Result<()> {
         n_kv_heads: 3,
         head_dim: 64,
     };
-    let attn = AttentionShape {
-        n_heads: 9,
-        n_kv_heads: 3,
-        head_dim: 64,
-    };
+    let attn = AttentionShape::new(9, 3, 64);
     let dim = shape.kv_dim();
     let row: Vec<f32> = (0..dim).map(|i| (i as f32 * 0.37).sin()).collect();
     let q: Vec<f32> = (0..9 * 64).map(|i| (i as f32 * 0.11).cos()).collect();

@@ -290,6 +290,7 @@ pub fn apply_sparsity(
     let Some(sparsity) = sparsity else {
         return Ok((model, None));
     };
+    ensure_silu_mlp(&model, path)?;
     let profile_path = profile
         .map(Path::to_path_buf)
         .unwrap_or_else(|| SparsityProfile::path_for(path));
@@ -310,6 +311,20 @@ pub fn apply_sparsity(
     let ffn = SparseFfn::new(thresholds);
     let stats = ffn.stats();
     Ok((model.share_with_ffn(Box::new(ffn)), Some(stats)))
+}
+
+/// The sparse MLP thresholds `|silu(gate)|`: a model whose MLP has another activation
+/// (gemma3's GELU) is refused, never run wrong.
+pub fn ensure_silu_mlp(model: &Model, path: &Path) -> Result<()> {
+    let config = model.config();
+    anyhow::ensure!(
+        config.ffn_act == ballast_runtime::model::blocks::Activation::Silu,
+        "{}: the sparse MLP is for SiLU-gated MLPs, and this {} model's MLP is {:?}-gated",
+        path.display(),
+        config.arch.name(),
+        config.ffn_act
+    );
+    Ok(())
 }
 
 /// The counters of an installed sparse MLP.

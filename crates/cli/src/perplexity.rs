@@ -165,8 +165,9 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     if args.kv.policy != "none" {
         bail!("--kv-policy needs --stream: llama-perplexity's windows of -c tokens never fill their cache, so nothing is evicted");
     }
-    let mut tokens = loaded.tokenizer.encode(&text, false, false)?;
-    // llama-perplexity starts every window with BOS when the model adds one.
+    // As llama-perplexity: the whole text with the special tokens the model adds (BOS
+    // first when it adds one), then every window starts with BOS.
+    let mut tokens = loaded.tokenizer.encode(&text, true, false)?;
     let bos = loaded
         .tokenizer
         .add_bos()

@@ -47,6 +47,7 @@ pub fn run(args: SparsifyArgs) -> Result<()> {
         .with_context(|| format!("reading the calibration text {}", text_path.display()))?;
     let threads = common::threads(args.model.threads);
     let loaded = common::load(&args.model, threads, args.ctx, args.ctx)?;
+    common::ensure_silu_mlp(&loaded.model, &path)?;
     let ids = loaded.tokenizer.encode(&text, false, false)?;
     let n = ids.len().min(args.tokens);
     anyhow::ensure!(

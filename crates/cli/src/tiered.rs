@@ -186,7 +186,10 @@ pub fn build(
             }
             let stats = store.stats_handle();
             return Ok(Built {
-                model: Model::from_parts(config, Box::new(store), backend, Box::new(DenseFfn::new())),
+                model: {
+                    let ffn = Box::new(DenseFfn::with_activation(config.ffn_act));
+                    Model::from_parts(config, Box::new(store), backend, ffn)
+                },
                 tiered: None,
                 compressed: Some(stats),
                 store_name: "compressed",
@@ -220,7 +223,10 @@ pub fn build(
     if kind != StoreKind::Tiered {
         let store = ResidentStore::new(globals, layers, mapped);
         return Ok(Built {
-            model: Model::from_parts(config, Box::new(store), backend, Box::new(DenseFfn::new())),
+            model: {
+                let ffn = Box::new(DenseFfn::with_activation(config.ffn_act));
+                Model::from_parts(config, Box::new(store), backend, ffn)
+            },
             tiered: None,
             compressed: None,
             store_name: if mapped { "mmap" } else { "ram" },
@@ -278,7 +284,10 @@ pub fn build(
         eprintln!("disk reads: {}", info.read_mode);
     }
     Ok(Built {
-        model: Model::from_parts(config, Box::new(store), backend, Box::new(DenseFfn::new())),
+        model: {
+            let ffn = Box::new(DenseFfn::with_activation(config.ffn_act));
+            Model::from_parts(config, Box::new(store), backend, ffn)
+        },
         tiered: Some(info),
         compressed: None,
         store_name: "tiered",

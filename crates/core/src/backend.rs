@@ -36,8 +36,8 @@ pub struct Rope {
     pub freq_base: f32,
 }
 
-/// The head layout of attention.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The head layout of attention, the scale of its scores and its mask.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionShape {
     /// Query heads.
     pub n_heads: usize,
@@ -45,6 +45,33 @@ pub struct AttentionShape {
     pub n_kv_heads: usize,
     /// Size of one head.
     pub head_dim: usize,
+    /// What each score `q·k` is multiplied by before the softmax (llama.cpp's
+    /// `kq_scale`): `1/sqrt(head_dim)` ([`AttentionShape::new`]), or 1 when the
+    /// architecture scales the queries itself (gemma3).
+    pub scale: f32,
+    /// `Some(w)`: sliding-window attention; a query at position `p` sees only the keys
+    /// at positions `p - w + 1 ..= p` (llama.cpp's `LLAMA_SWA_TYPE_STANDARD`). `None`:
+    /// every key at or before `p`.
+    pub window: Option<usize>,
+}
+
+impl AttentionShape {
+    /// Causal attention over every earlier key, scores scaled by `1/sqrt(head_dim)`.
+    pub fn new(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> AttentionShape {
+        AttentionShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            window: None,
+        }
+    }
+
+    /// True if a query at `q_pos` attends to a key at `k_pos` (a masked slot,
+    /// [`crate::kv::MASKED_POSITION`], never).
+    pub fn sees(&self, q_pos: u32, k_pos: u32) -> bool {
+        k_pos <= q_pos && self.window.is_none_or(|w| ((q_pos - k_pos) as usize) < w)
+    }
 }
 
 /// One matrix product in a batch: `out = x · weightᵀ`.
@@ -228,6 +255,10 @@ pub trait AttentionOps {
 pub trait ElementwiseOps {
     /// `out[i] = silu(gate[i]) * up[i]`.
     fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()>;
+    /// `out[i] = gelu(gate[i]) * up[i]`, GELU in its tanh form (gemma's gated MLP).
+    fn geglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()>;
+    /// `x[i] *= factor`.
+    fn scale(&self, x: &mut [f32], factor: f32) -> Result<()>;
     /// `x[i] += y[i]`.
     fn add_assign(&self, x: &mut [f32], y: &[f32]) -> Result<()>;
     /// Adds `bias` to each row of `x`.

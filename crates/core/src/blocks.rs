@@ -25,6 +25,12 @@ pub const ATTN_Q_NORM: &str = "attn_q_norm.weight";
 pub const ATTN_K_NORM: &str = "attn_k_norm.weight";
 /// `attn_output.weight`: attention output projection.
 pub const ATTN_OUTPUT: &str = "attn_output.weight";
+/// `post_attention_norm.weight` (gemma3): RMSNorm scale of the attention's output,
+/// before the residual add.
+pub const ATTN_POST_NORM: &str = "post_attention_norm.weight";
+/// `post_ffw_norm.weight` (gemma3): RMSNorm scale of the MLP's output, before the
+/// residual add.
+pub const FFN_POST_NORM: &str = "post_ffw_norm.weight";
 /// `ffn_norm.weight`: RMSNorm scale before the MLP.
 pub const FFN_NORM: &str = "ffn_norm.weight";
 /// `ffn_gate.weight`: MLP gate projection.
@@ -51,6 +57,19 @@ pub struct AttentionSpec {
     /// `Some(eps)`: each query and key head is RMS-normed with `attn_q_norm` /
     /// `attn_k_norm` (one scale of the head size) before RoPE (qwen3, gemma3).
     pub qk_norm: Option<f32>,
+    /// `Some(s)`: the queries are multiplied by `s` after RoPE (gemma3, whose scores
+    /// then take a `shape.scale` of 1, as llama.cpp's graph does).
+    pub q_scale: Option<f32>,
+}
+
+/// The activation of a gated MLP: `down(act(gate(x)) * up(x))`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU (SwiGLU: llama, qwen).
+    #[default]
+    Silu,
+    /// GELU, tanh approximation (GeGLU: gemma).
+    GeluTanh,
 }
 
 /// RMSNorm of `x` with the scale `scale`, into the scratch tensor `name`.
@@ -151,6 +170,9 @@ pub fn attention(
             rope: spec.rope,
         });
     }
+    if let Some(factor) = spec.q_scale {
+        g.push(Op::Scale { x: q, factor });
+    }
     g.push(Op::KvWrite { layer, k, v });
     if policy_between_layers {
         g.push(Op::KvPolicy { layer });
@@ -173,6 +195,12 @@ pub fn attention(
 /// The dense SwiGLU MLP: `out = down(silu(gate(x)) * up(x))`, `n_ff` hidden values
 /// per token.
 pub fn ffn_swiglu(g: &mut Graph, x: TensorId, n_ff: usize, out: TensorId) {
+    ffn_gated(g, x, n_ff, Activation::Silu, out)
+}
+
+/// The dense gated MLP: `out = down(act(gate(x)) * up(x))`, `n_ff` hidden values per
+/// token.
+pub fn ffn_gated(g: &mut Graph, x: TensorId, n_ff: usize, act: Activation, out: TensorId) {
     let n = g.desc(x).rows;
     let gate = g.scratch("ffn_gate", n, n_ff);
     let up = g.scratch("ffn_up", n, n_ff);
@@ -184,10 +212,17 @@ pub fn ffn_swiglu(g: &mut Graph, x: TensorId, n_ff: usize, out: TensorId) {
             (WeightRef::layer(FFN_UP), up),
         ],
     });
-    g.push(Op::Swiglu {
-        gate,
-        up,
-        out: hidden,
+    g.push(match act {
+        Activation::Silu => Op::Swiglu {
+            gate,
+            up,
+            out: hidden,
+        },
+        Activation::GeluTanh => Op::Geglu {
+            gate,
+            up,
+            out: hidden,
+        },
     });
     g.push(Op::Matmul {
         x: hidden,

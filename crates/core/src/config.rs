@@ -1,9 +1,9 @@
 //! Model hyper-parameters, read from the GGUF metadata (never from constants).
 
 use crate::backend::{AttentionShape, Rope, RopeStyle};
-use crate::blocks::AttentionSpec;
+use crate::blocks::{Activation, AttentionSpec};
 use crate::error::{Error, Result};
-use crate::gguf::GgufFile;
+use crate::gguf::{Array, GgufFile, Value};
 
 /// The architectures the forward pass implements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -15,6 +15,11 @@ pub enum Architecture {
     /// Qwen3: as qwen2 without the biases, with an RMSNorm of each query and key head
     /// before RoPE and the head size from `attention.key_length`.
     Qwen3,
+    /// Gemma 3: embeddings scaled by `sqrt(d_model)`, per-head Q/K norm, norms after
+    /// attention and after the MLP as well as before, a GELU-gated MLP, queries scaled
+    /// before attention, sliding-window layers interleaved with global ones (each kind
+    /// with its RoPE base), NeoX RoPE, tied output.
+    Gemma3,
 }
 
 impl Architecture {
@@ -24,6 +29,7 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Gemma3 => "gemma3",
         }
     }
 
@@ -31,7 +37,7 @@ impl Architecture {
     pub fn rope_style(self) -> RopeStyle {
         match self {
             Architecture::Llama => RopeStyle::Normal,
-            Architecture::Qwen2 | Architecture::Qwen3 => RopeStyle::Neox,
+            Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Gemma3 => RopeStyle::Neox,
         }
     }
 }
@@ -61,8 +67,14 @@ pub struct ModelConfig {
     pub context_length: usize,
     /// Vocabulary size (rows of the embedding table).
     pub vocab_size: usize,
-    /// How each layer attends (heads, RoPE), one entry per layer.
+    /// How each layer attends (heads, RoPE, window), one entry per layer.
     pub layer_attention: Vec<AttentionSpec>,
+    /// The activation of the gated MLP (GELU for gemma3, SiLU for the others).
+    pub ffn_act: Activation,
+    /// `Some(s)`: the embeddings are multiplied by `s` (gemma3: `sqrt(d_model)`).
+    pub embed_scale: Option<f32>,
+    /// Sliding window of the layers that have one (`{arch}.attention.sliding_window`).
+    pub sliding_window: Option<usize>,
 }
 
 impl ModelConfig {
@@ -74,6 +86,7 @@ impl ModelConfig {
             "llama" => Architecture::Llama,
             "qwen2" => Architecture::Qwen2,
             "qwen3" => Architecture::Qwen3,
+            "gemma3" => Architecture::Gemma3,
             other => {
                 return Err(Error::UnsupportedArchitecture {
                     arch: other.to_string(),
@@ -139,15 +152,80 @@ impl ModelConfig {
             n_dims: n_rot,
             freq_base,
         };
+        let gemma = arch == Architecture::Gemma3;
+        let shape = AttentionShape::new(n_heads, n_kv_heads, head_dim);
         let spec = AttentionSpec {
-            shape: AttentionShape {
-                n_heads,
-                n_kv_heads,
-                head_dim,
+            shape: if gemma {
+                // llama.cpp scales the queries (below) and then the scores by 1.
+                AttentionShape {
+                    scale: 1.0,
+                    ..shape
+                }
+            } else {
+                shape
             },
             rope,
-            qk_norm: (arch == Architecture::Qwen3).then_some(rms_eps),
+            qk_norm: matches!(arch, Architecture::Qwen3 | Architecture::Gemma3).then_some(rms_eps),
+            q_scale: None,
         };
+        let mut layer_attention = vec![spec; n_layers];
+        let mut sliding_window = None;
+        if gemma {
+            let q_scale = gemma3_query_scale(n_layers, d_model, n_heads, head_dim);
+            for spec in &mut layer_attention {
+                spec.q_scale = Some(q_scale);
+            }
+            // Features of other gemma3 files that this pass does not compute: refused,
+            // never run wrong.
+            if let Some(cap) = file
+                .get_f32_opt(&key("final_logit_softcapping"))?
+                .filter(|&c| c != 0.0)
+            {
+                return Err(invalid(
+                    "final_logit_softcapping",
+                    format!("{cap}: logit soft-capping is not implemented"),
+                ));
+            }
+            if let Some(f) = file
+                .get_f32_opt(&key("rope.scaling.factor"))?
+                .filter(|&f| f != 0.0 && f != 1.0)
+            {
+                return Err(invalid(
+                    "rope.scaling.factor",
+                    format!("{f}: RoPE scaling is not implemented"),
+                ));
+            }
+            let window = get_opt("attention.sliding_window")?.filter(|&w| w > 0);
+            if let Some(w) = window {
+                if w > context_length {
+                    return Err(invalid(
+                        "attention.sliding_window",
+                        format!("{w} is larger than the context length {context_length}"),
+                    ));
+                }
+                let swa = swa_layers(file, &key("attention.sliding_window_pattern"), n_layers)?;
+                let local_base = file
+                    .get_f32_opt(&key("rope.freq_base_swa"))?
+                    .unwrap_or(10000.0);
+                if !(local_base.is_finite() && local_base > 0.0) {
+                    return Err(invalid(
+                        "rope.freq_base_swa",
+                        format!("{local_base} is not a positive base"),
+                    ));
+                }
+                for (spec, _) in layer_attention.iter_mut().zip(swa).filter(|(_, s)| *s) {
+                    spec.shape.window = Some(w);
+                    spec.rope.freq_base = local_base;
+                }
+                sliding_window = Some(w);
+            }
+        }
+        if !(freq_base.is_finite() && freq_base > 0.0) {
+            return Err(invalid(
+                "rope.freq_base",
+                format!("{freq_base} is not a positive base"),
+            ));
+        }
         Ok(ModelConfig {
             arch,
             n_layers,
@@ -160,7 +238,14 @@ impl ModelConfig {
             rms_eps,
             context_length,
             vocab_size,
-            layer_attention: vec![spec; n_layers],
+            layer_attention,
+            ffn_act: if gemma {
+                Activation::GeluTanh
+            } else {
+                Activation::Silu
+            },
+            embed_scale: gemma.then(|| (d_model as f32).sqrt()),
+            sliding_window,
         })
     }
 
@@ -173,4 +258,37 @@ impl ModelConfig {
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
     }
+}
+
+/// The query scale of gemma3, as llama.cpp derives it (no GGUF key holds it):
+/// `1/sqrt(head_dim)`, except for the 27B model (62 layers), whose
+/// `query_pre_attn_scalar` is `d_model / n_heads`.
+fn gemma3_query_scale(n_layers: usize, d_model: usize, n_heads: usize, head_dim: usize) -> f32 {
+    if n_layers == 62 {
+        1.0 / ((d_model / n_heads) as f32).sqrt()
+    } else {
+        1.0 / (head_dim as f32).sqrt()
+    }
+}
+
+/// Which layers use the sliding window, as llama.cpp reads `key`
+/// (`{arch}.attention.sliding_window_pattern`): an array of one bool per layer, or a
+/// period `n` (default 6) where layer `i` slides unless `i % n == n - 1` (`n = 0`: all
+/// slide).
+fn swa_layers(file: &GgufFile, key: &str, n_layers: usize) -> Result<Vec<bool>> {
+    let invalid = |why: String| Error::InvalidHyperParameter {
+        key: key.to_string(),
+        why,
+    };
+    if let Some(Value::Array(Array::Bool(v))) = file.get(key) {
+        if v.len() != n_layers {
+            return Err(invalid(format!(
+                "{} entries for {n_layers} layers",
+                v.len()
+            )));
+        }
+        return Ok(v.clone());
+    }
+    let n = file.get_u32_opt(key)?.unwrap_or(6) as usize;
+    Ok((0..n_layers).map(|i| n == 0 || i % n < n - 1).collect())
 }

@@ -1,5 +1,5 @@
 //! [`FeedForward`]: the MLP block of a transformer layer, and [`DenseFfn`], the exact
-//! SwiGLU MLP.
+//! gated MLP (SwiGLU, or GeGLU for gemma).
 
 use crate::backend::{Backend, MatmulJob};
 use crate::blocks;
@@ -52,21 +52,30 @@ pub trait FeedForward: Send {
 /// for callers outside a pass.
 #[derive(Debug, Default)]
 pub struct DenseFfn {
+    act: blocks::Activation,
     gate: Vec<f32>,
     up: Vec<f32>,
     hidden: Vec<f32>,
 }
 
 impl DenseFfn {
-    /// A dense MLP with empty scratch buffers (they grow on first use).
+    /// A dense SwiGLU MLP with empty scratch buffers (they grow on first use).
     pub fn new() -> DenseFfn {
         DenseFfn::default()
+    }
+
+    /// A dense MLP with the activation `act` ([`crate::ModelConfig::ffn_act`]).
+    pub fn with_activation(act: blocks::Activation) -> DenseFfn {
+        DenseFfn {
+            act,
+            ..DenseFfn::default()
+        }
     }
 }
 
 impl FeedForward for DenseFfn {
     fn emit_ops(&self, graph: &mut Graph, _layer: usize, x: TensorId, n_ff: usize, out: TensorId) {
-        blocks::ffn_swiglu(graph, x, n_ff, out);
+        blocks::ffn_gated(graph, x, n_ff, self.act, out);
     }
 
     fn needs_prepare(&self) -> bool {
@@ -104,7 +113,12 @@ impl FeedForward for DenseFfn {
                 },
             ],
         )?;
-        backend.swiglu(&self.gate, &self.up, &mut self.hidden)?;
+        match self.act {
+            blocks::Activation::Silu => backend.swiglu(&self.gate, &self.up, &mut self.hidden)?,
+            blocks::Activation::GeluTanh => {
+                backend.geglu(&self.gate, &self.up, &mut self.hidden)?
+            }
+        }
         backend.matmul(
             &self.hidden,
             n_tokens,

@@ -247,6 +247,22 @@ pub enum Op {
         /// Output.
         out: TensorId,
     },
+    /// `out = gelu(gate) * up`, GELU in its tanh form (gemma's gated MLP).
+    Geglu {
+        /// Gate.
+        gate: TensorId,
+        /// Up.
+        up: TensorId,
+        /// Output.
+        out: TensorId,
+    },
+    /// `x *= factor` (gemma's embedding scale, its query scale).
+    Scale {
+        /// Tensor scaled in place.
+        x: TensorId,
+        /// The factor.
+        factor: f32,
+    },
     /// Host sync point: the model's [`FeedForward`] lever sees `layer`'s attention input
     /// ([`FeedForward::prepare`]).
     FfnPrepare {
@@ -447,6 +463,10 @@ impl std::fmt::Display for Graph {
                 Op::Swiglu { gate, up, out } => {
                     format!("{} = silu({}) * {}", t(out), t(gate), t(up))
                 }
+                Op::Geglu { gate, up, out } => {
+                    format!("{} = gelu({}) * {}", t(out), t(gate), t(up))
+                }
+                Op::Scale { x, factor } => format!("{} *= {factor}", t(x)),
                 Op::FfnPrepare { layer, x } => format!("host sync: mlp prepare {layer} ({})", t(x)),
                 Op::FeedForward { layer, x, out } => {
                     format!("host sync: {} = mlp {layer}({})", t(out), t(x))
@@ -684,6 +704,13 @@ pub fn run_on_host(
                 buffers[out.0] = o;
                 r?;
             }
+            Op::Geglu { gate, up, out } => {
+                let mut o = std::mem::take(&mut buffers[out.0]);
+                let r = backend.geglu(&buffers[gate.0], &buffers[up.0], &mut o);
+                buffers[out.0] = o;
+                r?;
+            }
+            Op::Scale { x, factor } => backend.scale(&mut buffers[x.0], *factor)?,
             Op::FfnPrepare { layer: l, x } => ffn.prepare(*l, &buffers[x.0], n)?,
             Op::FeedForward { layer: l, x, out } => {
                 let w = lw.ok_or_else(|| Error::InvalidArgument {

@@ -77,11 +77,7 @@ fn attend(cache: &dyn KvCache, layer: usize, q: &[f32]) -> Vec<f32> {
 }
 
 fn attend_on(backend: &dyn Backend, cache: &dyn KvCache, layer: usize, q: &[f32]) -> Vec<f32> {
-    let shape = AttentionShape {
-        n_heads: 4,
-        n_kv_heads: SHAPE.n_kv_heads,
-        head_dim: SHAPE.head_dim,
-    };
+    let shape = AttentionShape::new(4, SHAPE.n_kv_heads, SHAPE.head_dim);
     let mut out = vec![0f32; q.len()];
     backend
         .attention(q, &[1_000_000], &cache.view(layer), &shape, &mut out)

@@ -42,11 +42,7 @@ fn attend(
     q: &[f32],
     pos: u32,
 ) -> Vec<f32> {
-    let shape = AttentionShape {
-        n_heads: 1,
-        n_kv_heads: 1,
-        head_dim: 32,
-    };
+    let shape = AttentionShape::new(1, 1, 32);
     let mut out = vec![0f32; 32];
     backend
         .attention(q, &[pos], &cache.view(layer), &shape, &mut out)

@@ -33,9 +33,10 @@ pub enum TinyVocab {
 /// The shape and types of a tiny model.
 #[derive(Clone, Debug)]
 pub struct TinyModelSpec {
-    /// `"llama"`, `"qwen2"` (which adds Q/K/V biases) or `"qwen3"` (which adds the
-    /// per-head Q/K norms and writes `attention.key_length`); anything else makes a file
-    /// the model loader will refuse.
+    /// `"llama"`, `"qwen2"` (which adds Q/K/V biases), `"qwen3"` (which adds the
+    /// per-head Q/K norms and writes `attention.key_length`) or `"gemma3"` (per-head Q/K
+    /// norms, post-attention and post-MLP norms, and the sliding window below); anything
+    /// else makes a file the model loader will refuse.
     pub arch: String,
     /// Transformer blocks.
     pub n_layers: usize,
@@ -62,6 +63,10 @@ pub struct TinyModelSpec {
     pub rope_base: f32,
     /// `context_length`.
     pub context_length: usize,
+    /// gemma3: `attention.sliding_window`, `attention.sliding_window_pattern` (every
+    /// `n`-th layer global) and `rope.freq_base_swa` (the local layers' RoPE base);
+    /// `None`: none of these keys.
+    pub sliding_window: Option<(usize, u32, f32)>,
     /// Seed of the weights.
     pub seed: u64,
 }
@@ -82,6 +87,7 @@ impl Default for TinyModelSpec {
             tied: true,
             rope_base: 10000.0,
             context_length: 256,
+            sliding_window: None,
             seed: 1,
         }
     }
@@ -286,6 +292,17 @@ impl TinyModelSpec {
             format!("{a}.attention.layer_norm_rms_epsilon"),
             Value::F32(1e-5),
         )?;
+        if let Some((window, pattern, local_base)) = self.sliding_window {
+            w.add_metadata(
+                format!("{a}.attention.sliding_window"),
+                Value::U32(window as u32),
+            )?;
+            w.add_metadata(
+                format!("{a}.attention.sliding_window_pattern"),
+                Value::U32(pattern),
+            )?;
+            w.add_metadata(format!("{a}.rope.freq_base_swa"), Value::F32(local_base))?;
+        }
         match self.vocab {
             TinyVocab::ByteLevel => {
                 let mut tokens: Vec<String> =
@@ -349,9 +366,13 @@ impl TinyModelSpec {
             matrix(&mut w, &n("ffn_gate.weight"), t, d, ff)?;
             matrix(&mut w, &n("ffn_up.weight"), t, d, ff)?;
             matrix(&mut w, &n("ffn_down.weight"), t, ff, d)?;
-            if self.arch == "qwen3" {
+            if self.arch == "qwen3" || self.arch == "gemma3" {
                 norm(&mut w, &n("attn_q_norm.weight"), hd as u64)?;
                 norm(&mut w, &n("attn_k_norm.weight"), hd as u64)?;
+            }
+            if self.arch == "gemma3" {
+                norm(&mut w, &n("post_attention_norm.weight"), d)?;
+                norm(&mut w, &n("post_ffw_norm.weight"), d)?;
             }
             if self.arch == "qwen2" {
                 for (name, len) in [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)] {
@@ -390,8 +411,10 @@ pub fn gpu_for_tests() -> Option<std::sync::Arc<crate::gpu::GpuContext>> {
 /// The tiny models whose first-step logits were also computed by llama.cpp (recorded
 /// in `tests/data/llama_cpp_logits.json`; `cargo xtask tiny-model NAME FILE` writes
 /// one): `llama-spm` (the TinyLlama / Mistral layout: llama with the SentencePiece
-/// vocabulary) and `qwen3` (per-head Q/K norm, a head size that is not
-/// `d_model / n_heads`). F32 weights, so no activation is quantized on either side.
+/// vocabulary), `qwen3` (per-head Q/K norm, a head size that is not
+/// `d_model / n_heads`) and `gemma3` (three layers, the middle one global, the others
+/// with a window of 4 tokens and their own RoPE base, so ten tokens cross the window).
+/// F32 weights, so no activation is quantized on either side.
 pub fn reference_spec(name: &str) -> Option<TinyModelSpec> {
     let base = TinyModelSpec {
         weight_type: GgmlType::F32,
@@ -408,6 +431,15 @@ pub fn reference_spec(name: &str) -> Option<TinyModelSpec> {
             head_dim: Some(32),
             rope_base: 1_000_000.0,
             tied: true,
+            ..base.clone()
+        }),
+        "gemma3" => Some(TinyModelSpec {
+            arch: "gemma3".into(),
+            n_layers: 3,
+            head_dim: Some(32),
+            rope_base: 1_000_000.0,
+            sliding_window: Some((4, 2, 10_000.0)),
+            tied: true,
             ..base
         }),
         _ => None,
@@ -415,4 +447,4 @@ pub fn reference_spec(name: &str) -> Option<TinyModelSpec> {
 }
 
 /// Names [`reference_spec`] knows.
-pub const REFERENCE_SPECS: &[&str] = &["llama-spm", "qwen3"];
+pub const REFERENCE_SPECS: &[&str] = &["llama-spm", "qwen3", "gemma3"];

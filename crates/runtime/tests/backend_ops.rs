@@ -397,7 +397,7 @@ fn rope_case(
 }
 
 /// The element type of the cache in an attention case.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum KvElem {
     F32,
     F16,
@@ -426,12 +426,12 @@ fn attention_case(
         KvElem::Q8 => head_dim.div_ceil(Q8_BLOCK) * Q8_BLOCK,
         _ => head_dim,
     };
-    let shape = AttentionShape {
-        n_heads: n_kv_heads * group,
-        n_kv_heads,
-        head_dim,
-    };
     let total = cached + n;
+    // One case in three slides a window over the cache (gemma3's local layers).
+    let shape = AttentionShape {
+        window: (seed % 3 == 0).then(|| 1 + (seed / 3) as usize % total),
+        ..AttentionShape::new(n_kv_heads * group, n_kv_heads, head_dim)
+    };
     let kv_dim = n_kv_heads * head_dim;
     let keys = values(seed, total * kv_dim, 1.0);
     let vals = values(seed + 1, total * kv_dim, 1.0);
@@ -501,7 +501,47 @@ fn attention_case(
         KvElem::F32 | KvElem::Q8 => 1e-5,
     };
     let mag: Vec<f64> = want.iter().map(|_| 1.0).collect();
-    check_close("attention", &got, &want, &mag, tolerance)
+    check_close("attention", &got, &want, &mag, tolerance)?;
+    if elem == KvElem::F32 {
+        // Against an f64 statement of the mask: causal, masked slots skipped, and for a
+        // window only the keys within it.
+        let kv_of = |h: usize| h / group;
+        let mut exact = vec![0f64; q.len()];
+        for (t, &qp) in q_pos.iter().enumerate() {
+            for h in 0..shape.n_heads {
+                let qo = (t * shape.n_heads + h) * head_dim;
+                let ko = kv_of(h) * head_dim;
+                let seen: Vec<usize> = (0..total)
+                    .filter(|&i| {
+                        let kp = positions[i];
+                        kp <= qp && shape.window.is_none_or(|w| ((qp - kp) as usize) < w)
+                    })
+                    .collect();
+                let scores: Vec<f64> = seen
+                    .iter()
+                    .map(|&i| {
+                        (0..head_dim)
+                            .map(|d| q[qo + d] as f64 * keys[i * kv_dim + ko + d] as f64)
+                            .sum::<f64>()
+                            * shape.scale as f64
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let sum: f64 = w.iter().sum();
+                for d in 0..head_dim {
+                    exact[qo + d] = seen
+                        .iter()
+                        .zip(&w)
+                        .map(|(&i, &wi)| wi / sum * vals[i * kv_dim + ko + d] as f64)
+                        .sum();
+                }
+            }
+        }
+        let exact: Vec<f32> = exact.iter().map(|&v| v as f32).collect();
+        check_close("attention vs f64", &got, &exact, &mag, 1e-4)?;
+    }
+    Ok(())
 }
 
 fn elementwise_case(
@@ -525,6 +565,31 @@ fn elementwise_case(
     be.swiglu(&a, &b, &mut got).unwrap();
     reference().swiglu(&a, &b, &mut want).unwrap();
     check_close("swiglu", &got, &want, &mag, 1e-6)?;
+
+    // GeGLU: ggml's f16 table on the CPU, the same roundings with the device's tanh on
+    // a GPU; both within f16 rounding of the f64 formula.
+    let mut got = vec![f32::NAN; len];
+    let mut want = vec![f32::NAN; len];
+    be.geglu(&a, &b, &mut got).unwrap();
+    reference().geglu(&a, &b, &mut want).unwrap();
+    check_close("geglu", &got, &want, &mag, 1e-3)?;
+    let exact: Vec<f32> = a
+        .iter()
+        .zip(&b)
+        .map(|(&g, &u)| {
+            let g = g as f64;
+            let gelu = 0.5
+                * g
+                * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g)).tanh());
+            (gelu * u as f64) as f32
+        })
+        .collect();
+    check_close("geglu vs f64", &got, &exact, &mag, 3e-3)?;
+
+    let mut got = a.clone();
+    be.scale(&mut got, 0.0625).unwrap();
+    let want: Vec<f32> = a.iter().map(|x| x * 0.0625).collect();
+    prop_assert_eq!(&got, &want);
 
     let mut got = a.clone();
     be.add_assign(&mut got, &b).unwrap();
@@ -682,11 +747,7 @@ fn mismatched_lengths_case(be: &dyn Backend) {
         freq_base: 10000.0,
     };
     named(be.rope(&mut out, &[0, 1], 1, 4, &rope), "RoPE input");
-    let shape = AttentionShape {
-        n_heads: 2,
-        n_kv_heads: 1,
-        head_dim: 4,
-    };
+    let shape = AttentionShape::new(2, 1, 4);
     let kv = DenseKv::new(
         KvShape {
             n_layers: 1,
@@ -774,11 +835,7 @@ fn an_activation_type_as_weight_is_a_named_error() {
 #[cfg(feature = "gpu")]
 fn a_view_mixing_element_types_is_a_named_error() {
     let Some(be) = wgpu() else { return };
-    let shape = AttentionShape {
-        n_heads: 1,
-        n_kv_heads: 1,
-        head_dim: 32,
-    };
+    let shape = AttentionShape::new(1, 1, 32);
     let full = [0.5f32; 32];
     let halves = [f16::from_f32(0.5); 32];
     let view = KvView {

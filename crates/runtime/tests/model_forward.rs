@@ -8,7 +8,7 @@ use ballast_runtime::gguf::{GgufFile, GgufWriter, Value};
 use ballast_runtime::kv::{DenseKv, KvDtype};
 use ballast_runtime::model::Logits;
 use ballast_runtime::quant;
-use ballast_runtime::testing::{TinyModelSpec, TINY_VOCAB};
+use ballast_runtime::testing::{reference_spec, TinyModelSpec, TINY_VOCAB};
 use ballast_runtime::{CpuBackend, Error, Model, Session};
 use proptest::prelude::*;
 
@@ -59,9 +59,10 @@ fn reference_logits(spec: &TinyModelSpec, ids: &[u32]) -> Vec<Vec<f64>> {
     let file = GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap();
     let (d, hd) = (spec.d_model, spec.head_dim());
     let group = spec.n_heads / spec.n_kv_heads;
-    let neox = spec.arch == "qwen2" || spec.arch == "qwen3";
+    let gemma = spec.arch == "gemma3";
+    let neox = spec.arch == "qwen2" || spec.arch == "qwen3" || gemma;
     let biases = spec.arch == "qwen2";
-    let qk_norm = spec.arch == "qwen3";
+    let qk_norm = spec.arch == "qwen3" || gemma;
     let embd = tensor(&file, "token_embd.weight");
     let out_w = if spec.tied {
         embd.clone()
@@ -72,7 +73,19 @@ fn reference_logits(spec: &TinyModelSpec, ids: &[u32]) -> Vec<Vec<f64>> {
         .iter()
         .map(|&id| embd[id as usize * d..(id as usize + 1) * d].to_vec())
         .collect();
+    if gemma {
+        // gemma3 scales the embeddings by sqrt(d_model).
+        for x in &mut xs {
+            x.iter_mut().for_each(|v| *v *= (d as f64).sqrt());
+        }
+    }
     for l in 0..spec.n_layers {
+        // gemma3: a layer slides its window unless it is every pattern-th one, and has the
+        // local RoPE base.
+        let (window, base) = match spec.sliding_window {
+            Some((w, n, local)) if (l as u32) % n < n - 1 => (w, local as f64),
+            _ => (usize::MAX, spec.rope_base as f64),
+        };
         let t = |s: &str| tensor(&file, &format!("blk.{l}.{s}"));
         let bias = |s: &str, n: usize| {
             if biases {
@@ -106,8 +119,8 @@ fn reference_logits(spec: &TinyModelSpec, ids: &[u32]) -> Vec<Vec<f64>> {
                 q = q.chunks(hd).flat_map(|h| rms_norm(h, &qn, 1e-5)).collect();
                 k = k.chunks(hd).flat_map(|h| rms_norm(h, &kn, 1e-5)).collect();
             }
-            rope(&mut q, p, hd, spec.rope_base as f64, neox);
-            rope(&mut k, p, hd, spec.rope_base as f64, neox);
+            rope(&mut q, p, hd, base, neox);
+            rope(&mut k, p, hd, base, neox);
             qs.push(q);
             ks.push(k);
             vs.push(add(matvec(&wv, &h), &bv));
@@ -117,7 +130,8 @@ fn reference_logits(spec: &TinyModelSpec, ids: &[u32]) -> Vec<Vec<f64>> {
             for h in 0..spec.n_heads {
                 let kvh = h / group;
                 let q = &qs[p][h * hd..(h + 1) * hd];
-                let scores: Vec<f64> = (0..=p)
+                let first = (p + 1).saturating_sub(window);
+                let scores: Vec<f64> = (first..=p)
                     .map(|j| {
                         q.iter()
                             .zip(&ks[j][kvh * hd..(kvh + 1) * hd])
@@ -129,13 +143,16 @@ fn reference_logits(spec: &TinyModelSpec, ids: &[u32]) -> Vec<Vec<f64>> {
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
                 let sum: f64 = e.iter().sum();
-                for (j, w) in e.iter().enumerate() {
+                for (j, w) in (first..=p).zip(&e) {
                     for i in 0..hd {
                         attn[h * hd + i] += w / sum * vs[j][kvh * hd + i];
                     }
                 }
             }
-            let o = matvec(&wo, &attn);
+            let mut o = matvec(&wo, &attn);
+            if gemma {
+                o = rms_norm(&o, &t("post_attention_norm.weight"), 1e-5);
+            }
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
@@ -145,9 +162,19 @@ fn reference_logits(spec: &TinyModelSpec, ids: &[u32]) -> Vec<Vec<f64>> {
             let act: Vec<f64> = g
                 .iter()
                 .zip(&u)
-                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .map(|(&g, u)| {
+                    if gemma {
+                        let c = (2.0 / std::f64::consts::PI).sqrt();
+                        0.5 * g * (1.0 + (c * (g + 0.044715 * g * g * g)).tanh()) * u
+                    } else {
+                        g / (1.0 + (-g).exp()) * u
+                    }
+                })
                 .collect();
-            let down = matvec(&t("ffn_down.weight"), &act);
+            let mut down = matvec(&t("ffn_down.weight"), &act);
+            if gemma {
+                down = rms_norm(&down, &t("post_ffw_norm.weight"), 1e-5);
+            }
             for (a, b) in x.iter_mut().zip(&down) {
                 *a += b;
             }
@@ -253,6 +280,35 @@ fn qwen3_with_head_norms_and_key_length_matches_reference() {
             ..spec
         },
         0.05,
+    );
+}
+
+// gemma3: embeddings scaled, per-head Q/K norms, post-norms, GeGLU, queries scaled, and
+// three layers of which the first and last slide a window of 4 over the ten tokens with
+// their own RoPE base. The GELU goes through ggml's f16 table (about 2^-11 relative).
+#[test]
+fn gemma3_with_sliding_windows_matches_reference() {
+    let spec = reference_spec("gemma3").unwrap();
+    check_against_reference(spec.clone(), 1e-2);
+    // A window wider than the text gives the same first four rows, bit for bit, and
+    // other last rows: the test above does see the window.
+    let wide = TinyModelSpec {
+        sliding_window: spec.sliding_window.map(|(_, n, base)| (256, n, base)),
+        ..spec.clone()
+    };
+    let ids = [72u32, 101, 108, 108, 111, 44, 32, 119, 256, 3];
+    let windowed = all_logits(&mut load(&spec, 1), &ids);
+    let full = all_logits(&mut load(&wide, 1), &ids);
+    let vocab = spec.vocab_size();
+    assert_eq!(windowed[..4 * vocab], full[..4 * vocab]);
+    let diff = windowed[9 * vocab..]
+        .iter()
+        .zip(&full[9 * vocab..])
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        diff > 1e-2,
+        "the window moved the last logits by only {diff}"
     );
 }
 
@@ -485,4 +541,92 @@ fn a_qwen3_file_missing_or_misshaping_its_head_norms_is_a_named_error() {
         Error::TensorShape { tensor, .. } => assert_eq!(tensor, "blk.0.attn_q.weight"),
         other => panic!("unexpected: {other}"),
     }
+}
+
+// A gemma3 file with a bad window, window pattern or unsupported feature, or without
+// one of its norms, is refused by an error naming the key or tensor.
+#[test]
+fn a_malformed_gemma3_file_is_a_named_error() {
+    let spec = reference_spec("gemma3").unwrap();
+    let cpu = || -> Arc<dyn ballast_runtime::Backend> { Arc::new(CpuBackend::new(1)) };
+    let key_error = |meta: &[(&str, Value)], want: &str| match Model::load(
+        rewritten(&spec, "", meta),
+        cpu(),
+        false,
+    )
+    .err()
+    .expect("refused")
+    {
+        Error::InvalidHyperParameter { key, why } => {
+            assert_eq!(key, want, "{why}");
+            eprintln!("{key}: {why}");
+        }
+        Error::GgufWrongType { key, .. } => assert_eq!(key, want),
+        other => panic!("unexpected: {other}"),
+    };
+    // A window larger than the context.
+    key_error(
+        &[("gemma3.attention.sliding_window", Value::U32(4096))],
+        "gemma3.attention.sliding_window",
+    );
+    // A window that is not a number.
+    key_error(
+        &[(
+            "gemma3.attention.sliding_window",
+            Value::String("wide".into()),
+        )],
+        "gemma3.attention.sliding_window",
+    );
+    // A per-layer pattern of the wrong length.
+    key_error(
+        &[(
+            "gemma3.attention.sliding_window_pattern",
+            Value::Array(ballast_runtime::gguf::Array::Bool(vec![true, false])),
+        )],
+        "gemma3.attention.sliding_window_pattern",
+    );
+    // A local RoPE base that is no base.
+    key_error(
+        &[("gemma3.rope.freq_base_swa", Value::F32(-1.0))],
+        "gemma3.rope.freq_base_swa",
+    );
+    // Features this pass does not compute.
+    key_error(
+        &[("gemma3.final_logit_softcapping", Value::F32(30.0))],
+        "gemma3.final_logit_softcapping",
+    );
+    key_error(
+        &[("gemma3.rope.scaling.factor", Value::F32(8.0))],
+        "gemma3.rope.scaling.factor",
+    );
+    for missing in [
+        "blk.1.post_attention_norm.weight",
+        "blk.2.post_ffw_norm.weight",
+        "blk.0.attn_q_norm.weight",
+    ] {
+        match Model::load(rewritten(&spec, missing, &[]), cpu(), false)
+            .err()
+            .expect("refused")
+        {
+            Error::GgufMissingTensor { tensor, .. } => assert_eq!(tensor, missing),
+            other => panic!("unexpected: {other}"),
+        }
+    }
+    // A per-layer pattern of the right length is read as given.
+    let file = rewritten(
+        &spec,
+        "",
+        &[(
+            "gemma3.attention.sliding_window_pattern",
+            Value::Array(ballast_runtime::gguf::Array::Bool(vec![false, true, true])),
+        )],
+    );
+    let model = Model::load(file, cpu(), false).unwrap();
+    let windows: Vec<Option<usize>> = model
+        .config()
+        .layer_attention
+        .iter()
+        .map(|a| a.shape.window)
+        .collect();
+    assert_eq!(windows, [None, Some(4), Some(4)]);
 }

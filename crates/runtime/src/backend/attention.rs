@@ -29,6 +29,16 @@ pub(crate) struct HeadSlot {
     pub row_len: usize,
     /// Elements per head.
     pub head_dim: usize,
+    /// Sliding window: a query at `p` sees keys at `p - window + 1 ..= p` only
+    /// (`u32::MAX`: every key at or before `p`).
+    pub window: u32,
+}
+
+/// True if a query at `q_pos` skips the key at `p` (later, masked, or out of the
+/// window).
+#[inline(always)]
+fn skipped(p: u32, q_pos: u32, window: u32) -> bool {
+    p > q_pos || q_pos - p >= window
 }
 
 fn round_f16(x: f32) -> f32 {
@@ -95,7 +105,7 @@ pub(crate) fn attend_head_reference(
     let mut sum = 0f32;
     for seg in &kv.segments {
         for (i, &p) in seg.positions.iter().enumerate() {
-            if p > q_pos {
+            if skipped(p, q_pos, slot.window) {
                 continue;
             }
             let start = i * slot.row_len + slot.offset;
@@ -226,7 +236,7 @@ mod x86 {
         let mut sum = 0f32;
         for seg in &kv.segments {
             for (i, &p) in seg.positions.iter().enumerate() {
-                if p > q_pos {
+                if super::skipped(p, q_pos, slot.window) {
                     continue;
                 }
                 let start = i * slot.row_len + slot.offset;
@@ -352,6 +362,7 @@ mod tests {
                         offset: kv_head * hd,
                         row_len,
                         head_dim: hd,
+                        window: u32::MAX,
                     };
                     let mut a = vec![f32::NAN; hd];
                     let mut b = vec![f32::NAN; hd];

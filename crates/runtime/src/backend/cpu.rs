@@ -336,7 +336,7 @@ impl AttentionOps for CpuBackend {
         let start = Instant::now();
         let work = n_tokens * shape.n_heads;
         // llama.cpp's `kq_scale`.
-        let scale = 1.0 / (shape.head_dim as f32).sqrt();
+        let scale = shape.scale;
         let out_ptr = SyncPtr(out.as_mut_ptr());
         self.pool.run(&|thread, n_threads| {
             let range = split_range(work, 1, thread, n_threads);
@@ -354,6 +354,7 @@ impl AttentionOps for CpuBackend {
                         offset: kv_head * shape.head_dim,
                         row_len: shape.n_kv_heads * shape.head_dim,
                         head_dim: shape.head_dim,
+                        window: window_of(shape),
                     };
                     attend_head(
                         &q[off..off + shape.head_dim],
@@ -372,11 +373,30 @@ impl AttentionOps for CpuBackend {
     }
 }
 
+/// The window of `shape` as [`HeadSlot::window`] takes it (`u32::MAX`: none).
+fn window_of(shape: &AttentionShape) -> u32 {
+    shape
+        .window
+        .map_or(u32::MAX, |w| u32::try_from(w).unwrap_or(u32::MAX))
+}
+
 impl ElementwiseOps for CpuBackend {
     fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
         check_len("SwiGLU up", gate.len(), up.len())?;
         check_len("SwiGLU output", gate.len(), out.len())?;
         self.timed(OpKind::Other, || elementwise::swiglu(gate, up, out));
+        Ok(())
+    }
+
+    fn geglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
+        check_len("GeGLU up", gate.len(), up.len())?;
+        check_len("GeGLU output", gate.len(), out.len())?;
+        self.timed(OpKind::Other, || elementwise::geglu(gate, up, out));
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut [f32], factor: f32) -> Result<()> {
+        self.timed(OpKind::Other, || x.iter_mut().for_each(|v| *v *= factor));
         Ok(())
     }
 

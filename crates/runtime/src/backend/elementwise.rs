@@ -113,6 +113,41 @@ pub(crate) fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
     swiglu_impl(gate, up, out)
 }
 
+/// GELU, tanh form, as ggml's `ggml_gelu_f32` states it (gcc fuses `1 + a*x*x`).
+pub(crate) fn gelu_tanh(x: f32) -> f32 {
+    const GELU_COEF_A: f32 = 0.044715;
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let inner = SQRT_2_OVER_PI * x * (GELU_COEF_A * x).mul_add(x, 1.0);
+    0.5 * x * (1.0 + inner.tanh())
+}
+
+/// ggml's `ggml_table_gelu_f16`: GELU of every f16 value, rounded to f16.
+fn gelu_table() -> &'static [half::f16] {
+    use std::sync::OnceLock;
+    static TABLE: OnceLock<Vec<half::f16>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|b| half::f16::from_f32(gelu_tanh(half::f16::from_bits(b).to_f32())))
+            .collect()
+    })
+}
+
+/// `out[i] = gelu(gate[i]) * up[i]`, as ggml's CPU `ggml_vec_geglu_f32` (built with
+/// `GGML_GELU_FP16`): 0 at or below -10, the gate itself at or above 10, else the
+/// f16 table's GELU of the gate rounded to f16.
+pub(crate) fn geglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    let table = gelu_table();
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = if g <= -10.0 {
+            0.0
+        } else if g >= 10.0 {
+            g * u
+        } else {
+            table[half::f16::from_f32(g).to_bits() as usize].to_f32() * u
+        };
+    }
+}
+
 /// Rotates each head of each row of `x` by its token's position. At most 512 rotated
 /// dimensions per head.
 pub(crate) fn rope(x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, rope: &Rope) {
@@ -143,6 +178,32 @@ mod tests {
         }
         assert_eq!(expf_ggml(-200.0), 0.0);
         assert_eq!(expf_ggml(200.0), f32::INFINITY);
+    }
+
+    /// GELU at known points; GeGLU through the f16 table is within f16 rounding of the
+    /// f32 formula, and follows ggml's clamps.
+    #[test]
+    fn geglu_follows_gelu() {
+        assert_eq!(gelu_tanh(0.0), 0.0);
+        assert!((gelu_tanh(1.0) - 0.841_192).abs() < 1e-5);
+        assert!((gelu_tanh(-1.0) + 0.158_808).abs() < 1e-5);
+        let gate: Vec<f32> = (0..2000).map(|i| (i as f32 - 1000.0) * 0.0123).collect();
+        let up: Vec<f32> = (0..2000).map(|i| (i as f32 * 0.7).sin()).collect();
+        let mut out = vec![f32::NAN; 2000];
+        geglu(&gate, &up, &mut out);
+        for ((&g, &u), &o) in gate.iter().zip(&up).zip(&out) {
+            let want = if g <= -10.0 {
+                0.0
+            } else if g >= 10.0 {
+                g * u
+            } else {
+                gelu_tanh(g) * u
+            };
+            // The gate rounded to f16 moves it by up to |g| 2^-11 (GELU's slope is below
+            // 1.13), and the GELU rounded to f16 by |gelu| 2^-11.
+            let tol = (1.13 * g.abs() + gelu_tanh(g).abs()) * u.abs() / 2048.0 + 1e-7;
+            assert!((o - want).abs() <= tol, "{g}: {o} vs {want}");
+        }
     }
 
     /// The FMA-compiled ops give the same bits as the portable ones.

@@ -4,6 +4,7 @@
 
 pub mod blocks;
 mod config;
+mod gemma3;
 mod llama;
 
 use std::sync::Arc;
@@ -111,6 +112,7 @@ pub fn layer_tensors(config: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
         Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 => {
             llama::layer_tensors(config, layer)
         }
+        Architecture::Gemma3 => gemma3::layer_tensors(config, layer),
     }
 }
 
@@ -244,12 +246,8 @@ impl Model {
         let config = ModelConfig::from_gguf(&file)?;
         let (globals, layers) = load_weights(&file, &config)?;
         let store = Box::new(ResidentStore::new(globals, layers, mapped));
-        Ok(Model::from_parts(
-            config,
-            store,
-            backend,
-            Box::new(DenseFfn::new()),
-        ))
+        let ffn = Box::new(DenseFfn::with_activation(config.ffn_act));
+        Ok(Model::from_parts(config, store, backend, ffn))
     }
 
     /// A model from its parts: any store, backend and MLP.
@@ -275,7 +273,7 @@ impl Model {
     /// buffers and the exact MLP: what a second session runs on. Nothing is copied but
     /// a reference count.
     pub fn share(&self) -> Model {
-        self.share_with_ffn(Box::new(DenseFfn::new()))
+        self.share_with_ffn(Box::new(DenseFfn::with_activation(self.config().ffn_act)))
     }
 
     /// Like [`Model::share`], with `ffn` as this handle's MLP.
@@ -502,6 +500,14 @@ impl Model {
         let config = &self.shared.config;
         match config.arch {
             Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 => llama::build(
+                config,
+                key.tokens,
+                key.head.as_ref(),
+                key.greedy,
+                key.policy_between_layers,
+                self.ffn.as_ref(),
+            ),
+            Architecture::Gemma3 => gemma3::build(
                 config,
                 key.tokens,
                 key.head.as_ref(),

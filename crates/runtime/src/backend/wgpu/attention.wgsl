@@ -1,6 +1,6 @@
 // Causal grouped-query attention over the cached keys and values of one layer. One
 // workgroup per (query head, token): scores of the cached tokens whose position is at
-// most the query's (a masked slot, MASKED_POSITION = u32::MAX, is never), softmax,
+// most the query's and within its window (a masked slot, MASKED_POSITION = u32::MAX, is never), softmax,
 // weighted sum of the values (the CPU backend's order per element).
 //
 // Keys and values are read in the type they are stored in, so a cache never has an f32
@@ -11,7 +11,9 @@
 // the buffer, so q8 blocks are too.
 
 // a: (n_tokens, n_heads, n_kv_heads, head_dim); b: (cached tokens, score row stride,
-// first scale word of the keys, of the values); f.x: 1/sqrt(head_dim).
+// first scale word of the keys, of the values); f.x: the score scale (kq_scale);
+// f.y: the sliding window as the bits of a u32 (a query at position p sees keys at
+// p - window + 1 ..= p; 0xffffffff: no window).
 @group(0) @binding(1) var<storage, read> q: array<f32>;
 @group(0) @binding(2) var<storage, read> kc: array<u32>;
 @group(0) @binding(3) var<storage, read> vc: array<u32>;
@@ -50,6 +52,12 @@ fn key(e: u32) -> f32 {
 
 fn value(e: u32) -> f32 {
     return decode(VTYPE, vc[e >> VTYPE], vc[p.b.w + (e >> 6u)], e);
+}
+
+// True if the query at qp attends to the key at kp: not later (a masked slot never
+// is), and within the window.
+fn sees(kp: u32, qp: u32) -> bool {
+    return kp <= qp && qp - kp < bitcast<u32>(p.f.y);
 }
 
 var<workgroup> red: array<f32, 64>;
@@ -118,7 +126,7 @@ fn attention(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id
     var mx = -3.0e38;
     var found = 0.0;
     for (var i = lid.x; i < n; i += 64u) {
-        if (kpos[i] <= qp) {
+        if (sees(kpos[i], qp)) {
             var s = dot_cpu_order(qo, i * kv_dim + kvh * hd, hd) * p.f.x;
             scores[sb + i] = s;
             mx = max(mx, s);
@@ -130,7 +138,7 @@ fn attention(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id
     var sum = 0.0;
     for (var i = lid.x; i < n; i += 64u) {
         var e = 0.0;
-        if (kpos[i] <= qp) {
+        if (sees(kpos[i], qp)) {
             e = exp(scores[sb + i] - all_max);
         }
         scores[sb + i] = e;

@@ -273,6 +273,29 @@ impl ElementwiseOps for WgpuBackend {
         })
     }
 
+    fn geglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
+        check_len("GeGLU up", gate.len(), up.len())?;
+        check_len("GeGLU output", gate.len(), out.len())?;
+        self.host_op(OpKind::Other, out, |rec| {
+            let g = self.upload(bytemuck::cast_slice(gate), "gate")?;
+            let u = self.upload(bytemuck::cast_slice(up), "up")?;
+            let dst = self.scratch(gate.len() * 4, "geglu output")?;
+            self.record_elementwise(rec, "geglu", &[dst.raw(), g.raw(), u.raw()], gate.len(), 1);
+            rec.keep(g);
+            rec.keep(u);
+            Ok(dst)
+        })
+    }
+
+    fn scale(&self, x: &mut [f32], factor: f32) -> Result<()> {
+        let input = x.to_vec();
+        self.host_op(OpKind::Other, x, |rec| {
+            let xb = self.upload(bytemuck::cast_slice(&input), "scaled")?;
+            self.record_elementwise_by(rec, "scale", &[xb.raw()], input.len(), 1, factor);
+            Ok(xb)
+        })
+    }
+
     fn add_assign(&self, x: &mut [f32], y: &[f32]) -> Result<()> {
         check_len("addend", x.len(), y.len())?;
         let input = x.to_vec();

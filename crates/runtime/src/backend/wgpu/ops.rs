@@ -236,13 +236,30 @@ impl WgpuBackend {
         len: usize,
         period: usize,
     ) {
+        self.record_elementwise_by(rec, entry, bindings, len, period, 0.0)
+    }
+
+    /// [`Self::record_elementwise`] with the factor an entry reads (`scale`).
+    pub(super) fn record_elementwise_by(
+        &self,
+        rec: &mut Recorder<'_>,
+        entry: &'static str,
+        bindings: &[&wgpu::Buffer],
+        len: usize,
+        period: usize,
+        factor: f32,
+    ) {
         let inputs = bindings.len() as u64;
         rec.dispatch(
             &ELEMENTWISE,
             entry,
             &[],
             bindings,
-            Params::new([len as u32, period as u32, 0, 0], [0; 4], [0.0; 4]),
+            Params::new(
+                [len as u32, period as u32, 0, 0],
+                [0; 4],
+                [factor, 0.0, 0.0, 0.0],
+            ),
             [len.div_ceil(64) as u32, 1, 1],
             entry,
             len as u64 * 4 * inputs,
@@ -268,6 +285,10 @@ impl WgpuBackend {
         shape: &AttentionShape,
         out: &wgpu::Buffer,
     ) -> Result<()> {
+        // The kernel reads the window as the bits of a u32 (u32::MAX: none).
+        let window = shape
+            .window
+            .map_or(u32::MAX, |w| u32::try_from(w).unwrap_or(u32::MAX));
         // A power of two, so the buffer's size (and the bind group with it) changes only
         // as often as the cache doubles.
         let stride = n_cached.max(1).next_power_of_two();
@@ -297,7 +318,7 @@ impl WgpuBackend {
                     keys.scale_word as u32,
                     values.scale_word as u32,
                 ],
-                [1.0 / (shape.head_dim as f32).sqrt(), 0.0, 0.0, 0.0],
+                [shape.scale, f32::from_bits(window), 0.0, 0.0],
             ),
             [shape.n_heads as u32, n_tokens as u32, 1],
             "attention",
@@ -621,11 +642,7 @@ mod tests {
             return;
         };
         let be = WgpuBackend::new(ctx);
-        let shape = AttentionShape {
-            n_heads: 4,
-            n_kv_heads: 2,
-            head_dim: 32,
-        };
+        let shape = AttentionShape::new(4, 2, 32);
         let (rows, n_tokens) = (5, 2);
         for elem in [KvElem::F32, KvElem::F16, KvElem::Q8] {
             let report = with_view(elem, rows, shape.n_kv_heads * shape.head_dim, |view| {

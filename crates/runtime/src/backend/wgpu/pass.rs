@@ -501,6 +501,20 @@ impl WgpuBackend {
                         1,
                     );
                 }
+                Op::Geglu { gate, up, out } => {
+                    let len = graph.desc(*out).len();
+                    self.record_elementwise(
+                        &mut rec,
+                        "geglu",
+                        &[buf(*out), buf(*gate), buf(*up)],
+                        len,
+                        1,
+                    );
+                }
+                Op::Scale { x, factor } => {
+                    let len = graph.desc(*x).len();
+                    self.record_elementwise_by(&mut rec, "scale", &[buf(*x)], len, 1, *factor);
+                }
                 Op::Rows { x, first, out } => {
                     let width = graph.desc(*x).width;
                     let len = graph.desc(*out).len();
