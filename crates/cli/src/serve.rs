@@ -114,15 +114,9 @@ fn load(args: &ServeArgs) -> Result<Engine> {
     let path = common::resolve_model(args.model.model.as_deref())?;
     let mut sessions = Vec::with_capacity(parallel);
     for _ in 0..parallel {
-        // Each slot's handle gets its own MLP: the sparse one too, with --sparsity
-        // (`Model::share` alone would give it the dense one).
-        let (model, _) = common::apply_sparsity(
-            args.model.sparsity,
-            args.model.sparsity_profile.as_deref(),
-            &path,
-            &loaded.file,
-            loaded.model.share(),
-        )?;
+        // A slot holds a cache and a history; the passes run on the engine's handle
+        // below, so the slot's own handle needs no MLP lever.
+        let model = loaded.model.share();
         let (cache, policy) = args.kv.build(&model, args.ctx)?;
         let mut session = Session::with_cache(model, cache, policy);
         session.set_batch(args.batch);
@@ -134,7 +128,8 @@ fn load(args: &ServeArgs) -> Result<Engine> {
         args.ctx,
         loaded.model.backend().name()
     );
-    // The handle every step's pass runs on, with the MLP the slots have.
+    // The handle every step's pass runs on, for all slots: with --sparsity, the sparse
+    // MLP (`Model::share` alone would give the dense one).
     let (model, _) = common::apply_sparsity(
         args.model.sparsity,
         args.model.sparsity_profile.as_deref(),
