@@ -35,7 +35,8 @@ const USAGE: &str =
                 names no wgpu, tokenizers, minijinja or ballast-runtime), clippy -D warnings
                 (also of ballast-runtime without its gpu feature), every test of the workspace, and
                 ballast serve driven by the openai Python package (crates/server/tests/python)
-  bench         ballast bench on the default model at 1 and 2 threads (-p 128 -n 128 -r 5),
+  bench         ballast bench on the default model and on qwen2.5-coder-0.5b (K-quants; fetched
+                on first use) at 1 and 2 threads (-p 128 -n 128 -r 5),
                 then the criterion kernel benches (skipped with --quick).
                 Set LLAMA_BENCH=/path/to/llama-bench to measure llama.cpp in the same run.
   bench-tiered  tiered streaming vs plain mmap under a memory limit smaller than the default
@@ -282,23 +283,26 @@ fn bench_tiered(quick: bool) -> Result<()> {
 }
 
 fn bench(quick: bool) -> Result<()> {
-    let model = fetch_model()?;
     let ballast = release_ballast()?;
     let flags = ["-p", "128", "-n", "128", "-r", "5", "-t", "1,2"];
-    if let Some(llama) = std::env::var_os("LLAMA_BENCH") {
+    // The default model (Q4_1) and a real K-quant one (Q5_0, Q8_0, Q4_K, Q6_K).
+    for name in ["smollm2-135m", "qwen2.5-coder-0.5b"] {
+        let model = fetch_named(name)?;
+        if let Some(llama) = std::env::var_os("LLAMA_BENCH") {
+            step(
+                &format!("llama-bench {name} (llama.cpp, same machine, same run)"),
+                Command::new(llama).arg("-m").arg(&model).args(flags),
+            )?;
+        }
         step(
-            "llama-bench (llama.cpp, same machine, same run)",
-            Command::new(llama).arg("-m").arg(&model).args(flags),
+            &format!("ballast bench {name}"),
+            Command::new(&ballast)
+                .arg("bench")
+                .arg("-m")
+                .arg(&model)
+                .args(flags),
         )?;
     }
-    step(
-        "ballast bench",
-        Command::new(&ballast)
-            .arg("bench")
-            .arg("-m")
-            .arg(&model)
-            .args(flags),
-    )?;
     bench_kv()?;
     if !quick {
         step(
