@@ -115,13 +115,7 @@ impl Session {
         if ids.is_empty() {
             return Err(Error::EmptyInput);
         }
-        let needed = self.kv.len() + ids.len();
-        if needed > self.kv.capacity() && self.policy.is_none() {
-            return Err(Error::ContextFull {
-                needed,
-                capacity: self.kv.capacity(),
-            });
-        }
+        self.check_room(ids.len())?;
         let chunks: Vec<&[u32]> = ids.chunks(self.batch).collect();
         for (i, chunk) in chunks.iter().enumerate() {
             let start = self.tokens.len() as u32;
@@ -139,6 +133,18 @@ impl Session {
                 last,
             )?;
             self.tokens.extend_from_slice(chunk);
+        }
+        Ok(())
+    }
+
+    /// Refuses `n` more tokens when the cache cannot hold them and no policy evicts.
+    fn check_room(&self, n: usize) -> Result<()> {
+        let needed = self.kv.len() + n;
+        if needed > self.kv.capacity() && self.policy.is_none() {
+            return Err(Error::ContextFull {
+                needed,
+                capacity: self.kv.capacity(),
+            });
         }
         Ok(())
     }
@@ -222,13 +228,7 @@ pub fn feed_batch(model: &mut Model, feeds: &mut [BatchFeed<'_>]) -> Result<()> 
         if feed.ids.is_empty() {
             return Err(Error::EmptyInput);
         }
-        let needed = session.kv.len() + feed.ids.len();
-        if needed > session.kv.capacity() && session.policy.is_none() {
-            return Err(Error::ContextFull {
-                needed,
-                capacity: session.kv.capacity(),
-            });
-        }
+        session.check_room(feed.ids.len())?;
     }
     let mut sequences = Vec::with_capacity(feeds.len());
     for feed in feeds.iter_mut() {

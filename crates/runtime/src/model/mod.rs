@@ -361,14 +361,7 @@ impl Model {
         }
         self.check_input(ids, positions, kv)?;
         let n = ids.len();
-        let head = match logits {
-            Logits::None => None,
-            Logits::Last | Logits::Greedy => Some(HeadRows::Range {
-                first: n - 1,
-                rows: 1,
-            }),
-            Logits::All => Some(HeadRows::Range { first: 0, rows: n }),
-        };
+        let head = head_rows(logits, n);
         let has_head = head.is_some();
         self.run(
             ids,
@@ -460,10 +453,7 @@ impl Model {
             p.before_pass(kv, ids.len())?;
         }
         self.check_input(ids, positions, kv)?;
-        let head = Some(HeadRows::Range {
-            first: ids.len() - 1,
-            rows: 1,
-        });
+        let head = head_rows(Logits::Greedy, ids.len());
         self.run(
             ids,
             positions,
@@ -479,17 +469,9 @@ impl Model {
     /// The ops of a pass over `n` tokens, as this handle would run it with `policy`:
     /// for inspection, dumps and tests (every tensor and weight is named).
     pub fn pass_graph(&self, n: usize, logits: Logits, policy: Option<&dyn KvPolicy>) -> Graph {
-        let head = match logits {
-            Logits::None => None,
-            Logits::Last | Logits::Greedy => Some(HeadRows::Range {
-                first: n - 1,
-                rows: 1,
-            }),
-            Logits::All => Some(HeadRows::Range { first: 0, rows: n }),
-        };
         self.build(&GraphKey {
             tokens: n,
-            head,
+            head: head_rows(logits, n),
             greedy: logits == Logits::Greedy,
             policy_between_layers: policy.is_some_and(|p| p.acts_between_layers()),
         })
@@ -620,6 +602,18 @@ impl Model {
             });
         }
         Ok(())
+    }
+}
+
+/// The rows of a pass over `n` tokens whose logits `logits` asks for.
+fn head_rows(logits: Logits, n: usize) -> Option<HeadRows> {
+    match logits {
+        Logits::None => None,
+        Logits::Last | Logits::Greedy => Some(HeadRows::Range {
+            first: n - 1,
+            rows: 1,
+        }),
+        Logits::All => Some(HeadRows::Range { first: 0, rows: n }),
     }
 }
 
