@@ -259,6 +259,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
                 "ctx": args.ctx,
                 "split": {"device": a, "ram": b, "disk": c},
                 "layer_map": tiered::layer_map(&p),
+                "head_on_disk": p.head_on_disk,
                 "bytes_per_token": {"device": bpt.device, "host_to_device": bpt.host_to_device, "disk": bpt.disk},
                 "speeds": {"compute": compute, "h2d": h2d, "disk": disk},
                 "predicted": {"seconds_per_token": pr.seconds_per_token, "tokens_per_s": pr.tokens_per_s(),

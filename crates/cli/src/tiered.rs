@@ -364,7 +364,11 @@ pub fn describe(p: &Plan, speeds: Option<(&Speeds, u64)>, notes: Option<&str>) -
         human_bytes(r.activations),
         human_bytes(r.scratch),
         human_bytes(r.margin),
-        human_bytes(p.head_bytes),
+        if p.head_on_disk {
+            format!("{} on disk (mapped: it does not fit)", human_bytes(p.head_bytes))
+        } else {
+            human_bytes(p.head_bytes)
+        },
         p.device_slots,
         human_bytes(p.device_slot_bytes),
         human_bytes(p.tier_bytes(Tier::Device)),

@@ -207,25 +207,39 @@ pub fn drop_file_cache(path: &Path) -> std::io::Result<()> {
 /// accesses fault the pages in again from the file, so the bytes seen do not change.
 /// A no-op off Linux.
 pub fn release_mapped_pages(mapped: &[u8]) {
+    // MADV_DONTNEED on a read-only file mapping only drops page-table entries; the
+    // contents stay those of the file.
     #[cfg(target_os = "linux")]
-    {
-        // SAFETY: `mapped` is a live shared file mapping; MADV_DONTNEED on a read-only
-        // file mapping only drops page-table entries, the contents stay those of the
-        // file. The start is rounded down to a page inside the same mapping (mappings
-        // start on a page).
-        unsafe {
-            let page = libc::sysconf(libc::_SC_PAGESIZE).max(4096) as usize;
-            let start = mapped.as_ptr() as usize;
-            let aligned = start / page * page;
-            libc::madvise(
-                aligned as *mut libc::c_void,
-                mapped.len() + (start - aligned),
-                libc::MADV_DONTNEED,
-            );
-        }
-    }
+    advise(mapped, libc::MADV_DONTNEED);
     #[cfg(not(target_os = "linux"))]
     let _ = mapped;
+}
+
+/// Tells the kernel that `mapped` (part of a file mapping) is read front to back and
+/// not soon again: it reads ahead further and reclaims the pages behind first. For a
+/// head left on disk that every token scans whole through a page cache smaller than it.
+pub fn advise_sequential(mapped: &[u8]) {
+    #[cfg(target_os = "linux")]
+    advise(mapped, libc::MADV_SEQUENTIAL);
+    #[cfg(not(target_os = "linux"))]
+    let _ = mapped;
+}
+
+#[cfg(target_os = "linux")]
+fn advise(mapped: &[u8], advice: libc::c_int) {
+    // SAFETY: `mapped` is a live shared file mapping and these advices change no
+    // contents. The start is rounded down to a page inside the same mapping (mappings
+    // start on a page).
+    unsafe {
+        let page = libc::sysconf(libc::_SC_PAGESIZE).max(4096) as usize;
+        let start = mapped.as_ptr() as usize;
+        let aligned = start / page * page;
+        libc::madvise(
+            aligned as *mut libc::c_void,
+            mapped.len() + (start - aligned),
+            advice,
+        );
+    }
 }
 
 /// Bytes this process has caused to be read from storage (`read_bytes` of

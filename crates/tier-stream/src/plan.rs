@@ -7,7 +7,10 @@
 //!    placed first, on the device (counted in the device reserve). The embedding table
 //!    is not placed: a token reads one row of it, so it stays memory-mapped and costs
 //!    `embd_row_bytes` per token. (A model that ties its head to the embedding has no
-//!    separate table.)
+//!    separate table.) On the CPU backend, a budget too small for the head beside one
+//!    streaming slot leaves the head on disk ([`Plan::head_on_disk`]): it stays
+//!    memory-mapped and the kernel pages it in, whatever of it the page cache does not
+//!    keep, on every token. A batch of sequences reads it once for all of them.
 //! 2. Every layer is read once per token whatever tier holds it, so the bytes moved per
 //!    token depend only on how many bytes are not resident. The planner therefore keeps
 //!    as many layers as fit on the device, then in RAM, and streams the rest.
@@ -259,8 +262,13 @@ pub struct Plan {
     pub device_reserve: Reserve,
     /// Reserve of the RAM pool (zero when unified).
     pub ram_reserve: Reserve,
-    /// Output head and final norm, resident on the device.
+    /// Output head and final norm: resident on the device, or on disk when
+    /// `head_on_disk`.
     pub head_bytes: u64,
+    /// The head does not fit the (unified) budget beside the reserve and one slot: it
+    /// stays memory-mapped and is read from disk by every token (as the page cache
+    /// allows), counted in [`BytesPerToken::disk`].
+    pub head_on_disk: bool,
     /// Slots of the ring on the device (0 when nothing streams).
     pub device_slots: usize,
     /// Size of one device slot (the largest streamed layer, aligned).
@@ -331,7 +339,17 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
     let max_slot = sizes.iter().map(|&b| slot_bytes(b)).max().unwrap_or(0);
     let device_budget = req.budgets.device.unwrap_or(req.budgets.ram);
     let device_reserve = Reserve::for_context(shape, req.ctx, req.batch, device_budget);
-    let fixed = device_reserve.total().saturating_add(shape.head_bytes);
+    // The head goes first, unless on the CPU it leaves no room for one slot: then it
+    // stays mapped on disk, which beats refusing to run.
+    let with_head = device_reserve.total().saturating_add(shape.head_bytes);
+    let head_on_disk = req.budgets.device.is_none()
+        && with_head.saturating_add(max_slot) > device_budget
+        && device_reserve.total().saturating_add(max_slot) <= device_budget;
+    let fixed = if head_on_disk {
+        device_reserve.total()
+    } else {
+        with_head
+    };
     let device_avail = device_budget.saturating_sub(fixed);
     let tier_name = if req.budgets.device.is_some() {
         "device"
@@ -344,18 +362,29 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
         .then(|| split(sizes, &all, device_avail, req.depth))
         .flatten();
     let Some((off_device, device_slots, device_slot_bytes)) = placed else {
+        // On the CPU the head could have stayed on disk: what is missing is the rest.
+        let (needed, head) = if req.budgets.device.is_none() {
+            (
+                device_reserve.total().saturating_add(max_slot),
+                "the output head stays on disk".to_string(),
+            )
+        } else {
+            (
+                with_head.saturating_add(max_slot),
+                format!("output head {}", shape.head_bytes),
+            )
+        };
         return Err(Error::BudgetTooSmall {
             tier: tier_name,
             budget: device_budget,
-            needed: fixed.saturating_add(max_slot),
+            needed,
             what: format!(
-                "reserve {} (KV cache {}, activations {}, scratch {}, margin {}) + output head {} + one slot of {}",
+                "reserve {} (KV cache {}, activations {}, scratch {}, margin {}) + one slot of {}; {head}",
                 device_reserve.total(),
                 device_reserve.kv,
                 device_reserve.activations,
                 device_reserve.scratch,
                 device_reserve.margin,
-                shape.head_bytes,
                 max_slot
             ),
         });
@@ -412,6 +441,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
         device_reserve,
         ram_reserve,
         head_bytes: shape.head_bytes,
+        head_on_disk,
         device_slots,
         device_slot_bytes,
         staging_slots,
@@ -518,8 +548,17 @@ impl Plan {
                 self.device_slot_bytes
                     .saturating_mul(self.device_slots as u64),
             )
-            .saturating_add(self.head_bytes)
+            .saturating_add(self.resident_head_bytes())
             .saturating_add(self.device_reserve.total())
+    }
+
+    /// Bytes of the head held where the backend computes (zero when it is on disk).
+    pub fn resident_head_bytes(&self) -> u64 {
+        if self.head_on_disk {
+            0
+        } else {
+            self.head_bytes
+        }
     }
 
     /// Bytes this plan holds in RAM besides the device pool (zero when unified).
@@ -543,9 +582,11 @@ impl Plan {
             self.tier_bytes(Tier::Disk),
         );
         BytesPerToken {
-            device: a.saturating_add(self.head_bytes),
+            device: a.saturating_add(self.resident_head_bytes()),
             host_to_device: if self.unified { 0 } else { b.saturating_add(c) },
-            disk: c.saturating_add(self.embd_row_bytes),
+            disk: c
+                .saturating_add(self.embd_row_bytes)
+                .saturating_add(self.head_bytes - self.resident_head_bytes()),
         }
     }
 
@@ -565,6 +606,11 @@ impl Plan {
             .map(|&b| rate(b.saturating_add(kv), speeds.compute_bytes_per_s))
             .collect();
         let head = rate(self.head_bytes, speeds.compute_bytes_per_s);
+        // A head on disk is paged in while the head computes: nothing overlaps it.
+        let head_disk = rate(
+            self.head_bytes - self.resident_head_bytes(),
+            speeds.disk_bytes_per_s,
+        );
         let streamed: Vec<usize> = (0..n).filter(|&i| self.tiers[i] != Tier::Device).collect();
         let disk_time = |i: usize| {
             if self.tiers[i] == Tier::Disk {
@@ -633,13 +679,15 @@ impl Plan {
                     freed.push(t);
                 }
             }
+            t = t.max(disk_free) + head_disk;
+            disk_free = t;
             t += head;
             token_end.push(t);
         }
         let seconds_per_token = token_end[TOKENS - 1] - token_end[TOKENS - 2];
         // Folds from +0.0 (a float `sum` of nothing is -0.0).
         let compute_s = compute.iter().fold(0.0, |a, b| a + b) + head;
-        let disk_s = streamed.iter().fold(0.0, |a, &i| a + disk_time(i));
+        let disk_s = streamed.iter().fold(0.0, |a, &i| a + disk_time(i)) + head_disk;
         let h2d_s = streamed.iter().fold(0.0, |a, &i| a + h2d_time(i));
         let bottleneck = if disk_s >= compute_s && disk_s >= h2d_s {
             Bottleneck::Disk

@@ -413,6 +413,8 @@ pub struct TieredStore {
     /// head.
     resident_bytes: u64,
     head_bytes: u64,
+    /// The head's bytes when the plan leaves it on disk (mapped), else zero.
+    head_disk_bytes: u64,
     /// A GPU plan's RAM tier.
     ram_bytes: u64,
     unified: bool,
@@ -527,10 +529,10 @@ impl TieredStore {
             .into_iter()
             .map(|l| LayerLayout::new(file, l))
             .collect::<Result<_>>()?;
-        if plan.unified {
+        if plan.unified && !plan.head_on_disk {
             // The head is read whole by every token: read it once into RAM. A tied
             // embedding is the same tensor; an untied one stays memory-mapped (a token
-            // reads one row of it).
+            // reads one row of it). A head the plan leaves on disk stays mapped too.
             let head_info = file.tensor(&globals.output.name)?.clone();
             let tied = globals.output.name == globals.token_embd.name;
             let mut head_buf = AlignedBuf::new((head_info.n_bytes + 2 * IO_ALIGN) as usize);
@@ -552,6 +554,8 @@ impl TieredStore {
             if tied {
                 globals.token_embd.bytes = globals.output.bytes.clone();
             }
+        } else if plan.head_on_disk {
+            crate::io::advise_sequential(globals.output.bytes.as_slice());
         }
         TieredStore::start(globals, layouts, plan, Beneath::File(reader), options)
     }
@@ -610,8 +614,17 @@ impl TieredStore {
             });
         }
         let (resident, resident_bytes, ram_bytes) = place_layers(&layouts, plan, &beneath)?;
-        let mut head_bytes =
-            globals.output.bytes.len() as u64 + globals.output_norm.len() as u64 * 4;
+        let mut head_bytes = if plan.head_on_disk {
+            // Held by the page cache, as much of it as the kernel keeps.
+            globals.output_norm.len() as u64 * 4
+        } else {
+            globals.output.bytes.len() as u64 + globals.output_norm.len() as u64 * 4
+        };
+        let head_disk_bytes = if plan.head_on_disk {
+            globals.output.bytes.len() as u64
+        } else {
+            0
+        };
         if !plan.unified && globals.token_embd.name != globals.output.name {
             // A device backend uploads an untied embedding table beside the head.
             head_bytes += globals.token_embd.bytes.len() as u64;
@@ -677,6 +690,7 @@ impl TieredStore {
             slot_len,
             resident_bytes,
             head_bytes,
+            head_disk_bytes,
             ram_bytes,
             unified: plan.unified,
             path: beneath.path(),
@@ -899,7 +913,12 @@ impl WeightStore for TieredStore {
     }
 
     fn held_bytes(&self) -> TierBytes {
-        let streamed: u64 = self.streamed.iter().map(|&i| self.layouts[i].bytes).sum();
+        let streamed: u64 = self
+            .streamed
+            .iter()
+            .map(|&i| self.layouts[i].bytes)
+            .sum::<u64>()
+            + self.head_disk_bytes;
         let slots = self.slot_len * self.slots as u64;
         if self.unified {
             TierBytes {

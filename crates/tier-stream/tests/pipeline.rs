@@ -271,9 +271,10 @@ fn same_logits_as_the_resident_store_in_every_mode() {
     let run = |store: Box<dyn WeightStore>| run_passes(&fx, store, Arc::new(CpuBackend::new(1)));
     let (g, l) = load_weights(&fx.file, &fx.config).unwrap();
     let reference = run(Box::new(ResidentStore::new(g, l, false)));
-    let modes: [(&str, Vec<Tier>, usize); 3] = [
+    let modes: [(&str, Vec<Tier>, usize); 4] = [
         ("all resident", vec![Tier::Device; 6], 2),
         ("all streamed", vec![Tier::Disk; 6], 2),
+        ("all streamed, the head on disk", vec![Tier::Disk; 6], 2),
         (
             "mixed, one slot",
             vec![
@@ -288,8 +289,16 @@ fn same_logits_as_the_resident_store_in_every_mode() {
         ),
     ];
     for (name, tiers, slots) in modes {
-        let p = plan_with(&fx, tiers, slots);
+        let mut p = plan_with(&fx, tiers, slots);
+        p.head_on_disk = name.contains("head on disk");
         let s = store(&fx, &p, FlakyReader::new(fx.bytes.clone(), 5, 200), 1);
+        let held = s.held_bytes();
+        if p.head_on_disk {
+            assert!(
+                held.disk > p.layer_bytes.iter().sum::<u64>(),
+                "{name}: {held:?}"
+            );
+        }
         let got = run(Box::new(s));
         assert_eq!(
             got, reference,

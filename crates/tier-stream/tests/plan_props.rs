@@ -2,7 +2,7 @@
 //! a tier more than its budget, it assigns every layer, and when it refuses, the error
 //! says how much is needed (and that is more than the budget).
 
-use ballast_tier_stream::plan::{align_up, spread};
+use ballast_tier_stream::plan::{align_up, slot_bytes, spread};
 use ballast_tier_stream::{plan, Budgets, Error, ModelShape, PlanRequest, Reserve, Speeds, Tier};
 use proptest::prelude::*;
 
@@ -81,6 +81,14 @@ proptest! {
                     total
                 );
                 prop_assert!(bpt.disk >= p.tier_bytes(Tier::Disk));
+                if p.head_on_disk {
+                    // Only on the CPU, only when the head would leave no room for a slot,
+                    // and then every token reads it.
+                    prop_assert!(budgets.device.is_none());
+                    let max_slot = layers.iter().map(|&b| slot_bytes(b)).max().unwrap_or(0);
+                    prop_assert!(p.device_reserve.total().saturating_add(head).saturating_add(max_slot) > budgets.ram);
+                    prop_assert_eq!(bpt.disk, p.tier_bytes(Tier::Disk) + 64 + head);
+                }
             }
             Err(Error::BudgetTooSmall { needed, budget, .. }) => {
                 prop_assert!(needed > budget, "refused although {needed} <= {budget}");
@@ -140,6 +148,45 @@ fn too_small_says_how_much_is_needed() {
         Error::BudgetTooSmall { needed, .. } => assert!(needed > 100 << 20),
         other => panic!("{other}"),
     }
+}
+
+#[test]
+fn a_head_too_big_for_the_budget_stays_on_disk() {
+    // SmolLM2's proportions: 30 layers of 2 MiB, a 29 MiB head, a 28 MiB budget.
+    let shape = shape(vec![2 << 20; 30], 29 << 20, 192);
+    let req = |ram| PlanRequest {
+        shape: shape.clone(),
+        budgets: Budgets { device: None, ram },
+        ctx: 320,
+        batch: 8,
+        depth: 3,
+    };
+    let p = plan(&req(28 << 20)).unwrap();
+    assert!(p.head_on_disk);
+    assert!(p.device_used() <= 28 << 20);
+    let bpt = p.bytes_per_token();
+    assert_eq!(bpt.disk, p.tier_bytes(Tier::Disk) + 64 + (29 << 20));
+    assert_eq!(bpt.device, p.tier_bytes(Tier::Device));
+    let speeds = Speeds {
+        compute_bytes_per_s: 20e9,
+        h2d_bytes_per_s: 13e9,
+        disk_bytes_per_s: 1e9,
+    };
+    let pr = p.predict(&speeds, 64);
+    assert!(pr.disk_s >= bpt.disk as f64 / 1e9 - 1e-3, "{pr:?}");
+    // With room for it, the head stays in RAM.
+    let p = plan(&req(128 << 20)).unwrap();
+    assert!(!p.head_on_disk);
+    // On a separate device the head must fit: no mapped fallback there.
+    let e = plan(&PlanRequest {
+        budgets: Budgets {
+            device: Some(28 << 20),
+            ram: 1 << 30,
+        },
+        ..req(0)
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("output head"), "{e}");
 }
 
 #[test]
