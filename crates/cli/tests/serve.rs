@@ -716,3 +716,59 @@ fn metrics_name_the_gauges_schedulers_read() {
             > 0.0
     );
 }
+
+/// On the GPU with layers streamed from RAM (`--store tiered --vram`), a step over
+/// four sequences is one device pass: each streamed layer is uploaded once per step
+/// whatever the number of sequences, and each answer is the one it gets alone.
+#[test]
+fn on_the_gpu_a_step_uploads_each_streamed_layer_once_for_every_sequence() {
+    if ballast_runtime::testing::gpu_for_tests().is_none() {
+        return;
+    }
+    let Some(s) = server(&[
+        "--parallel",
+        "4",
+        "--device",
+        "gpu",
+        "--store",
+        "tiered",
+        "--vram",
+        "100M",
+        "--ram",
+        "200M",
+        "-c",
+        "64",
+    ]) else {
+        return;
+    };
+    let counters = |s: &Server| {
+        (
+            s.metric("ballast_device_weight_bytes_uploaded_total"),
+            s.metric("ballast_steps_total"),
+        )
+    };
+    let prompts = ["Paris is", "Water boils at", "The moon", "def fib(n):"];
+    let (u0, s0) = counters(&s);
+    let alone: Vec<Value> = prompts
+        .iter()
+        .map(|p| s.greedy(p, 4)["choices"][0]["text"].clone())
+        .collect();
+    let (u1, s1) = counters(&s);
+    let solo = (u1 - u0) / (s1 - s0);
+    assert!(solo > 0.0, "the plan streams some layers");
+    let together: Vec<Value> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let s = &s;
+                scope.spawn(move || s.greedy(p, 4)["choices"][0]["text"].clone())
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let (u2, s2) = counters(&s);
+    let (batched, steps) = ((u2 - u1) / (s2 - s1), s2 - s1);
+    assert_eq!(together, alone);
+    assert_eq!(batched, solo, "bytes uploaded per step");
+    assert!(steps < 4.0 * 5.0, "{steps} steps");
+}

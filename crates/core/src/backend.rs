@@ -354,12 +354,14 @@ pub struct DeviceForwardInput<'a> {
 
 /// A whole forward pass recorded and submitted at once on a device.
 pub trait DeviceForward: Send + Sync {
-    /// Records the ops of `graph` with the cache `kv`, taking layers from `layers` as
-    /// [`crate::graph::Op::BeginLayer`] asks: appends the new keys and values to `kv`
-    /// (in place when `kv` is the backend's own device cache, see
-    /// [`DeviceMemory::new_kv_cache`]),
-    /// and puts the graph's logits in `out` (or returns the greedy id when the graph
-    /// wants only that). The MLP lever's host sync points ([`crate::graph::Op::FfnPrepare`],
+    /// Records the ops of `graph` over `sequences` (consecutive rows of the pass, each
+    /// with its own cache; one for a single session, several for a batched step),
+    /// taking layers from `layers` as [`crate::graph::Op::BeginLayer`] asks: each
+    /// layer's weights are read (or uploaded) once for every sequence, and each
+    /// sequence's new keys and values are appended to its cache (in place when it is
+    /// the backend's own device cache, see [`DeviceMemory::new_kv_cache`]). Puts the
+    /// graph's logits in `out` (or returns the greedy id when the graph wants only
+    /// that). The sequences' policies are not run here. The MLP lever's host sync points ([`crate::graph::Op::FfnPrepare`],
     /// [`crate::graph::Op::FeedForward`]) cost one read-back each, and `ffn`'s output is
     /// uploaded back; a graph with a [`crate::graph::Op::KvPolicy`] is refused (it runs
     /// on the host executor). Weights whose bytes may not be cached on the device
@@ -370,7 +372,7 @@ pub trait DeviceForward: Send + Sync {
         graph: &Graph,
         input: &DeviceForwardInput<'_>,
         layers: &mut LayerSource<'_>,
-        kv: &mut dyn KvCache,
+        sequences: &mut [crate::graph::PassSequence<'_>],
         ffn: &mut dyn FeedForward,
         out: &mut Vec<f32>,
     ) -> Result<Option<u32>>;

@@ -109,18 +109,38 @@ fn check_backend(backend: Arc<dyn Backend>) {
     assert_eq!(got, expected, "batched");
 }
 
+/// A session whose cache is a host [`DenseKv`] even where the backend keeps its own
+/// caches on the device (a device pass then mirrors it).
+fn host_cache_session(model: Model) -> Session {
+    let kv = ballast_runtime::kv::DenseKv::new(model.kv_shape(), 64);
+    Session::with_cache(model, Box::new(kv), None)
+}
+
 /// A batched pass over sequences at different depths, some of them without logits,
 /// writes each cache exactly what a pass of that sequence alone writes, and gives the
-/// same logits, bit for bit.
-#[test]
-fn a_batched_pass_equals_one_pass_per_sequence() {
-    let model = tiny(Arc::new(CpuBackend::new(2)));
-    // Histories of different lengths, then a mixed step: a prompt chunk, one token, a
-    // chunk whose logits are not wanted.
-    let histories: [&[u32]; 3] = [&[5, 6, 7], &[200, 1, 2, 3, 4, 9], &[42]];
-    let step: [(&[u32], bool); 3] = [(&[8, 9, 10, 11], true), (&[12], true), (&[13, 14], false)];
-    let mut alone: Vec<Session> = histories.iter().map(|_| session(model.share())).collect();
-    let mut batched: Vec<Session> = histories.iter().map(|_| session(model.share())).collect();
+/// same logits, bit for bit. `make(i)` makes sequence i's session (host or device
+/// cache).
+fn check_batched_pass(model: &Model, make: &dyn Fn(usize, Model) -> Session) {
+    // Histories of different lengths, then a mixed step: prompt chunks, single tokens,
+    // a chunk whose logits are not wanted.
+    let histories: [&[u32]; 6] = [
+        &[5, 6, 7],
+        &[200, 1, 2, 3, 4, 9],
+        &[42],
+        &[7, 7],
+        &[100, 101, 102, 103],
+        &[250],
+    ];
+    let step: [(&[u32], bool); 6] = [
+        (&[8, 9, 10, 11], true),
+        (&[12], true),
+        (&[13, 14], false),
+        (&[15], true),
+        (&[16, 17, 18], true),
+        (&[19], true),
+    ];
+    let mut alone: Vec<Session> = (0..6).map(|i| make(i, model.share())).collect();
+    let mut batched: Vec<Session> = (0..6).map(|i| make(i, model.share())).collect();
     for ((a, b), h) in alone.iter_mut().zip(batched.iter_mut()).zip(histories) {
         a.feed(h).unwrap();
         b.feed(h).unwrap();
@@ -153,6 +173,16 @@ fn a_batched_pass_equals_one_pass_per_sequence() {
             assert_eq!(a.logits(), b.logits(), "sequence {i}: logits");
         }
     }
+    // The next step of each batched sequence alone still matches: the caches (and on a
+    // device, their mirrors) hold what they should.
+    for (i, (a, b)) in alone.iter_mut().zip(batched.iter_mut()).enumerate() {
+        let next = [(i as u32 * 31) % 250];
+        let (la, lb) = (
+            a.feed(&next).unwrap().to_vec(),
+            b.feed(&next).unwrap().to_vec(),
+        );
+        assert_eq!(la, lb, "sequence {i}: the step after");
+    }
 
     // A chunk that does not fit its cache is refused before anything runs.
     let mut small = Session::new(model.share(), 8).unwrap();
@@ -172,6 +202,31 @@ fn a_batched_pass_equals_one_pass_per_sequence() {
     let err = feed_batch(&mut model.share(), &mut feeds).unwrap_err();
     assert!(err.to_string().contains('9'), "{err}");
     assert_eq!(other.kv().len(), 0, "nothing ran");
+}
+
+#[test]
+fn a_batched_pass_equals_one_pass_per_sequence() {
+    check_batched_pass(&tiny(Arc::new(CpuBackend::new(2))), &|_, m| session(m));
+}
+
+/// On wgpu the batched step is one device pass: sequences with device caches and with
+/// host caches (mirrored; more of them than the backend keeps mirrors between passes)
+/// side by side, each equal to a device pass of its own.
+#[cfg(feature = "gpu")]
+#[test]
+fn a_batched_device_pass_equals_one_device_pass_per_sequence() {
+    let Some(ctx) = ballast_runtime::testing::gpu_for_tests() else {
+        return;
+    };
+    let model = tiny(Arc::new(ballast_runtime::WgpuBackend::new(ctx)));
+    check_batched_pass(&model, &|i, m| {
+        if i == 2 {
+            session(m)
+        } else {
+            host_cache_session(m)
+        }
+    });
+    check_batched_pass(&model, &|_, m| session(m));
 }
 
 #[test]

@@ -38,6 +38,9 @@ pub struct Metrics {
     pub weight_bytes: [AtomicU64; 3],
     /// Bytes the weight store moved between tiers.
     pub weight_bytes_moved: AtomicU64,
+    /// Weight bytes uploaded to the device (GPU) by the passes: streamed layers, once
+    /// per step for every sequence in it.
+    pub device_bytes_uploaded: AtomicU64,
 }
 
 fn store(cell: &[AtomicU64; 3], b: TierBytes) {
@@ -192,6 +195,13 @@ impl Metrics {
             "counter",
             "Bytes of weights moved between tiers (streamed layers).",
             &[("", get(&self.weight_bytes_moved))],
+        );
+        metric(
+            "ballast_device_weight_bytes_uploaded_total",
+            "counter",
+            "Bytes of weights uploaded to the GPU by the passes (streamed layers; zero on \
+             the CPU or when every layer is resident on the device).",
+            &[("", get(&self.device_bytes_uploaded))],
         );
         metric(
             "ballast_kv_cache_bytes",

@@ -366,6 +366,17 @@ impl Scheduler {
         m.prompt_tokens.fetch_add(prompt_rows as u64, Relaxed);
         m.steps.fetch_add(1, Relaxed);
         m.step_sequences.fetch_add(inputs.len() as u64, Relaxed);
+        if result.is_ok() {
+            if let Some(pass) = self
+                .model
+                .backend()
+                .device_memory()
+                .and_then(|d| d.last_pass())
+            {
+                m.device_bytes_uploaded
+                    .fetch_add(pass.bytes_uploaded, Relaxed);
+            }
+        }
         if let Err(e) = result {
             for input in &inputs {
                 let slot = &mut slots[input.slot];

@@ -377,10 +377,9 @@ impl Model {
     /// once over all their tokens, so each layer's weights are read once for all of
     /// them; attention runs per sequence over its own cache. Returns the logits after
     /// the last token of each sequence that asks for them (`vocab_size` each, in order).
-    /// Each row's result is the one a pass of that sequence alone gives.
-    ///
-    /// On a device backend the sequences still take turns, one device pass each (the
-    /// device executor attends over one cache per pass).
+    /// Each row's result is the one a pass of that sequence alone gives. On a device
+    /// backend too the step is one pass (one submission per turn of the stream-slot
+    /// ring), each layer uploaded once for all the sequences.
     pub fn forward_batch(&mut self, mut sequences: Vec<BatchSequence<'_>>) -> Result<&[f32]> {
         if sequences.is_empty() {
             return Err(Error::EmptyInput);
@@ -390,20 +389,6 @@ impl Model {
                 p.before_pass(seq.kv, seq.ids.len())?;
             }
             self.check_input(seq.ids, seq.positions, seq.kv)?;
-        }
-        if sequences.len() > 1 && self.shared.backend.device_forward().is_some() {
-            let mut logits = Vec::new();
-            for seq in sequences {
-                let mode = if seq.logits {
-                    Logits::Last
-                } else {
-                    Logits::None
-                };
-                let out = self.forward(seq.ids, seq.positions, seq.kv, seq.policy, mode)?;
-                logits.extend_from_slice(out);
-            }
-            self.scratch.logits = logits;
-            return Ok(&self.scratch.logits);
         }
         let mut ids = std::mem::take(&mut self.scratch.batch_ids);
         let mut positions = std::mem::take(&mut self.scratch.batch_positions);
@@ -538,7 +523,7 @@ impl Model {
             .iter()
             .any(|op| matches!(op, Op::KvPolicy { .. }));
         if let Some(device) = shared.backend.device_forward() {
-            if let ([seq], false) = (sequences.as_mut_slice(), policy_sync) {
+            if !policy_sync {
                 let input = DeviceForwardInput {
                     globals,
                     ids,
@@ -548,7 +533,7 @@ impl Model {
                     &graph,
                     &input,
                     &mut layers,
-                    &mut *seq.kv,
+                    &mut sequences,
                     self.ffn.as_mut(),
                     &mut self.scratch.logits,
                 );

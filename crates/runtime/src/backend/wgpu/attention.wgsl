@@ -13,7 +13,8 @@
 // a: (n_tokens, n_heads, n_kv_heads, head_dim); b: (cached tokens, score row stride,
 // first scale word of the keys, of the values); f.x: the score scale (kq_scale);
 // f.y: the sliding window as the bits of a u32 (a query at position p sees keys at
-// p - window + 1 ..= p; 0xffffffff: no window).
+// p - window + 1 ..= p; 0xffffffff: no window); c.x: the first row of q, qpos and out
+// (a batched pass attends each sequence's rows over its own cache).
 @group(0) @binding(1) var<storage, read> q: array<f32>;
 @group(0) @binding(2) var<storage, read> kc: array<u32>;
 @group(0) @binding(3) var<storage, read> vc: array<u32>;
@@ -116,12 +117,13 @@ fn attention(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id
     let hd = p.a.w;
     let h = wid.x;
     let t = wid.y;
+    let row = p.c.x + t;
     let group = max(n_heads / p.a.z, 1u);
     let kvh = h / group;
     let kv_dim = p.a.z * hd;
-    let qo = (t * n_heads + h) * hd;
+    let qo = (row * n_heads + h) * hd;
     let sb = (t * n_heads + h) * p.b.y;
-    let qp = qpos[t];
+    let qp = qpos[row];
     let n = p.b.x;
     var mx = -3.0e38;
     var found = 0.0;

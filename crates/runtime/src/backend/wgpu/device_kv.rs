@@ -253,6 +253,7 @@ impl DeviceKv {
             &mut rec,
             self.elem(),
             &src,
+            0,
             slots.len(),
             self.shape.kv_dim(),
             &slot_buf,

@@ -245,7 +245,7 @@ impl AttentionOps for WgpuBackend {
                 values.binding(vb.raw()),
                 kp.raw(),
                 qp.raw(),
-                q_positions.len(),
+                0..q_positions.len(),
                 p.len(),
                 shape,
                 dst.raw(),

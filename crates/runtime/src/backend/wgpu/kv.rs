@@ -111,13 +111,16 @@ pub(super) fn flatten_view(kv: &KvView<'_>) -> (Vec<f32>, Vec<f32>, Vec<u32>) {
 impl WgpuBackend {
     /// Brings the device mirror of `kv` up to date (same capacity and shape, and the
     /// same tokens, re-uploading what differs from the host cache), making one if `kv`
-    /// has none; returns its index in `mirrors`.
+    /// has none, without evicting the mirrors of `in_pass` (the owners of caches
+    /// already bound in this pass); returns `kv`'s owner key (its mirror's index may
+    /// change as later ones are made).
     pub(super) fn sync_kv(
         &self,
         mirrors: &mut Vec<KvMirror>,
         kv: &dyn KvCache,
         n_layers: usize,
         kv_dim: usize,
+        in_pass: &[usize],
     ) -> Result<usize> {
         let capacity = kv.capacity();
         let owner = kv as *const dyn KvCache as *const () as usize;
@@ -135,10 +138,13 @@ impl WgpuBackend {
             None => {
                 mirrors.retain(|m| m.owner != owner);
                 if mirrors.len() >= MAX_KV_MIRRORS {
-                    let oldest = (0..mirrors.len())
+                    // A batched pass keeps one mirror per sequence, however many.
+                    if let Some(oldest) = (0..mirrors.len())
+                        .filter(|&i| !in_pass.contains(&mirrors[i].owner))
                         .min_by_key(|&i| mirrors[i].last_use)
-                        .expect("not empty");
-                    mirrors.remove(oldest);
+                    {
+                        mirrors.remove(oldest);
+                    }
                 }
                 // Exact sizes, not the pool's powers of two: the mirror is the largest
                 // buffer set after the weights, and a plan reserves what it needs.
@@ -184,7 +190,7 @@ impl WgpuBackend {
             .take_while(|(a, b)| a == b)
             .count();
         if same == host_positions.len() && same == mirror.host_positions.len() {
-            return Ok(at);
+            return Ok(owner);
         }
         let queue = self.ctx.queue();
         for l in 0..n_layers {
@@ -240,6 +246,6 @@ impl WgpuBackend {
             );
         }
         mirror.host_positions = host_positions;
-        Ok(at)
+        Ok(owner)
     }
 }

@@ -18,16 +18,17 @@
 // number of blocks) is written a half at a time with atomics, so invocations writing
 // neighbouring slots, or a slot written next to one that is not, keep each other's half.
 
-// a: (n rows, dim, first scale word (q8), capacity in rows)
+// a: (n rows, dim, first scale word (q8), capacity in rows); b.x: the first source row
+// (a batched pass writes each sequence's rows of the activations into its own cache).
 @group(0) @binding(1) var<storage, read> src: array<u32>;
 @group(0) @binding(2) var<storage, read> slots: array<u32>;
 @group(0) @binding(3) var<storage, read_write> dst: array<atomic<u32>>;
 
 const NONE: u32 = 0xffffffffu;
 
-// What invocation `gid` does when each row takes `per_row` invocations: (row, item of
-// the row, slot), the slot NONE when there is nothing to do (past the last row, or the
-// row's slot past the capacity).
+// What invocation `gid` does when each row takes `per_row` invocations: (source row,
+// item of the row, slot), the slot NONE when there is nothing to do (past the last row,
+// or the row's slot past the capacity).
 fn job(gid: vec3<u32>, nwg: vec3<u32>, per_row: u32) -> vec3<u32> {
     let i = gid.x + gid.y * nwg.x * 64u;
     if (i >= p.a.x * per_row) {
@@ -35,7 +36,7 @@ fn job(gid: vec3<u32>, nwg: vec3<u32>, per_row: u32) -> vec3<u32> {
     }
     let r = i / per_row;
     let slot = slots[r];
-    return vec3<u32>(r, i % per_row, select(slot, NONE, slot >= p.a.w));
+    return vec3<u32>(p.b.x + r, i % per_row, select(slot, NONE, slot >= p.a.w));
 }
 
 // Half `hi` (0: bits 0..16, 1: bits 16..32) of word `w` set to `h`, the other kept.

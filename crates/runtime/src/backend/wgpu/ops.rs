@@ -280,11 +280,12 @@ impl WgpuBackend {
         values: KvBinding<'_>,
         kpos: &wgpu::Buffer,
         qpos: &wgpu::Buffer,
-        n_tokens: usize,
+        rows: std::ops::Range<usize>,
         n_cached: usize,
         shape: &AttentionShape,
         out: &wgpu::Buffer,
     ) -> Result<()> {
+        let (first_row, n_tokens) = (rows.start, rows.len());
         // The kernel reads the window as the bits of a u32 (u32::MAX: none).
         let window = shape
             .window
@@ -319,7 +320,8 @@ impl WgpuBackend {
                     values.scale_word as u32,
                 ],
                 [shape.scale, f32::from_bits(window), 0.0, 0.0],
-            ),
+            )
+            .with_c([first_row as u32, 0, 0, 0]),
             [shape.n_heads as u32, n_tokens as u32, 1],
             "attention",
             (n_tokens * shape.n_heads * shape.head_dim * 4) as u64,
@@ -360,6 +362,7 @@ impl WgpuBackend {
             &mut rec,
             packed.elem,
             src.raw(),
+            0,
             slots.len(),
             dim,
             sb.raw(),
@@ -371,7 +374,7 @@ impl WgpuBackend {
     }
 }
 
-/// Records the conversion of `n` f32 rows of `dim` values (the start of `src`) into
+/// Records the conversion of `n` f32 rows of `dim` values (rows `first_row..` of `src`) into
 /// `elem` and their write at row slots `slots[..n]` (u32; distinct) of `dst`, a
 /// buffer of `capacity` rows in `elem`'s layout ([`KvElem::buffer_bytes`]). Rounds
 /// exactly as the host cache does, so the device rows equal the host's bit for bit.
@@ -382,6 +385,7 @@ pub(super) fn record_kv_write(
     rec: &mut Recorder<'_>,
     elem: KvElem,
     src: &wgpu::Buffer,
+    first_row: usize,
     n: usize,
     dim: usize,
     slots: &wgpu::Buffer,
@@ -410,7 +414,7 @@ pub(super) fn record_kv_write(
                 elem.scale_word(capacity * dim) as u32,
                 capacity as u32,
             ],
-            [0; 4],
+            [first_row as u32, 0, 0, 0],
             [0.0; 4],
         ),
         [invocations.div_ceil(64) as u32, 1, 1],
@@ -672,7 +676,7 @@ mod tests {
                     values.binding(vb.raw()),
                     kp.raw(),
                     qp.raw(),
-                    n_tokens,
+                    0..n_tokens,
                     rows,
                     &shape,
                     out.raw(),

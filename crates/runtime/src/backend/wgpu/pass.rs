@@ -17,7 +17,7 @@ use super::{rope_table, DeviceKv, DeviceWeight, WgpuBackend, ARGMAX};
 use crate::backend::{DeviceForward, DeviceForwardInput, LayerSource, PassReport, Rope};
 use crate::error::{Error, Result};
 use crate::ffn::FeedForward;
-use crate::graph::{self, Graph, Op, TensorId, WeightRef};
+use crate::graph::{self, Graph, Op, PassSequence, TensorId, WeightRef};
 use crate::kv::KvCache;
 use crate::weights::LayerWeights;
 
@@ -72,7 +72,7 @@ impl DeviceForward for WgpuBackend {
         graph: &Graph,
         input: &DeviceForwardInput<'_>,
         layers: &mut LayerSource<'_>,
-        kv: &mut dyn KvCache,
+        sequences: &mut [PassSequence<'_>],
         ffn: &mut dyn FeedForward,
         out: &mut Vec<f32>,
     ) -> Result<Option<u32>> {
@@ -86,6 +86,14 @@ impl DeviceForward for WgpuBackend {
                 got: ids.len().min(positions.len()),
             });
         }
+        let rows: usize = sequences.iter().map(|s| s.rows).sum();
+        if sequences.is_empty() || rows != n {
+            return Err(Error::ShapeMismatch {
+                what: "rows of the sequences of a device pass".into(),
+                expected: n,
+                got: rows,
+            });
+        }
         if let Some(op) = graph
             .ops()
             .iter()
@@ -95,74 +103,147 @@ impl DeviceForward for WgpuBackend {
                 what: format!("a device pass cannot run the host sync point {op:?}"),
             });
         }
-        let shape = kv.shape();
+        let shape = sequences[0].kv.shape();
         let (n_layers, kvd) = (shape.n_layers, shape.kv_dim());
+        if let Some(other) = sequences.iter().find(|s| s.kv.shape() != shape) {
+            return Err(Error::InvalidArgument {
+                what: format!(
+                    "the caches of one device pass differ in shape ({shape:?} and {:?})",
+                    other.kv.shape()
+                ),
+            });
+        }
         // Held for the whole pass: passes of sessions sharing this backend take turns
         // (they share the arena's buffers, and the host caches' mirrors).
         let mut mirrors = self.kv.lock().unwrap_or_else(|p| p.into_inner());
-        let cached = kv.len();
+        let cached: Vec<usize> = sequences.iter().map(|s| s.kv.len()).collect();
         let mut rec = self.pass_recorder();
-        let on_device = kv
-            .device_rows()
-            .and_then(|rows| rows.downcast_mut::<DeviceKv>())
-            .filter(|d| d.is_on(&self.ctx));
-        let (pass_kv, mirror_at) = match on_device {
-            Some(dkv) => match self.bind_device_kv(&mut rec, dkv, positions) {
-                Ok(b) => (b, None),
-                Err(e) => {
-                    // Slots some layers took before the failure go back.
-                    kv.rewind(cached);
-                    return Err(e);
+        // Each sequence's binding: its device cache's slots (taken now), or its host
+        // cache's device mirror (synced now; the host cache changes after the pass).
+        let mut bound: Vec<SequenceKv> = Vec::with_capacity(sequences.len());
+        let mut mirror_owners = Vec::new();
+        let mut first = 0;
+        let rewind_taken = |sequences: &mut [PassSequence<'_>], bound: &[SequenceKv]| {
+            for (seq, b) in sequences.iter_mut().zip(bound) {
+                if b.mirror.is_none() {
+                    seq.kv.rewind(b.cached);
                 }
-            },
-            None => {
-                let at = self.sync_kv(&mut mirrors, kv, n_layers, kvd)?;
-                let bound = self.bind_mirror(&mut rec, &mirrors[at], cached, positions)?;
-                (bound, Some(at))
             }
         };
-        let result = self.record_graph(graph, input, layers, ffn, rec, &pass_kv, out);
+        for (i, seq) in sequences.iter_mut().enumerate() {
+            let seq_positions = &positions[first..first + seq.rows];
+            let on_device = seq
+                .kv
+                .device_rows()
+                .and_then(|rows| rows.downcast_mut::<DeviceKv>())
+                .filter(|d| d.is_on(&self.ctx));
+            let result = match on_device {
+                Some(dkv) => self
+                    .bind_device_kv(&mut rec, dkv, seq_positions)
+                    .map(|kv| (kv, None)),
+                None => self
+                    .sync_kv(&mut mirrors, &*seq.kv, n_layers, kvd, &mirror_owners)
+                    .and_then(|owner| {
+                        mirror_owners.push(owner);
+                        let at = mirror_index(&mirrors, owner);
+                        let kv =
+                            self.bind_mirror(&mut rec, &mirrors[at], cached[i], seq_positions)?;
+                        Ok((kv, Some(owner)))
+                    }),
+            };
+            match result {
+                Ok((kv, mirror)) => bound.push(SequenceKv {
+                    kv,
+                    rows: first..first + seq.rows,
+                    cached: cached[i],
+                    mirror,
+                }),
+                Err(e) => {
+                    if on_device_now(seq) {
+                        // Slots some layers took before the failure go back.
+                        seq.kv.rewind(cached[i]);
+                    }
+                    rewind_taken(sequences, &bound);
+                    return Err(e);
+                }
+            }
+            first += seq.rows;
+        }
+        let result = self.record_graph(graph, input, layers, ffn, rec, &bound, out);
         let (bytes, mut report, id) = match result {
             Ok(r) => r,
             Err(e) => {
-                if mirror_at.is_none() {
-                    kv.rewind(cached);
-                }
+                rewind_taken(sequences, &bound);
                 return Err(e);
             }
         };
-        report.kv_device_bytes = match mirror_at {
-            Some(at) => {
-                // The device mirror now holds the new tokens; the host cache gets them
-                // too, from the keys and values read back with the logits.
-                mirrors[at].host_positions.extend_from_slice(positions);
-                let new_kv_bytes = n * kvd * 4;
-                for l in 0..n_layers {
-                    let kb = &bytes[2 * l * new_kv_bytes..(2 * l + 1) * new_kv_bytes];
-                    let vb = &bytes[(2 * l + 1) * new_kv_bytes..(2 * l + 2) * new_kv_bytes];
-                    let keys: Vec<f32> = bytemuck::pod_collect_to_vec(kb);
-                    let values: Vec<f32> = bytemuck::pod_collect_to_vec(vb);
-                    if let Err(e) = kv.append(l, positions, &keys, &values) {
-                        // Keep the mirror honest: it must not claim tokens the host refused.
-                        mirrors[at].host_positions.clear();
-                        return Err(e);
-                    }
+        // The device mirrors now hold the new tokens; the host caches get them too, from
+        // the keys and values of the whole pass, read back with the logits.
+        let new_kv_bytes = n * kvd * 4;
+        let mut device_bytes = 0;
+        for (seq, b) in sequences.iter_mut().zip(&bound) {
+            let Some(owner) = b.mirror else {
+                device_bytes += seq.kv.held_bytes().device;
+                continue;
+            };
+            let at = mirror_index(&mirrors, owner);
+            let m = &mut mirrors[at];
+            m.host_positions
+                .extend_from_slice(&positions[b.rows.clone()]);
+            let (lo, hi) = (b.rows.start * kvd * 4, b.rows.end * kvd * 4);
+            for l in 0..n_layers {
+                let kb = &bytes[2 * l * new_kv_bytes..(2 * l + 1) * new_kv_bytes];
+                let vb = &bytes[(2 * l + 1) * new_kv_bytes..(2 * l + 2) * new_kv_bytes];
+                let keys: Vec<f32> = bytemuck::pod_collect_to_vec(&kb[lo..hi]);
+                let values: Vec<f32> = bytemuck::pod_collect_to_vec(&vb[lo..hi]);
+                if let Err(e) = seq.kv.append(l, &positions[b.rows.clone()], &keys, &values) {
+                    // Keep the mirror honest: it must not claim tokens the host refused.
+                    m.host_positions.clear();
+                    return Err(e);
                 }
-                let m = &mirrors[at];
-                m.keys
-                    .iter()
-                    .chain(&m.values)
-                    .map(|b| b.size())
-                    .sum::<u64>()
-                    + m.positions.size()
             }
-            None => kv.held_bytes().device,
-        };
+            device_bytes += m
+                .keys
+                .iter()
+                .chain(&m.values)
+                .map(|b| b.size())
+                .sum::<u64>()
+                + m.positions.size();
+        }
+        report.kv_device_bytes = device_bytes;
         report.wall = start.elapsed();
         report.tokens = n;
         *self.report.lock().unwrap_or_else(|p| p.into_inner()) = report;
         Ok(id)
     }
+}
+
+/// Whether `seq`'s cache is a device cache (whose slots a failed binding may have
+/// taken).
+fn on_device_now(seq: &mut PassSequence<'_>) -> bool {
+    seq.kv
+        .device_rows()
+        .is_some_and(|rows| rows.downcast_mut::<DeviceKv>().is_some())
+}
+
+/// Where the mirror of the host cache `owner` sits in `mirrors` now.
+fn mirror_index(mirrors: &[KvMirror], owner: usize) -> usize {
+    mirrors
+        .iter()
+        .position(|m| m.owner == owner)
+        .expect("a mirror synced in this pass is kept for it")
+}
+
+/// One sequence of a device pass: its rows of the pass and where its keys and values
+/// go.
+struct SequenceKv {
+    kv: PassKv,
+    rows: std::ops::Range<usize>,
+    /// Tokens its cache held before the pass.
+    cached: usize,
+    /// The host cache this sequence's mirror mirrors (its owner key), when its cache is
+    /// not a device cache.
+    mirror: Option<usize>,
 }
 
 /// Where a pass's keys and values go and are read from, layer by layer.
@@ -284,12 +365,12 @@ impl WgpuBackend {
         layers: &mut LayerSource<'_>,
         ffn: &mut dyn FeedForward,
         mut rec: Recorder<'_>,
-        kv: &PassKv,
+        seqs: &[SequenceKv],
         out: &mut Vec<f32>,
     ) -> Result<(Vec<u8>, PassReport, Option<u32>)> {
         let (ids, positions) = (input.ids, input.positions);
         let n = graph.n_tokens();
-        let n_layers = kv.layers.len();
+        let n_layers = seqs[0].kv.layers.len();
         let queue = self.ctx.queue();
         let idb = rec.upload("token ids", bytemuck::cast_slice(ids))?;
         let qpos = rec.upload("positions", bytemuck::cast_slice(positions))?;
@@ -307,10 +388,11 @@ impl WgpuBackend {
                 _ => None,
             })
             .unwrap_or(0);
-        // The new keys and values of every layer, read back with the logits for a host
-        // cache.
+        // The new keys and values of every layer (all the pass's rows), read back with
+        // the logits when a sequence has a host cache.
         let new_kv_bytes = n * kvd * 4;
-        let kv_total = if kv.read_back {
+        let read_back = seqs.iter().any(|s| s.kv.read_back);
+        let kv_total = if read_back {
             (2 * n_layers * new_kv_bytes) as u64
         } else {
             0
@@ -430,30 +512,35 @@ impl WgpuBackend {
                 }
                 Op::KvWrite { layer: l, k, v } => {
                     let l = *l;
-                    let (Some(lk), true) = (
-                        kv.layers.get(l),
-                        graph.desc(*k).len() == n * kvd && graph.desc(*v).len() == n * kvd,
-                    ) else {
+                    if graph.desc(*k).len() != n * kvd || graph.desc(*v).len() != n * kvd {
                         return Err(Error::KvShape {
                             expected: n * kvd,
                             keys: graph.desc(*k).len(),
                             values: graph.desc(*v).len(),
                         });
-                    };
-                    // Rounded into the cache's type exactly as a host cache rounds it.
-                    for (src, dst) in [(k, &lk.keys), (v, &lk.values)] {
-                        record_kv_write(
-                            &mut rec,
-                            kv.elem,
-                            buf(*src),
-                            n,
-                            kvd,
-                            &kv.slot_lists[lk.slots],
-                            dst,
-                            kv.capacity,
-                        )?;
                     }
-                    if kv.read_back {
+                    for seq in seqs {
+                        let kv = &seq.kv;
+                        let lk = kv
+                            .layers
+                            .get(l)
+                            .ok_or(Error::LayerIndex { index: l, n_layers })?;
+                        // Rounded into the cache's type exactly as a host cache rounds it.
+                        for (src, dst) in [(k, &lk.keys), (v, &lk.values)] {
+                            record_kv_write(
+                                &mut rec,
+                                kv.elem,
+                                buf(*src),
+                                seq.rows.start,
+                                seq.rows.len(),
+                                kvd,
+                                &kv.slot_lists[lk.slots],
+                                dst,
+                                kv.capacity,
+                            )?;
+                        }
+                    }
+                    if read_back {
                         let len = new_kv_bytes as u64;
                         rec.copy(buf(*k), 0, &new_kv, (2 * l) as u64 * len, len);
                         rec.copy(buf(*v), 0, &new_kv, (2 * l + 1) as u64 * len, len);
@@ -465,27 +552,31 @@ impl WgpuBackend {
                     shape,
                     out,
                 } => {
-                    let lk = kv.layers.get(*l).ok_or(Error::LayerIndex {
-                        index: *l,
-                        n_layers,
-                    })?;
-                    let binding = |buffer| KvBinding {
-                        buffer,
-                        elem: kv.elem,
-                        scale_word: kv.elem.scale_word(kv.capacity * kvd),
-                    };
-                    self.record_attention_stored(
-                        &mut rec,
-                        buf(*q),
-                        binding(&lk.keys),
-                        binding(&lk.values),
-                        &lk.positions,
-                        &qpos,
-                        n,
-                        lk.n_slots,
-                        shape,
-                        buf(*out),
-                    )?;
+                    // Each sequence's rows over its own cache.
+                    for seq in seqs {
+                        let kv = &seq.kv;
+                        let lk = kv.layers.get(*l).ok_or(Error::LayerIndex {
+                            index: *l,
+                            n_layers,
+                        })?;
+                        let binding = |buffer| KvBinding {
+                            buffer,
+                            elem: kv.elem,
+                            scale_word: kv.elem.scale_word(kv.capacity * kvd),
+                        };
+                        self.record_attention_stored(
+                            &mut rec,
+                            buf(*q),
+                            binding(&lk.keys),
+                            binding(&lk.values),
+                            &lk.positions,
+                            &qpos,
+                            seq.rows.clone(),
+                            lk.n_slots,
+                            shape,
+                            buf(*out),
+                        )?;
+                    }
                 }
                 Op::Add { x, y } => {
                     let len = graph.desc(*x).len();

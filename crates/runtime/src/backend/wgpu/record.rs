@@ -16,11 +16,18 @@ pub(crate) struct Params {
     a: [u32; 4],
     b: [u32; 4],
     f: [f32; 4],
+    c: [u32; 4],
 }
 
 impl Params {
     pub(crate) fn new(a: [u32; 4], b: [u32; 4], f: [f32; 4]) -> Params {
-        Params { a, b, f }
+        Params { a, b, f, c: [0; 4] }
+    }
+
+    /// With a third vector of sizes and offsets, for kernels that need more than `a`
+    /// and `b`.
+    pub(crate) fn with_c(self, c: [u32; 4]) -> Params {
+        Params { c, ..self }
     }
 }
 
