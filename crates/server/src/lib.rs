@@ -69,9 +69,10 @@ pub enum Error {
     /// Listening or serving failed.
     #[error("serving HTTP: {0}")]
     Io(#[from] std::io::Error),
-    /// The loader failed.
+    /// The loader failed. Its message is in this one's (not also a source, which an
+    /// error chain would print twice).
     #[error("loading the model: {0}")]
-    Load(#[source] BoxError),
+    Load(BoxError),
     /// The loader gave no session.
     #[error("the engine has no session: serving needs at least one slot")]
     NoSession,
