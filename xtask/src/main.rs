@@ -14,7 +14,7 @@
 //! - `bench-codec`: per tensor type, the ratio and decode speed of each codec of
 //!   `ballast-weight-codec`.
 //! - `tiny-model NAME FILE`: write one of the tiny reference models (`llama-spm`,
-//!   `qwen3`, `gemma3`) whose llama.cpp logits the runtime's tests hold Ballast to.
+//!   `qwen3`, `gemma3`, `qwen3moe`, `mixtral`) whose llama.cpp logits the runtime's tests hold Ballast to.
 
 mod codec_bench;
 mod serve_bench;
@@ -57,7 +57,8 @@ const USAGE: &str =
                 mixed prompt lengths, some streams dropped: errors, p50/p99 latency, tokens/s,
                 the server's RSS before and after. BALLAST_BIN=path skips the release build.
 
-  tiny-model    write the tiny random-weight reference model NAME (llama-spm, qwen3, gemma3) to FILE,
+  tiny-model    write the tiny random-weight reference model NAME (llama-spm, qwen3, gemma3,
+                qwen3moe, mixtral) to FILE,
                 e.g. to compute its logits or tokens with llama.cpp";
 
 fn main() -> Result<()> {

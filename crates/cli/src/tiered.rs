@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::model::load_weights;
 use ballast_runtime::weights::GlobalWeights;
-use ballast_runtime::{Backend, DenseFfn, Model, ModelConfig, ResidentStore};
+use ballast_runtime::{Backend, Model, ModelConfig, ResidentStore};
 use ballast_tier_stream::io::{self, DirectFile, ReadAt};
 use ballast_tier_stream::{
     model_shape, plan, probe, Budgets, ModelShape, Plan, PlanRequest, Speeds, StatsHandle,
@@ -187,7 +187,7 @@ pub fn build(
             let stats = store.stats_handle();
             return Ok(Built {
                 model: {
-                    let ffn = Box::new(DenseFfn::with_activation(config.ffn_act));
+                    let ffn = ballast_runtime::ffn::for_config(&config);
                     Model::from_parts(config, Box::new(store), backend, ffn)
                 },
                 tiered: None,
@@ -224,7 +224,7 @@ pub fn build(
         let store = ResidentStore::new(globals, layers, mapped);
         return Ok(Built {
             model: {
-                let ffn = Box::new(DenseFfn::with_activation(config.ffn_act));
+                let ffn = ballast_runtime::ffn::for_config(&config);
                 Model::from_parts(config, Box::new(store), backend, ffn)
             },
             tiered: None,
@@ -285,7 +285,7 @@ pub fn build(
     }
     Ok(Built {
         model: {
-            let ffn = Box::new(DenseFfn::with_activation(config.ffn_act));
+            let ffn = ballast_runtime::ffn::for_config(&config);
             Model::from_parts(config, Box::new(store), backend, ffn)
         },
         tiered: Some(info),

@@ -39,6 +39,16 @@ pub const FFN_GATE: &str = "ffn_gate.weight";
 pub const FFN_UP: &str = "ffn_up.weight";
 /// `ffn_down.weight`: MLP down projection.
 pub const FFN_DOWN: &str = "ffn_down.weight";
+/// Mixture of experts: the router (`[d_model, n_expert]`: one logit per expert).
+pub const FFN_GATE_INP: &str = "ffn_gate_inp.weight";
+/// Mixture of experts: the experts' gate projections stacked (`[d_model, n_ff_expert,
+/// n_expert]`: expert `e` is rows `e * n_ff_expert ..` of the matrix).
+pub const FFN_GATE_EXPS: &str = "ffn_gate_exps.weight";
+/// Mixture of experts: the experts' up projections stacked, as [`FFN_GATE_EXPS`].
+pub const FFN_UP_EXPS: &str = "ffn_up_exps.weight";
+/// Mixture of experts: the experts' down projections stacked (`[n_ff_expert, d_model,
+/// n_expert]`).
+pub const FFN_DOWN_EXPS: &str = "ffn_down_exps.weight";
 /// `token_embd.weight`: the embedding table.
 pub const TOKEN_EMBD: &str = "token_embd.weight";
 /// `output_norm.weight`: the final RMSNorm scale.

@@ -20,6 +20,8 @@ pub enum Architecture {
     /// before attention, sliding-window layers interleaved with global ones (each kind
     /// with its RoPE base), NeoX RoPE, tied output.
     Gemma3,
+    /// Qwen3-MoE: qwen3's attention, and a mixture-of-experts MLP in every layer.
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -30,6 +32,7 @@ impl Architecture {
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
             Architecture::Gemma3 => "gemma3",
+            Architecture::Qwen3Moe => "qwen3moe",
         }
     }
 
@@ -37,7 +40,10 @@ impl Architecture {
     pub fn rope_style(self) -> RopeStyle {
         match self {
             Architecture::Llama => RopeStyle::Normal,
-            Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Gemma3 => RopeStyle::Neox,
+            Architecture::Qwen2
+            | Architecture::Qwen3
+            | Architecture::Gemma3
+            | Architecture::Qwen3Moe => RopeStyle::Neox,
         }
     }
 }
@@ -75,6 +81,31 @@ pub struct ModelConfig {
     pub embed_scale: Option<f32>,
     /// Sliding window of the layers that have one (`{arch}.attention.sliding_window`).
     pub sliding_window: Option<usize>,
+    /// The mixture of experts every layer's MLP is, if the model has one (qwen3moe; a
+    /// llama file with `expert_count`: Mixtral).
+    pub moe: Option<MoeSpec>,
+}
+
+/// A mixture-of-experts MLP as llama.cpp computes it for Mixtral and Qwen3-MoE: router
+/// logits, softmax, the `n_expert_used` most probable experts, their probabilities
+/// renormalized to sum to one (unless the file says not to) and optionally scaled, and
+/// the weighted sum of those experts' SwiGLU MLPs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MoeSpec {
+    /// Experts per layer (`{arch}.expert_count`).
+    pub n_expert: usize,
+    /// Experts each token uses (`{arch}.expert_used_count`).
+    pub n_expert_used: usize,
+    /// Hidden width of one expert (`{arch}.expert_feed_forward_length`; Mixtral's
+    /// experts are `feed_forward_length` wide).
+    pub n_ff_expert: usize,
+    /// Whether the chosen experts' probabilities are divided by their sum
+    /// (`{arch}.expert_weights_norm`, true when absent, as llama.cpp has it for these
+    /// architectures).
+    pub norm_weights: bool,
+    /// A factor on the experts' weights (`{arch}.expert_weights_scale`, none when
+    /// absent, 0 or 1).
+    pub weights_scale: Option<f32>,
 }
 
 impl ModelConfig {
@@ -87,6 +118,7 @@ impl ModelConfig {
             "qwen2" => Architecture::Qwen2,
             "qwen3" => Architecture::Qwen3,
             "gemma3" => Architecture::Gemma3,
+            "qwen3moe" => Architecture::Qwen3Moe,
             other => {
                 return Err(Error::UnsupportedArchitecture {
                     arch: other.to_string(),
@@ -165,7 +197,11 @@ impl ModelConfig {
                 shape
             },
             rope,
-            qk_norm: matches!(arch, Architecture::Qwen3 | Architecture::Gemma3).then_some(rms_eps),
+            qk_norm: matches!(
+                arch,
+                Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Qwen3Moe
+            )
+            .then_some(rms_eps),
             q_scale: None,
         };
         let mut layer_attention = vec![spec; n_layers];
@@ -220,6 +256,7 @@ impl ModelConfig {
                 sliding_window = Some(w);
             }
         }
+        let moe = moe_spec(file, arch, &key, n_ff)?;
         if !(freq_base.is_finite() && freq_base > 0.0) {
             return Err(invalid(
                 "rope.freq_base",
@@ -246,6 +283,7 @@ impl ModelConfig {
             },
             embed_scale: gemma.then(|| (d_model as f32).sqrt()),
             sliding_window,
+            moe,
         })
     }
 
@@ -258,6 +296,103 @@ impl ModelConfig {
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
     }
+}
+
+/// The mixture of experts of `file`, read from `{arch}.expert_*` (`key` makes the
+/// names): required for qwen3moe, present in a llama file that has experts (Mixtral),
+/// refused elsewhere and for the variants this pass does not compute (shared experts,
+/// a gating function other than softmax).
+fn moe_spec(
+    file: &GgufFile,
+    arch: Architecture,
+    key: &dyn Fn(&str) -> String,
+    n_ff: usize,
+) -> Result<Option<MoeSpec>> {
+    let invalid = |k: &str, why: String| Error::InvalidHyperParameter { key: key(k), why };
+    let n_expert = file.get_u32_opt(&key("expert_count"))?.unwrap_or(0) as usize;
+    match (arch, n_expert) {
+        (Architecture::Qwen3Moe, 0) => {
+            return Err(invalid(
+                "expert_count",
+                "qwen3moe needs experts (missing or 0)".into(),
+            ))
+        }
+        (Architecture::Llama | Architecture::Qwen3Moe, _) if n_expert > 0 => {}
+        (_, 0) => return Ok(None),
+        (other, n) => {
+            return Err(invalid(
+                "expert_count",
+                format!(
+                "{n} experts: a mixture of experts is implemented for llama and qwen3moe, not {}",
+                other.name()
+            ),
+            ))
+        }
+    }
+    let n_expert_used = file.get_u32_opt(&key("expert_used_count"))?.unwrap_or(0) as usize;
+    if n_expert_used == 0 || n_expert_used > n_expert {
+        return Err(invalid(
+            "expert_used_count",
+            format!("{n_expert_used} is not between 1 and expert_count {n_expert}"),
+        ));
+    }
+    let n_ff_expert = match (arch, file.get_u32_opt(&key("expert_feed_forward_length"))?) {
+        (Architecture::Qwen3Moe, Some(n)) => n as usize,
+        // llama.cpp's fallback when the key is absent.
+        (Architecture::Qwen3Moe, None) => n_ff / n_expert_used,
+        (_, _) => n_ff,
+    };
+    if n_ff_expert == 0 {
+        return Err(invalid(
+            "expert_feed_forward_length",
+            "zero-sized experts".into(),
+        ));
+    }
+    if let Some(n) = file
+        .get_u32_opt(&key("expert_shared_count"))?
+        .filter(|&n| n > 0)
+    {
+        return Err(invalid(
+            "expert_shared_count",
+            format!("{n}: shared experts are not implemented"),
+        ));
+    }
+    // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE: 1 softmax (the default), 2 sigmoid.
+    if let Some(g) = file
+        .get_u32_opt(&key("expert_gating_func"))?
+        .filter(|&g| g != 1)
+    {
+        return Err(invalid(
+            "expert_gating_func",
+            format!("{g}: only softmax gating (1) is implemented"),
+        ));
+    }
+    let norm_weights = match file.get(&key("expert_weights_norm")) {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => {
+            return Err(invalid(
+                "expert_weights_norm",
+                format!("{other} is not a bool"),
+            ))
+        }
+    };
+    let weights_scale = file
+        .get_f32_opt(&key("expert_weights_scale"))?
+        .filter(|&s| s != 0.0 && s != 1.0);
+    if let Some(s) = weights_scale.filter(|s| !s.is_finite()) {
+        return Err(invalid(
+            "expert_weights_scale",
+            format!("{s} is not finite"),
+        ));
+    }
+    Ok(Some(MoeSpec {
+        n_expert,
+        n_expert_used,
+        n_ff_expert,
+        norm_weights,
+        weights_scale,
+    }))
 }
 
 /// The query scale of gemma3, as llama.cpp derives it (no GGUF key holds it):

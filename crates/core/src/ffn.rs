@@ -47,6 +47,15 @@ pub trait FeedForward: Send {
     ) -> Result<()>;
 }
 
+/// The MLP `config` describes: [`crate::moe::MoeFfn`] for a mixture of experts, else
+/// the [`DenseFfn`] with the model's activation.
+pub fn for_config(config: &crate::ModelConfig) -> Box<dyn FeedForward> {
+    match config.moe {
+        Some(spec) => Box::new(crate::moe::MoeFfn::new(spec)),
+        None => Box::new(DenseFfn::with_activation(config.ffn_act)),
+    }
+}
+
 /// The exact MLP: every neuron, every token. It emits its ops into the pass
 /// ([`blocks::ffn_swiglu`]); [`FeedForward::forward`] computes the same on host slices
 /// for callers outside a pass.

@@ -59,6 +59,21 @@ impl WeightBytes {
         Ok(WeightBytes { source, range })
     }
 
+    /// Bytes `range` of these bytes (relative to their start), sharing the source.
+    pub fn slice(&self, range: Range<usize>) -> Result<WeightBytes> {
+        if range.start > range.end || range.end > self.range.len() {
+            return Err(Error::WeightRange {
+                start: range.start,
+                end: range.end,
+                len: self.range.len(),
+            });
+        }
+        Ok(WeightBytes {
+            source: self.source.clone(),
+            range: self.range.start + range.start..self.range.start + range.end,
+        })
+    }
+
     /// Bytes owned by this value alone.
     pub fn from_vec(bytes: Vec<u8>) -> WeightBytes {
         let range = 0..bytes.len();
@@ -155,6 +170,35 @@ impl Weight {
     /// Bytes of one row.
     pub fn row_bytes(&self) -> usize {
         self.bytes.len() / self.rows().max(1)
+    }
+
+    /// Matrix `index` of a stack of matrices (`dims` `[cols, rows, n]`, as a mixture
+    /// of experts stores its experts): a weight of its own over the same bytes, with
+    /// its own [`WeightId`] (the stack's offset plus the matrix's, plus one: tensors
+    /// start on aligned offsets, so no tensor, the stack included, has that id) so that
+    /// a device keeps each one apart.
+    pub fn stacked(&self, index: usize) -> Result<Weight> {
+        let (&[cols, rows, n], true) = (
+            &self.dims[..],
+            index < self.dims.get(2).copied().unwrap_or(0),
+        ) else {
+            return Err(Error::ShapeMismatch {
+                what: format!("matrix {index} of the stack {} {:?}", self.name, self.dims),
+                expected: index + 1,
+                got: self.dims.get(2).copied().unwrap_or(0),
+            });
+        };
+        let each = self.bytes.len() / n;
+        Ok(Weight {
+            name: format!("{}[{index}]", self.name),
+            id: WeightId {
+                file: self.id.file,
+                offset: self.id.offset + (index * each) as u64 + 1,
+            },
+            ty: self.ty,
+            dims: vec![cols, rows],
+            bytes: self.bytes.slice(index * each..(index + 1) * each)?,
+        })
     }
 }
 

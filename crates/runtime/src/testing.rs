@@ -67,6 +67,10 @@ pub struct TinyModelSpec {
     /// `n`-th layer global) and `rope.freq_base_swa` (the local layers' RoPE base);
     /// `None`: none of these keys.
     pub sliding_window: Option<(usize, u32, f32)>,
+    /// A mixture of experts instead of the dense MLP: `(experts, experts used per
+    /// token, width of one expert)`. qwen3moe writes the width as
+    /// `expert_feed_forward_length`; a llama file (Mixtral) has experts `n_ff` wide.
+    pub experts: Option<(usize, usize, usize)>,
     /// Seed of the weights.
     pub seed: u64,
 }
@@ -88,6 +92,7 @@ impl Default for TinyModelSpec {
             rope_base: 10000.0,
             context_length: 256,
             sliding_window: None,
+            experts: None,
             seed: 1,
         }
     }
@@ -303,6 +308,16 @@ impl TinyModelSpec {
             )?;
             w.add_metadata(format!("{a}.rope.freq_base_swa"), Value::F32(local_base))?;
         }
+        if let Some((n_expert, n_used, n_ff_expert)) = self.experts {
+            w.add_metadata(format!("{a}.expert_count"), Value::U32(n_expert as u32))?;
+            w.add_metadata(format!("{a}.expert_used_count"), Value::U32(n_used as u32))?;
+            if a == "qwen3moe" {
+                w.add_metadata(
+                    format!("{a}.expert_feed_forward_length"),
+                    Value::U32(n_ff_expert as u32),
+                )?;
+            }
+        }
         match self.vocab {
             TinyVocab::ByteLevel => {
                 let mut tokens: Vec<String> =
@@ -338,14 +353,25 @@ impl TinyModelSpec {
 
         let mut rng = Rng(self.seed);
         let vocab = self.vocab_size() as u64;
-        let mut matrix =
-            |w: &mut GgufWriter, name: &str, ty: GgmlType, cols: u64, rows: u64| -> Result<()> {
-                let values = rng.values((cols * rows) as usize, 1.0 / (cols as f32).sqrt());
-                w.add_tensor(name, ty, &[cols, rows], quant::quantize(ty, &values)?)
+        // A matrix, or (`stack` > 1) that many matrices stacked as experts are.
+        let mut matrix = |w: &mut GgufWriter,
+                          name: &str,
+                          ty: GgmlType,
+                          cols: u64,
+                          rows: u64,
+                          stack: u64|
+         -> Result<()> {
+            let values = rng.values((cols * rows * stack) as usize, 1.0 / (cols as f32).sqrt());
+            let dims: &[u64] = if stack > 1 {
+                &[cols, rows, stack]
+            } else {
+                &[cols, rows]
             };
-        matrix(&mut w, "token_embd.weight", self.embd_type, d, vocab)?;
+            w.add_tensor(name, ty, dims, quant::quantize(ty, &values)?)
+        };
+        matrix(&mut w, "token_embd.weight", self.embd_type, d, vocab, 1)?;
         if !self.tied {
-            matrix(&mut w, "output.weight", self.weight_type, d, vocab)?;
+            matrix(&mut w, "output.weight", self.weight_type, d, vocab, 1)?;
         }
         let mut vectors = Rng(self.seed ^ 0x5555);
         let mut norm = |w: &mut GgufWriter, name: &str, n: u64| -> Result<()> {
@@ -359,14 +385,31 @@ impl TinyModelSpec {
             norm(&mut w, &n("attn_norm.weight"), d)?;
             norm(&mut w, &n("ffn_norm.weight"), d)?;
             let t = self.weight_type;
-            matrix(&mut w, &n("attn_q.weight"), t, d, q)?;
-            matrix(&mut w, &n("attn_k.weight"), t, d, kv)?;
-            matrix(&mut w, &n("attn_v.weight"), t, d, kv)?;
-            matrix(&mut w, &n("attn_output.weight"), t, q, d)?;
-            matrix(&mut w, &n("ffn_gate.weight"), t, d, ff)?;
-            matrix(&mut w, &n("ffn_up.weight"), t, d, ff)?;
-            matrix(&mut w, &n("ffn_down.weight"), t, ff, d)?;
-            if self.arch == "qwen3" || self.arch == "gemma3" {
+            matrix(&mut w, &n("attn_q.weight"), t, d, q, 1)?;
+            matrix(&mut w, &n("attn_k.weight"), t, d, kv, 1)?;
+            matrix(&mut w, &n("attn_v.weight"), t, d, kv, 1)?;
+            matrix(&mut w, &n("attn_output.weight"), t, q, d, 1)?;
+            match self.experts {
+                None => {
+                    matrix(&mut w, &n("ffn_gate.weight"), t, d, ff, 1)?;
+                    matrix(&mut w, &n("ffn_up.weight"), t, d, ff, 1)?;
+                    matrix(&mut w, &n("ffn_down.weight"), t, ff, d, 1)?;
+                }
+                Some((n_expert, _, n_ff_expert)) => {
+                    // The router in f32, as converted files have it; the experts'
+                    // matrices stacked, one matrix per expert.
+                    let (ne, fe) = (n_expert as u64, n_ff_expert as u64);
+                    matrix(&mut w, &n("ffn_gate_inp.weight"), GgmlType::F32, d, ne, 1)?;
+                    for (name, cols, rows) in [
+                        ("ffn_gate_exps.weight", d, fe),
+                        ("ffn_up_exps.weight", d, fe),
+                        ("ffn_down_exps.weight", fe, d),
+                    ] {
+                        matrix(&mut w, &n(name), t, cols, rows, ne)?;
+                    }
+                }
+            }
+            if matches!(self.arch.as_str(), "qwen3" | "gemma3" | "qwen3moe") {
                 norm(&mut w, &n("attn_q_norm.weight"), hd as u64)?;
                 norm(&mut w, &n("attn_k_norm.weight"), hd as u64)?;
             }
@@ -413,7 +456,9 @@ pub fn gpu_for_tests() -> Option<std::sync::Arc<crate::gpu::GpuContext>> {
 /// one): `llama-spm` (the TinyLlama / Mistral layout: llama with the SentencePiece
 /// vocabulary), `qwen3` (per-head Q/K norm, a head size that is not
 /// `d_model / n_heads`) and `gemma3` (three layers, the middle one global, the others
-/// with a window of 4 tokens and their own RoPE base, so ten tokens cross the window).
+/// with a window of 4 tokens and their own RoPE base, so ten tokens cross the window),
+/// `qwen3moe` (eight experts of 32, two per token) and `mixtral` (llama with four
+/// experts as wide as `n_ff`, two per token).
 /// F32 weights, so no activation is quantized on either side.
 pub fn reference_spec(name: &str) -> Option<TinyModelSpec> {
     let base = TinyModelSpec {
@@ -442,9 +487,22 @@ pub fn reference_spec(name: &str) -> Option<TinyModelSpec> {
             tied: true,
             ..base
         }),
+        // Eight experts of 32, two per token, after qwen3's attention.
+        "qwen3moe" => Some(TinyModelSpec {
+            arch: "qwen3moe".into(),
+            head_dim: Some(32),
+            rope_base: 1_000_000.0,
+            experts: Some((8, 2, 32)),
+            ..base.clone()
+        }),
+        // Mixtral's layout: llama with four experts as wide as n_ff, two per token.
+        "mixtral" => Some(TinyModelSpec {
+            experts: Some((4, 2, 128)),
+            ..base
+        }),
         _ => None,
     }
 }
 
 /// Names [`reference_spec`] knows.
-pub const REFERENCE_SPECS: &[&str] = &["llama-spm", "qwen3", "gemma3"];
+pub const REFERENCE_SPECS: &[&str] = &["llama-spm", "qwen3", "gemma3", "qwen3moe", "mixtral"];

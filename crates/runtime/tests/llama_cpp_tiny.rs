@@ -1,4 +1,5 @@
-//! The tiny reference models (`testing::reference_spec`: SPM-llama, qwen3 and gemma3) against
+//! The tiny reference models (`testing::reference_spec`: SPM-llama, qwen3, gemma3, qwen3moe
+//! and Mixtral) against
 //! llama.cpp: Ballast's first-step logits within 1e-3 of the largest logit of
 //! llama.cpp's, on the CPU and on wgpu. llama.cpp's numbers were recorded once, in
 //! `tests/data/llama_cpp_tiny_logits.json`, which says how they were made.

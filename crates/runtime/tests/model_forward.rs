@@ -630,3 +630,203 @@ fn a_malformed_gemma3_file_is_a_named_error() {
         .collect();
     assert_eq!(windows, [None, Some(4), Some(4)]);
 }
+
+// A mixture-of-experts file with impossible expert counts, a variant this pass does not
+// compute, or a missing or misshapen expert tensor is refused by an error naming the
+// key or tensor; experts in an architecture without them are refused too.
+#[test]
+fn a_malformed_moe_file_is_a_named_error() {
+    let cpu = || -> Arc<dyn ballast_runtime::Backend> { Arc::new(CpuBackend::new(1)) };
+    let spec = reference_spec("qwen3moe").unwrap();
+    let key_error = |spec: &TinyModelSpec, meta: &[(&str, Value)], want: &str| match Model::load(
+        rewritten(spec, "", meta),
+        cpu(),
+        false,
+    )
+    .err()
+    .expect("refused")
+    {
+        Error::InvalidHyperParameter { key, why } => {
+            assert_eq!(key, want, "{why}");
+            eprintln!("{key}: {why}");
+        }
+        other => panic!("unexpected: {other}"),
+    };
+    key_error(
+        &spec,
+        &[("qwen3moe.expert_count", Value::U32(0))],
+        "qwen3moe.expert_count",
+    );
+    key_error(
+        &spec,
+        &[("qwen3moe.expert_used_count", Value::U32(9))],
+        "qwen3moe.expert_used_count",
+    );
+    key_error(
+        &spec,
+        &[("qwen3moe.expert_used_count", Value::U32(0))],
+        "qwen3moe.expert_used_count",
+    );
+    key_error(
+        &spec,
+        &[("qwen3moe.expert_shared_count", Value::U32(1))],
+        "qwen3moe.expert_shared_count",
+    );
+    key_error(
+        &spec,
+        &[("qwen3moe.expert_gating_func", Value::U32(2))],
+        "qwen3moe.expert_gating_func",
+    );
+    key_error(
+        &spec,
+        &[("qwen3moe.expert_weights_norm", Value::U32(1))],
+        "qwen3moe.expert_weights_norm",
+    );
+    // Experts where this pass has none.
+    let qwen3 = reference_spec("qwen3").unwrap();
+    key_error(
+        &qwen3,
+        &[("qwen3.expert_count", Value::U32(4))],
+        "qwen3.expert_count",
+    );
+    match Model::load(
+        rewritten(&spec, "blk.1.ffn_up_exps.weight", &[]),
+        cpu(),
+        false,
+    )
+    .err()
+    .expect("refused")
+    {
+        Error::GgufMissingTensor { tensor, .. } => assert_eq!(tensor, "blk.1.ffn_up_exps.weight"),
+        other => panic!("unexpected: {other}"),
+    }
+    // Experts half as wide as the tensors are.
+    match Model::load(
+        rewritten(
+            &spec,
+            "",
+            &[("qwen3moe.expert_feed_forward_length", Value::U32(16))],
+        ),
+        cpu(),
+        false,
+    )
+    .err()
+    .expect("refused")
+    {
+        Error::TensorShape { tensor, .. } => assert_eq!(tensor, "blk.0.ffn_gate_exps.weight"),
+        other => panic!("unexpected: {other}"),
+    }
+}
+
+// Each token's experts: the most probable ones, renormalized; without renormalization
+// the softmax probabilities themselves; a scale multiplies them.
+#[test]
+fn moe_routing_follows_the_file() {
+    use ballast_runtime::moe::route;
+    let mut spec = ballast_runtime::ModelConfig::from_gguf(
+        &GgufFile::from_bytes(reference_spec("qwen3moe").unwrap().to_gguf_bytes().unwrap())
+            .unwrap(),
+    )
+    .unwrap()
+    .moe
+    .expect("a mixture of experts");
+    assert_eq!(
+        (spec.n_expert, spec.n_expert_used, spec.n_ff_expert),
+        (8, 2, 32)
+    );
+    assert!(spec.norm_weights && spec.weights_scale.is_none());
+    let logits = [0.5f32, 3.0, -1.0, 2.0, 0.0, 0.0, 1.0, -2.0];
+    let chosen = route(&spec, &logits);
+    assert_eq!(chosen.iter().map(|c| c.0).collect::<Vec<_>>(), vec![1, 3]);
+    let (a, b) = (chosen[0].1, chosen[1].1);
+    assert!((a + b - 1.0).abs() < 1e-6 && (a / b - 1f32.exp()).abs() < 1e-5);
+    spec.norm_weights = false;
+    let total: f32 = logits.iter().map(|l| (l - 3.0).exp()).sum();
+    let raw = route(&spec, &logits);
+    assert!((raw[0].1 - 1.0 / total).abs() < 1e-6, "{raw:?}");
+    spec.weights_scale = Some(2.5);
+    let scaled = route(&spec, &logits);
+    assert!((scaled[1].1 - 2.5 * raw[1].1).abs() < 1e-6);
+}
+
+// Only the chosen experts are computed: with a router that always picks experts 1 and
+// 3, the other experts' matrices may hold NaN and the MLP's output does not change.
+#[test]
+fn moe_reads_only_the_chosen_experts() {
+    use ballast_runtime::blocks::{FFN_DOWN_EXPS, FFN_GATE_EXPS, FFN_GATE_INP, FFN_UP_EXPS};
+    use ballast_runtime::model::MoeSpec;
+    use ballast_runtime::moe::MoeFfn;
+    use ballast_runtime::weights::{LayerWeights, Weight, WeightBytes, WeightId};
+    use ballast_runtime::FeedForward;
+    let (d, ff, ne) = (32usize, 16usize, 4usize);
+    let spec = MoeSpec {
+        n_expert: ne,
+        n_expert_used: 2,
+        n_ff_expert: ff,
+        norm_weights: true,
+        weights_scale: None,
+    };
+    let f32_weight = |name: &str, dims: Vec<usize>, values: Vec<f32>| Weight {
+        name: name.into(),
+        id: WeightId::fresh(),
+        ty: GgmlType::F32,
+        dims,
+        bytes: WeightBytes::from_vec(bytemuck::cast_slice(&values).to_vec()),
+    };
+    // Router rows: experts 1 and 3 see the (positive) input, the others its opposite.
+    let mut router = vec![0f32; d * ne];
+    for e in 0..ne {
+        let sign = if e % 2 == 1 { 1.0 } else { -1.0 };
+        router[e * d..(e + 1) * d].fill(sign * (1.0 + e as f32 * 0.1));
+    }
+    let layer = |unused: f32| {
+        let stack = |per: usize| -> Vec<f32> {
+            (0..per * ne)
+                .map(|i| {
+                    let e = i / per;
+                    if e % 2 == 1 {
+                        ((i * 7919) % 13) as f32 / 13.0 - 0.5
+                    } else {
+                        unused
+                    }
+                })
+                .collect()
+        };
+        LayerWeights {
+            index: 0,
+            matrices: vec![
+                (
+                    FFN_GATE_INP.into(),
+                    f32_weight(FFN_GATE_INP, vec![d, ne], router.clone()),
+                ),
+                (
+                    FFN_GATE_EXPS.into(),
+                    f32_weight(FFN_GATE_EXPS, vec![d, ff, ne], stack(d * ff)),
+                ),
+                (
+                    FFN_UP_EXPS.into(),
+                    f32_weight(FFN_UP_EXPS, vec![d, ff, ne], stack(d * ff)),
+                ),
+                (
+                    FFN_DOWN_EXPS.into(),
+                    f32_weight(FFN_DOWN_EXPS, vec![ff, d, ne], stack(ff * d)),
+                ),
+            ],
+            vectors: Vec::new(),
+        }
+    };
+    let n = 3;
+    let x: Vec<f32> = (0..n * d).map(|i| 0.1 + (i % 5) as f32 * 0.05).collect();
+    let backend = CpuBackend::new(1);
+    let run = |w: &LayerWeights| {
+        let mut out = vec![0f32; n * d];
+        MoeFfn::new(spec)
+            .forward(&backend, w, &x, n, &mut out)
+            .unwrap();
+        out
+    };
+    let clean = run(&layer(0.0));
+    let poisoned = run(&layer(f32::NAN));
+    assert!(clean.iter().any(|&v| v != 0.0));
+    assert_eq!(clean, poisoned);
+}

@@ -1,7 +1,9 @@
 //! The llama builder (Llama 2/3, SmolLM2, TinyLlama, Mistral; qwen2 is the same graph
 //! with Q/K/V biases, which [`blocks::attention`] adds when a layer has them; qwen3 is
 //! the same graph with the per-head Q/K norm its attention spec asks for, and no
-//! biases): the layer table it reads and the pass it emits.
+//! biases; Mixtral and qwen3moe are llama and qwen3 with a mixture of experts for the
+//! MLP, which the model's MLP lever, `ffn::for_config`, emits): the layer table it reads
+//! and the pass it emits.
 //!
 //! ```text
 //! embed
@@ -40,10 +42,21 @@ pub(super) fn layer_tensors(c: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
     table.extend([
         TensorSpec::required(ATTN_OUTPUT, &[q, d]),
         TensorSpec::required(FFN_NORM, &[d]),
-        TensorSpec::required(FFN_GATE, &[d, ff]),
-        TensorSpec::required(FFN_UP, &[d, ff]),
-        TensorSpec::required(FFN_DOWN, &[ff, d]),
     ]);
+    match c.moe {
+        // Mixtral, qwen3moe: a router and the experts' matrices stacked.
+        Some(m) => table.extend([
+            TensorSpec::required(FFN_GATE_INP, &[d, m.n_expert]),
+            TensorSpec::required(FFN_GATE_EXPS, &[d, m.n_ff_expert, m.n_expert]),
+            TensorSpec::required(FFN_UP_EXPS, &[d, m.n_ff_expert, m.n_expert]),
+            TensorSpec::required(FFN_DOWN_EXPS, &[m.n_ff_expert, d, m.n_expert]),
+        ]),
+        None => table.extend([
+            TensorSpec::required(FFN_GATE, &[d, ff]),
+            TensorSpec::required(FFN_UP, &[d, ff]),
+            TensorSpec::required(FFN_DOWN, &[ff, d]),
+        ]),
+    }
     table
 }
 

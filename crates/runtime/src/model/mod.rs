@@ -9,11 +9,11 @@ mod llama;
 
 use std::sync::Arc;
 
-pub use config::{Architecture, ModelConfig};
+pub use config::{Architecture, ModelConfig, MoeSpec};
 
 use crate::backend::{Backend, DeviceForwardInput};
 use crate::error::{Error, Result};
-use crate::ffn::{DenseFfn, FeedForward};
+use crate::ffn::FeedForward;
 use crate::ggml_type::GgmlType;
 use crate::gguf::GgufFile;
 use crate::graph::{self, Graph, HostPass, Op, PassSequence};
@@ -109,9 +109,10 @@ impl TensorSpec {
 /// The layer table `config`'s architecture reads for layer `layer`.
 pub fn layer_tensors(config: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
     match config.arch {
-        Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 => {
-            llama::layer_tensors(config, layer)
-        }
+        Architecture::Llama
+        | Architecture::Qwen2
+        | Architecture::Qwen3
+        | Architecture::Qwen3Moe => llama::layer_tensors(config, layer),
         Architecture::Gemma3 => gemma3::layer_tensors(config, layer),
     }
 }
@@ -241,12 +242,13 @@ pub struct Model {
 }
 
 impl Model {
-    /// Loads `file` with every weight resident ([`ResidentStore`]) and the exact MLP.
+    /// Loads `file` with every weight resident ([`ResidentStore`]) and the exact MLP
+    /// (dense, or the mixture of experts the file has).
     pub fn load(file: Arc<GgufFile>, backend: Arc<dyn Backend>, mapped: bool) -> Result<Model> {
         let config = ModelConfig::from_gguf(&file)?;
         let (globals, layers) = load_weights(&file, &config)?;
         let store = Box::new(ResidentStore::new(globals, layers, mapped));
-        let ffn = Box::new(DenseFfn::with_activation(config.ffn_act));
+        let ffn = crate::ffn::for_config(&config);
         Ok(Model::from_parts(config, store, backend, ffn))
     }
 
@@ -270,10 +272,10 @@ impl Model {
     }
 
     /// Another handle on the same weights, store and backend, with its own activation
-    /// buffers and the exact MLP: what a second session runs on. Nothing is copied but
-    /// a reference count.
+    /// buffers and the exact MLP (dense, or the model's mixture of experts): what a
+    /// second session runs on. Nothing is copied but a reference count.
     pub fn share(&self) -> Model {
-        self.share_with_ffn(Box::new(DenseFfn::with_activation(self.config().ffn_act)))
+        self.share_with_ffn(crate::ffn::for_config(self.config()))
     }
 
     /// Like [`Model::share`], with `ffn` as this handle's MLP.
@@ -466,7 +468,10 @@ impl Model {
     fn build(&self, key: &GraphKey) -> Graph {
         let config = &self.shared.config;
         match config.arch {
-            Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 => llama::build(
+            Architecture::Llama
+            | Architecture::Qwen2
+            | Architecture::Qwen3
+            | Architecture::Qwen3Moe => llama::build(
                 config,
                 key.tokens,
                 key.head.as_ref(),
