@@ -312,6 +312,14 @@ pub fn run(args: RunArgs) -> Result<()> {
                 m.stall_per_token.as_secs_f64() * 1e3,
                 m.read_time_per_token.as_secs_f64() * 1e3,
             );
+            if m.expert_bytes_per_token > 0.0 || m.expert_hit_rate > 0.0 {
+                eprintln!(
+                    "experts per generated token: {} read for the chosen experts (in the figure above), {:.0}% of the chosen found in the expert cache, waited {:.2} ms for them after the router",
+                    common::human_bytes(m.expert_bytes_per_token as u64),
+                    m.expert_hit_rate * 100.0,
+                    m.expert_stall_per_token.as_secs_f64() * 1e3,
+                );
+            }
         }
         if let Some(c) = compressed.as_ref().map(|h| h.get()) {
             eprintln!(

@@ -75,6 +75,14 @@ pub struct StoreArgs {
     /// Read with plain reads plus posix_fadvise(DONTNEED) instead of O_DIRECT.
     #[arg(long)]
     pub no_direct_io: bool,
+    /// Mixture of experts, tiered on the CPU: read a streamed layer's experts whole
+    /// with the layer, instead of only the experts its tokens choose (the default).
+    #[arg(long)]
+    pub whole_experts: bool,
+    /// Mixture of experts, tiered on the CPU: bytes of recently used experts kept
+    /// between tokens (e.g. 256M). Default: what the plan leaves of the RAM budget.
+    #[arg(long)]
+    pub expert_cache: Option<String>,
     /// With a pack: how long a decoded layer lives.
     #[arg(long, value_enum, default_value_t = CacheKind::EveryUse)]
     pub cache: CacheKind,
@@ -258,6 +266,12 @@ pub fn build(
         Arc::new(reader),
         TieredOptions {
             io_threads: args.io_threads.max(1),
+            whole_experts: args.whole_experts,
+            expert_cache_bytes: match args.expert_cache.as_deref() {
+                Some(size) => probe::parse_size(size)?,
+                None if p.unified => ram.saturating_sub(p.device_used()),
+                None => 0,
+            },
         },
     )?;
     if !p.unified {
@@ -490,18 +504,34 @@ pub fn measure_compute(file: &Arc<GgufFile>, backend: &dyn Backend) -> Result<f6
 
 /// Measured figures of tiered streaming between two snapshots, per token.
 pub struct Measured {
+    /// Layer and expert bytes read.
     pub disk_bytes_per_token: f64,
     pub stall_per_token: Duration,
     pub read_time_per_token: Duration,
     pub disk_bytes_per_s: f64,
+    /// Of a mixture of experts streamed expert by expert: bytes read for the chosen
+    /// experts, the share of chosen experts found in the cache, and the wait for them.
+    pub expert_bytes_per_token: f64,
+    pub expert_hit_rate: f64,
+    pub expert_stall_per_token: Duration,
 }
 
 pub fn measured(before: StreamStats, after: StreamStats, tokens: usize) -> Measured {
     let n = tokens.max(1) as f64;
     let bytes = after.disk_bytes - before.disk_bytes;
     let read = after.read_time.saturating_sub(before.read_time);
+    let (eb, ea) = (before.experts, after.experts);
+    let expert_bytes = ea.bytes - eb.bytes;
+    let (reads, hits) = (ea.reads - eb.reads, ea.hits - eb.hits);
     Measured {
-        disk_bytes_per_token: bytes as f64 / n,
+        expert_bytes_per_token: expert_bytes as f64 / n,
+        expert_hit_rate: if reads + hits == 0 {
+            0.0
+        } else {
+            hits as f64 / (reads + hits) as f64
+        },
+        expert_stall_per_token: ea.stall.saturating_sub(eb.stall).div_f64(n),
+        disk_bytes_per_token: (bytes + expert_bytes) as f64 / n,
         stall_per_token: after
             .stall_time
             .saturating_sub(before.stall_time)

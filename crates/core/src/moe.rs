@@ -117,17 +117,9 @@ impl FeedForward for MoeFfn {
         out: &mut [f32],
     ) -> Result<()> {
         let s = self.spec;
-        let (router, gate, up, down) = (
-            weights.matrix(FFN_GATE_INP)?,
-            weights.matrix(FFN_GATE_EXPS)?,
-            weights.matrix(FFN_UP_EXPS)?,
-            weights.matrix(FFN_DOWN_EXPS)?,
-        );
+        let router = weights.matrix(FFN_GATE_INP)?;
         let d = router.cols();
         check_dims(router, &[d, s.n_expert])?;
-        check_dims(gate, &[d, s.n_ff_expert, s.n_expert])?;
-        check_dims(up, &[d, s.n_ff_expert, s.n_expert])?;
-        check_dims(down, &[s.n_ff_expert, d, s.n_expert])?;
         if x.len() != n_tokens * d || out.len() != n_tokens * d {
             return Err(Error::ShapeMismatch {
                 what: "the input and output of a mixture of experts".into(),
@@ -167,7 +159,16 @@ impl FeedForward for MoeFfn {
                 continue;
             }
             let m = slots.len();
-            let (ge, ue, de) = (gate.stacked(e)?, up.stacked(e)?, down.stacked(e)?);
+            // From the layer's stacked tensors, or fetched now from a store that
+            // streams only the chosen experts.
+            let (ge, ue, de) = (
+                weights.expert(FFN_GATE_EXPS, e)?,
+                weights.expert(FFN_UP_EXPS, e)?,
+                weights.expert(FFN_DOWN_EXPS, e)?,
+            );
+            check_dims(&ge, &[d, s.n_ff_expert])?;
+            check_dims(&ue, &[d, s.n_ff_expert])?;
+            check_dims(&de, &[s.n_ff_expert, d])?;
             g.resize(m * s.n_ff_expert, 0.0);
             u.resize(m * s.n_ff_expert, 0.0);
             h.resize(m * s.n_ff_expert, 0.0);

@@ -218,9 +218,54 @@ pub struct LayerWeights {
     pub matrices: Vec<(String, Weight)>,
     /// Vectors by role (`attn_norm.weight`, `attn_q.bias`, ...).
     pub vectors: Vec<(String, Arc<[f32]>)>,
+    /// Where the experts of a mixture of experts come from when their stacked tensors
+    /// are not in `matrices` (a store that reads only the experts a token chose).
+    pub experts: Option<ExpertFetch>,
+}
+
+/// Fetches one expert's matrix on demand: a store that streams a layer without its
+/// experts reads the chosen ones when the router has chosen them.
+pub trait ExpertSource: Send + Sync {
+    /// Matrix `index` of the stacked tensor `role` (`ffn_gate_exps.weight`, ...), as
+    /// [`Weight::stacked`] gives it (same name, id, type and dims).
+    fn expert(&self, role: &str, index: usize) -> Result<Weight>;
+}
+
+/// A shared [`ExpertSource`].
+#[derive(Clone)]
+pub struct ExpertFetch(pub Arc<dyn ExpertSource>);
+
+impl std::fmt::Debug for ExpertFetch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ExpertFetch")
+    }
 }
 
 impl LayerWeights {
+    /// A layer of `matrices` and `vectors` whose experts, if any, are in `matrices`.
+    pub fn new(
+        index: usize,
+        matrices: Vec<(String, Weight)>,
+        vectors: Vec<(String, Arc<[f32]>)>,
+    ) -> LayerWeights {
+        LayerWeights {
+            index,
+            matrices,
+            vectors,
+            experts: None,
+        }
+    }
+
+    /// Expert `index` of the stacked tensor `role`: cut from the tensor when the layer
+    /// holds it, else fetched from [`LayerWeights::experts`].
+    pub fn expert(&self, role: &str, index: usize) -> Result<Weight> {
+        match (self.matrix(role), &self.experts) {
+            (Ok(stack), _) => stack.stacked(index),
+            (Err(_), Some(fetch)) => fetch.0.expert(role, index),
+            (Err(e), None) => Err(e),
+        }
+    }
+
     /// The matrix of `role`, or an error naming the layer and role.
     pub fn matrix(&self, role: &str) -> Result<&Weight> {
         self.matrices

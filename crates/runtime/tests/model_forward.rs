@@ -792,9 +792,9 @@ fn moe_reads_only_the_chosen_experts() {
                 })
                 .collect()
         };
-        LayerWeights {
-            index: 0,
-            matrices: vec![
+        LayerWeights::new(
+            0,
+            vec![
                 (
                     FFN_GATE_INP.into(),
                     f32_weight(FFN_GATE_INP, vec![d, ne], router.clone()),
@@ -812,8 +812,8 @@ fn moe_reads_only_the_chosen_experts() {
                     f32_weight(FFN_DOWN_EXPS, vec![ff, d, ne], stack(ff * d)),
                 ),
             ],
-            vectors: Vec::new(),
-        }
+            Vec::new(),
+        )
     };
     let n = 3;
     let x: Vec<f32> = (0..n * d).map(|i| 0.1 + (i % 5) as f32 * 0.05).collect();

@@ -59,6 +59,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod experts;
 pub mod io;
 pub mod plan;
 pub mod probe;
@@ -66,6 +67,7 @@ mod store;
 
 use std::path::PathBuf;
 
+pub use experts::ExpertStats;
 pub use plan::{
     plan, Bottleneck, Budgets, BytesPerToken, ModelShape, Plan, PlanRequest, Prediction, Reserve,
     Speeds, Tier,

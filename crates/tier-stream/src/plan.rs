@@ -72,6 +72,13 @@ pub struct ModelShape {
     /// With a separate device, whether the KV cache lives there alone (a device cache,
     /// read back only on demand) rather than also as a complete record in host RAM.
     pub kv_on_device_only: bool,
+    /// Bytes of each layer's stacked expert tensors (a mixture of experts; empty or
+    /// zeros for a dense model). On the CPU a streamed layer reads only the experts
+    /// its tokens choose, so its slot holds the rest of the layer.
+    pub expert_bytes: Vec<u64>,
+    /// The share of a layer's experts one token uses (`expert_used_count /
+    /// expert_count`; 1 for a dense model).
+    pub expert_share: f64,
 }
 
 impl ModelShape {
@@ -107,6 +114,8 @@ impl ModelShape {
             vocab,
             kv_value_bytes: ballast_core::kv::KvDtype::default().bytes() as u64,
             kv_on_device_only: false,
+            expert_bytes: Vec::new(),
+            expert_share: 1.0,
         }
     }
 
@@ -286,6 +295,11 @@ pub struct Plan {
     pub kv_bytes_per_token_layer: u64,
     /// Bytes of one embedding row.
     pub embd_row_bytes: u64,
+    /// Bytes of each layer's experts read one by one when it streams (zeros for a
+    /// dense model, or with a separate device).
+    pub expert_bytes: Vec<u64>,
+    /// The share of those a token reads (see [`ModelShape::expert_share`]).
+    pub expert_share: f64,
 }
 
 /// Indices of `k` of `n` layers spread evenly over `0..n`.
@@ -303,6 +317,7 @@ fn sum_of(sizes: &[u64], idx: impl Iterator<Item = usize>) -> u64 {
 /// streamed ones (a subset of `candidates`), the depth used and the slot size.
 fn split(
     sizes: &[u64],
+    slot_sizes: &[u64],
     candidates: &[usize],
     avail: u64,
     depth: usize,
@@ -319,7 +334,7 @@ fn split(
             let streamed: Vec<usize> = spread(n, k).into_iter().map(|j| candidates[j]).collect();
             let slot = streamed
                 .iter()
-                .map(|&i| slot_bytes(sizes[i]))
+                .map(|&i| slot_bytes(slot_sizes[i]))
                 .max()
                 .unwrap_or(0);
             let resident = all.saturating_sub(sum_of(sizes, streamed.iter().copied()));
@@ -336,7 +351,23 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
     let shape = &req.shape;
     let sizes = &shape.layer_bytes;
     let n = sizes.len();
-    let max_slot = sizes.iter().map(|&b| slot_bytes(b)).max().unwrap_or(0);
+    // What a streamed layer's slot holds: on the CPU, the layer without its experts.
+    let expert_bytes: Vec<u64> = if req.budgets.device.is_none() {
+        (0..n)
+            .map(|i| {
+                shape
+                    .expert_bytes
+                    .get(i)
+                    .copied()
+                    .unwrap_or(0)
+                    .min(sizes[i])
+            })
+            .collect()
+    } else {
+        vec![0; n]
+    };
+    let slot_sizes: Vec<u64> = (0..n).map(|i| sizes[i] - expert_bytes[i]).collect();
+    let max_slot = slot_sizes.iter().map(|&b| slot_bytes(b)).max().unwrap_or(0);
     let device_budget = req.budgets.device.unwrap_or(req.budgets.ram);
     let device_reserve = Reserve::for_context(shape, req.ctx, req.batch, device_budget);
     // The head goes first, unless on the CPU it leaves no room for one slot: then it
@@ -359,7 +390,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
     let all: Vec<usize> = (0..n).collect();
     // The reserve and head must fit before any layer does (`device_avail` saturates).
     let placed = (fixed <= device_budget)
-        .then(|| split(sizes, &all, device_avail, req.depth))
+        .then(|| split(sizes, &slot_sizes, &all, device_avail, req.depth))
         .flatten();
     let Some((off_device, device_slots, device_slot_bytes)) = placed else {
         // On the CPU the head could have stayed on disk: what is missing is the rest.
@@ -412,7 +443,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
                 .max()
                 .unwrap_or(0);
             let placed = (ram_reserve.total() <= ram)
-                .then(|| split(sizes, &off_device, ram_avail, req.depth))
+                .then(|| split(sizes, sizes, &off_device, ram_avail, req.depth))
                 .flatten();
             let Some((to_disk, s, sb)) = placed else {
                 return Err(Error::BudgetTooSmall {
@@ -450,6 +481,8 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
         layer_bytes: sizes.clone(),
         kv_bytes_per_token_layer: shape.kv_bytes_per_token_layer(),
         embd_row_bytes: shape.embd_row_bytes,
+        expert_bytes,
+        expert_share: shape.expert_share.clamp(0.0, 1.0),
     })
 }
 
@@ -576,11 +609,13 @@ impl Plan {
 
     /// Bytes moved per generated token.
     pub fn bytes_per_token(&self) -> BytesPerToken {
-        let (a, b, c) = (
-            self.tier_bytes(Tier::Device),
-            self.tier_bytes(Tier::Ram),
-            self.tier_bytes(Tier::Disk),
-        );
+        let (a, b) = (self.tier_bytes(Tier::Device), self.tier_bytes(Tier::Ram));
+        let c = (0..self.tiers.len())
+            .filter(|&i| self.tiers[i] == Tier::Disk)
+            .fold(0u64, |acc, i| {
+                acc.saturating_add(self.prefetched_bytes(i))
+                    .saturating_add(self.chosen_expert_bytes(i))
+            });
         BytesPerToken {
             device: a.saturating_add(self.resident_head_bytes()),
             host_to_device: if self.unified { 0 } else { b.saturating_add(c) },
@@ -588,6 +623,18 @@ impl Plan {
                 .saturating_add(self.embd_row_bytes)
                 .saturating_add(self.head_bytes - self.resident_head_bytes()),
         }
+    }
+
+    /// Bytes of streamed layer `i` read ahead of its use: all of it, or on the CPU all
+    /// but its experts.
+    fn prefetched_bytes(&self, i: usize) -> u64 {
+        self.layer_bytes[i] - self.expert_bytes.get(i).copied().unwrap_or(0)
+    }
+
+    /// Bytes of streamed layer `i`'s experts one token reads (no cache hits counted).
+    fn chosen_expert_bytes(&self, i: usize) -> u64 {
+        let e = self.expert_bytes.get(i).copied().unwrap_or(0);
+        (e as f64 * self.expert_share).ceil() as u64
     }
 
     /// Predicted time per generated token with `kv_tokens` tokens in the cache, from
@@ -614,7 +661,15 @@ impl Plan {
         let streamed: Vec<usize> = (0..n).filter(|&i| self.tiers[i] != Tier::Device).collect();
         let disk_time = |i: usize| {
             if self.tiers[i] == Tier::Disk {
-                rate(self.layer_bytes[i], speeds.disk_bytes_per_s)
+                rate(self.prefetched_bytes(i), speeds.disk_bytes_per_s)
+            } else {
+                0.0
+            }
+        };
+        // The chosen experts are read when the router has run: the compute waits.
+        let expert_time = |i: usize| {
+            if self.tiers[i] == Tier::Disk {
+                rate(self.chosen_expert_bytes(i), speeds.disk_bytes_per_s)
             } else {
                 0.0
             }
@@ -674,6 +729,11 @@ impl Plan {
                     ready.push(end);
                     t = t.max(end);
                 }
+                let experts = expert_time(i);
+                if experts > 0.0 {
+                    t = t.max(disk_free) + experts;
+                    disk_free = t;
+                }
                 t += compute[i];
                 if self.tiers[i] != Tier::Device {
                     freed.push(t);
@@ -687,7 +747,10 @@ impl Plan {
         let seconds_per_token = token_end[TOKENS - 1] - token_end[TOKENS - 2];
         // Folds from +0.0 (a float `sum` of nothing is -0.0).
         let compute_s = compute.iter().fold(0.0, |a, b| a + b) + head;
-        let disk_s = streamed.iter().fold(0.0, |a, &i| a + disk_time(i)) + head_disk;
+        let disk_s = streamed
+            .iter()
+            .fold(0.0, |a, &i| a + disk_time(i) + expert_time(i))
+            + head_disk;
         let h2d_s = streamed.iter().fold(0.0, |a, &i| a + h2d_time(i));
         let bottleneck = if disk_s >= compute_s && disk_s >= h2d_s {
             Bottleneck::Disk

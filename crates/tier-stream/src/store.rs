@@ -11,10 +11,13 @@ use std::time::{Duration, Instant};
 
 use ballast_core::gguf::GgufFile;
 use ballast_core::store::PassId;
-use ballast_core::weights::{ByteSource, GlobalWeights, LayerWeights, WeightBytes};
+use ballast_core::weights::{ByteSource, ExpertFetch, GlobalWeights, LayerWeights, WeightBytes};
 use ballast_core::{ModelConfig, TierBytes, WeightStore};
 use crossbeam_channel::{Receiver, Sender};
 
+use crate::experts::{
+    is_expert_role, ExpertCache, ExpertCounters, ExpertStats, ExpertTensor, LayerExperts,
+};
 use crate::io::{AlignedBuf, ReadAt};
 use crate::plan::{Plan, Tier, IO_ALIGN};
 use crate::{Error, ModelShape, Result};
@@ -44,10 +47,29 @@ struct LayerLayout {
     slot_len: u64,
     /// Real bytes of the layer's tensors.
     bytes: u64,
+    /// The stacked expert tensors left out of the slot, read expert by expert when
+    /// the router has chosen (empty unless the layer streams its experts).
+    experts: Arc<Vec<ExpertTensor>>,
 }
 
 impl LayerLayout {
-    fn new(file: &GgufFile, template: LayerWeights) -> Result<LayerLayout> {
+    /// Where `template`'s tensors are in `file` and in a slot; with `stream_experts`,
+    /// its stacked expert tensors stay out of the slot.
+    fn new(
+        file: &GgufFile,
+        mut template: LayerWeights,
+        stream_experts: bool,
+    ) -> Result<LayerLayout> {
+        let bytes = template.byte_size() as u64;
+        let mut experts = Vec::new();
+        if stream_experts {
+            for (role, w) in &template.matrices {
+                if is_expert_role(role) {
+                    experts.push(ExpertTensor::new(file, role, w)?);
+                }
+            }
+            template.matrices.retain(|(role, _)| !is_expert_role(role));
+        }
         let mut spans: Vec<(u64, u64, usize)> = Vec::new();
         for (k, w) in template.weights().enumerate() {
             let info = file.tensor(&w.name)?;
@@ -78,11 +100,12 @@ impl LayerLayout {
             ranges[k] = at..at + len as usize;
         }
         Ok(LayerLayout {
-            bytes: template.byte_size() as u64,
+            bytes,
             template,
             extents,
             ranges,
             slot_len: buf_end,
+            experts: Arc::new(experts),
         })
     }
 
@@ -107,6 +130,7 @@ impl LayerLayout {
             extents: Vec::new(),
             ranges,
             slot_len: (end as u64).div_ceil(IO_ALIGN) * IO_ALIGN,
+            experts: Arc::default(),
         }
     }
 
@@ -127,6 +151,13 @@ pub enum Part {
     Layer(usize),
     /// The output head.
     Head,
+    /// One expert of a layer's mixture of experts (one matrix of a stacked tensor).
+    Expert {
+        /// The layer.
+        layer: usize,
+        /// The expert.
+        index: usize,
+    },
 }
 
 impl std::fmt::Display for Part {
@@ -134,8 +165,27 @@ impl std::fmt::Display for Part {
         match self {
             Part::Layer(i) => write!(f, "layer {i}"),
             Part::Head => write!(f, "the output head"),
+            Part::Expert { layer, index } => write!(f, "expert {index} of layer {layer}"),
         }
     }
+}
+
+/// Reads `needed` bytes at `file_offset` (aligned) into the start of `buf` (aligned
+/// and large enough).
+pub(crate) fn read_range(
+    reader: &dyn ReadAt,
+    part: Part,
+    file_offset: u64,
+    needed: u64,
+    buf: &mut AlignedBuf,
+) -> Result<()> {
+    let extent = Extent {
+        file_offset,
+        len: buf.len() as u64,
+        needed,
+        buf_offset: 0,
+    };
+    read_extents(reader, part, &[extent], buf)
 }
 
 /// Reads `extents` into `buf` through `reader`.
@@ -327,6 +377,8 @@ pub struct StreamStats {
     pub streamed_bytes_served: u64,
     /// Prefetched layers dropped unused (access was not in the predicted order).
     pub evictions: u64,
+    /// Experts read one by one for the layers that stream their experts.
+    pub experts: ExpertStats,
 }
 
 #[derive(Default)]
@@ -339,6 +391,7 @@ struct Counters {
     resident_served: AtomicU64,
     streamed_served: AtomicU64,
     evictions: AtomicU64,
+    experts: Arc<ExpertCounters>,
 }
 
 impl Counters {
@@ -375,11 +428,20 @@ impl Counters {
 pub struct TieredOptions {
     /// Reader threads (one is enough for one disk; more keep an NVMe queue fuller).
     pub io_threads: usize,
+    /// On the CPU, read a streamed layer's experts (a mixture of experts) whole with
+    /// the layer, instead of only those the router chooses.
+    pub whole_experts: bool,
+    /// Bytes of experts kept between uses (the most recently used, over all layers).
+    pub expert_cache_bytes: u64,
 }
 
 impl Default for TieredOptions {
     fn default() -> Self {
-        TieredOptions { io_threads: 1 }
+        TieredOptions {
+            io_threads: 1,
+            whole_experts: false,
+            expert_cache_bytes: 0,
+        }
     }
 }
 
@@ -427,6 +489,9 @@ pub struct TieredStore {
     counters: Arc<Counters>,
     threads: Vec<JoinHandle<()>>,
     mode: &'static str,
+    /// The file, for experts read one by one.
+    reader: Option<Arc<dyn ReadAt>>,
+    expert_cache: Arc<ExpertCache>,
 }
 
 /// The real byte sizes of a model's layers and head, for the planner.
@@ -446,6 +511,19 @@ pub fn model_shape(
         vocab: config.vocab_size as u64,
         kv_value_bytes: ballast_core::kv::KvDtype::default().bytes() as u64,
         kv_on_device_only: false,
+        expert_bytes: layers
+            .iter()
+            .map(|l| {
+                l.matrices
+                    .iter()
+                    .filter(|(role, _)| is_expert_role(role))
+                    .map(|(_, w)| w.bytes.len() as u64)
+                    .sum()
+            })
+            .collect(),
+        expert_share: config
+            .moe
+            .map_or(1.0, |m| m.n_expert_used as f64 / m.n_expert as f64),
     }
 }
 
@@ -525,9 +603,14 @@ impl TieredStore {
         options: TieredOptions,
     ) -> Result<TieredStore> {
         check_plan(plan, layers.len())?;
+        // On the CPU a streamed layer leaves its experts out of its slot: the router
+        // chooses which are read.
+        let stream_experts =
+            |i: usize| plan.unified && !options.whole_experts && plan.tiers[i] == Tier::Disk;
         let layouts: Vec<LayerLayout> = layers
             .into_iter()
-            .map(|l| LayerLayout::new(file, l))
+            .enumerate()
+            .map(|(i, l)| LayerLayout::new(file, l, stream_experts(i)))
             .collect::<Result<_>>()?;
         if plan.unified && !plan.head_on_disk {
             // The head is read whole by every token: read it once into RAM. A tied
@@ -646,6 +729,10 @@ impl TieredStore {
         let (done_tx, done_rx) = crossbeam_channel::unbounded::<Done>();
         let (home_tx, home_rx) = crossbeam_channel::unbounded::<AlignedBuf>();
         let counters = Arc::new(Counters::default());
+        let reader = match &*beneath {
+            Beneath::File(r) => Some(r.clone()),
+            Beneath::Store { .. } => None,
+        };
         let mut threads = Vec::new();
         if slots > 0 {
             for t in 0..options.io_threads.max(1) {
@@ -702,6 +789,8 @@ impl TieredStore {
             counters,
             threads,
             mode: beneath.mode(),
+            reader,
+            expert_cache: Arc::new(ExpertCache::new(options.expert_cache_bytes)),
         })
     }
 
@@ -727,6 +816,7 @@ impl StatsHandle {
             resident_bytes_served: c.resident_served.load(Ordering::Relaxed),
             streamed_bytes_served: c.streamed_served.load(Ordering::Relaxed),
             evictions: c.evictions.load(Ordering::Relaxed),
+            experts: c.experts.get(),
         }
     }
 }
@@ -872,7 +962,17 @@ impl TieredStore {
             buf: Some(buf),
             home: self.home_tx.clone(),
         });
-        Ok(Arc::new(layout.weights(source)?))
+        let mut weights = layout.weights(source)?;
+        if let (false, Some(reader)) = (layout.experts.is_empty(), &self.reader) {
+            weights.experts = Some(ExpertFetch(Arc::new(LayerExperts {
+                layer: index,
+                tensors: layout.experts.clone(),
+                reader: reader.clone(),
+                cache: self.expert_cache.clone(),
+                counters: self.counters.experts.clone(),
+            })));
+        }
+        Ok(Arc::new(weights))
     }
 }
 
@@ -922,7 +1022,7 @@ impl WeightStore for TieredStore {
         let slots = self.slot_len * self.slots as u64;
         if self.unified {
             TierBytes {
-                device: self.resident_bytes + self.head_bytes + slots,
+                device: self.resident_bytes + self.head_bytes + slots + self.expert_cache.held(),
                 ram: 0,
                 disk: streamed,
             }
@@ -938,7 +1038,7 @@ impl WeightStore for TieredStore {
     }
 
     fn moved_bytes(&self) -> u64 {
-        self.counters.disk_bytes.load(Ordering::Relaxed)
+        self.counters.disk_bytes.load(Ordering::Relaxed) + self.counters.experts.get().bytes
     }
 }
 

@@ -172,7 +172,10 @@ fn store(fx: &Fixture, p: &Plan, reader: FlakyReader, io_threads: usize) -> Tier
         l,
         p,
         Arc::new(reader),
-        TieredOptions { io_threads },
+        TieredOptions {
+            io_threads,
+            ..TieredOptions::default()
+        },
     )
     .unwrap()
 }
@@ -538,8 +541,15 @@ fn over_another_store_gives_that_stores_logits() {
         (vec![A, C, A, C, C, A], 1),
     ] {
         let p = plan_with(&fx, tiers.clone(), slots);
-        let s = TieredStore::over_store(Arc::new(resident()), &p, TieredOptions { io_threads: 2 })
-            .unwrap();
+        let s = TieredStore::over_store(
+            Arc::new(resident()),
+            &p,
+            TieredOptions {
+                io_threads: 2,
+                ..TieredOptions::default()
+            },
+        )
+        .unwrap();
         let stats = s.stats_handle();
         let got = run_passes(&fx, Box::new(s), cpu());
         assert!(
@@ -613,5 +623,97 @@ fn a_separate_device_holds_the_device_tier_the_head_and_an_untied_embedding() {
             want += g.token_embd.bytes.len() as u64;
         }
         assert_eq!(s.held_bytes().device, want, "tied {tied}");
+    }
+}
+
+/// A mixture of experts streamed on the CPU: each decode step reads, per streamed
+/// layer, only the experts its token chose (two of eight, three matrices each), and the
+/// logits equal the resident store's; with an expert cache, repeated choices are not
+/// read again; with `whole_experts`, the layers are read whole and no expert alone.
+#[test]
+fn a_streamed_moe_layer_reads_only_the_chosen_experts() {
+    let spec = TinyModelSpec {
+        arch: "qwen3moe".into(),
+        n_layers: 3,
+        d_model: 128,
+        head_dim: Some(32),
+        n_ff: 256,
+        experts: Some((8, 2, 64)),
+        seed: 21,
+        ..TinyModelSpec::default()
+    };
+    let bytes = spec.to_gguf_bytes().unwrap();
+    let file = Arc::new(GgufFile::from_bytes(bytes.clone()).unwrap());
+    let config = ModelConfig::from_gguf(&file).unwrap();
+    let fx = Fixture {
+        bytes: Arc::new(bytes),
+        file,
+        config,
+    };
+    let ids = [10u32, 200, 33, 7, 99];
+    // Prefill, then decode steps; the logits, and the stats after the prefill and at
+    // the end.
+    let run = |store: Box<dyn WeightStore>, stats: Option<ballast_tier_stream::StatsHandle>| {
+        let config = fx.config.clone();
+        let ffn = ballast_runtime::ffn::for_config(&config);
+        let mut model = Model::from_parts(config, store, Arc::new(CpuBackend::new(1)), ffn);
+        let mut kv = DenseKv::new(model.kv_shape(), 64);
+        let pos: Vec<u32> = (0..ids.len() as u32).collect();
+        let mut out = model
+            .forward(&ids, &pos, &mut kv, None, Logits::Last)
+            .unwrap()
+            .to_vec();
+        let after_prefill = stats.as_ref().map(|s| s.get());
+        for step in 0..4u32 {
+            let p = ids.len() as u32 + step;
+            let next = ballast_runtime::sampler::argmax(&out[out.len() - 257..]);
+            out.extend_from_slice(
+                model
+                    .forward(&[next], &[p], &mut kv, None, Logits::Last)
+                    .unwrap(),
+            );
+        }
+        (out, after_prefill, stats.map(|s| s.get()))
+    };
+    let (g, l) = load_weights(&fx.file, &fx.config).unwrap();
+    let shape = model_shape(&fx.config, &g, &l);
+    assert!(shape.expert_bytes.iter().all(|&b| b > 0));
+    assert_eq!(shape.expert_share, 0.25);
+    let (reference, _, _) = run(Box::new(ResidentStore::new(g, l, false)), None);
+    for (whole, cache) in [(false, 0u64), (false, 1 << 30), (true, 0)] {
+        let p = plan_with(&fx, vec![Tier::Disk; 3], 2);
+        let (g, l) = load_weights(&fx.file, &fx.config).unwrap();
+        let store = TieredStore::new(
+            &fx.file,
+            g,
+            l,
+            &p,
+            Arc::new(FlakyReader::new(fx.bytes.clone(), 3, 100)),
+            TieredOptions {
+                io_threads: 1,
+                whole_experts: whole,
+                expert_cache_bytes: cache,
+            },
+        )
+        .unwrap();
+        let stats = store.stats_handle();
+        let (got, prefill, end) = run(Box::new(store), Some(stats));
+        let what = format!("whole experts {whole}, cache {cache}");
+        assert_eq!(got, reference, "{what}: logits");
+        let (prefill, end) = (prefill.unwrap().experts, end.unwrap().experts);
+        if whole {
+            assert_eq!(end.reads + end.hits, 0, "{what}");
+            continue;
+        }
+        // Four decode steps: 3 layers x 3 matrices x 2 experts each, read or cached.
+        let step_uses = (end.reads + end.hits) - (prefill.reads + prefill.hits);
+        assert_eq!(step_uses, 4 * 3 * 3 * 2, "{what}");
+        if cache == 0 {
+            assert_eq!(end.hits, 0, "{what}");
+        } else {
+            // The prefill read at most every expert once; later uses hit.
+            assert!(end.reads <= 3 * 3 * 8, "{what}: {end:?}");
+            assert!(end.hits > 0, "{what}: {end:?}");
+        }
     }
 }

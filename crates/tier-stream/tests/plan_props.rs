@@ -18,6 +18,8 @@ fn shape(layers: Vec<u64>, head: u64, kv_dim: u64) -> ModelShape {
         vocab: 1000,
         kv_value_bytes: 4,
         kv_on_device_only: false,
+        expert_bytes: Vec::new(),
+        expert_share: 1.0,
     }
 }
 

@@ -137,11 +137,7 @@ pub fn load_weights(
     };
     let mut layers = Vec::with_capacity(config.n_layers);
     for index in 0..config.n_layers {
-        let mut layer = LayerWeights {
-            index,
-            matrices: Vec::new(),
-            vectors: Vec::new(),
-        };
+        let mut layer = LayerWeights::new(index, Vec::new(), Vec::new());
         for spec in layer_tensors(config, index) {
             let name = format!("blk.{index}.{}", spec.role);
             if !spec.required && !file.tensors().iter().any(|t| t.name == name) {
