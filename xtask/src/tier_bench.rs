@@ -104,7 +104,7 @@ pub(crate) fn written_back(path: &Path) -> Result<()> {
 }
 
 /// Runs `ballast bench --json` (in `cg` if any) and returns its JSON lines.
-fn bench_json(
+pub(crate) fn bench_json(
     ballast: &Path,
     cg: Option<&Cgroup>,
     args: &[String],
@@ -143,7 +143,7 @@ fn bench_json(
         .collect()
 }
 
-fn row(label: &str, v: &serde_json::Value) {
+pub(crate) fn row(label: &str, v: &serde_json::Value) {
     let tps = v["tokens_per_s_median"].as_f64().unwrap_or(0.0);
     let read = v["process_read_bytes_per_token"]
         .as_f64()
@@ -187,7 +187,7 @@ fn row(label: &str, v: &serde_json::Value) {
     );
 }
 
-fn header() {
+pub(crate) fn header() {
     println!("| run | threads | t/s (median) | ms/token | storage read/token (/proc) | streamed read/token | non-resident | stall ms/token | plan bound ms | measured/bound | bottleneck | peak RSS |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |");
 }

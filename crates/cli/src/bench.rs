@@ -87,6 +87,10 @@ struct IoFigures {
 
 struct StreamingFigures {
     disk_bytes_per_token: f64,
+    /// Of a mixture of experts streamed expert by expert.
+    expert_bytes_per_token: f64,
+    expert_hit_rate: f64,
+    expert_stall_ms: f64,
     non_resident_bytes: u64,
     stall_ms: f64,
     read_ms: f64,
@@ -309,6 +313,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     });
                     StreamingFigures {
                         disk_bytes_per_token: m.disk_bytes_per_token,
+                        expert_bytes_per_token: m.expert_bytes_per_token,
+                        expert_hit_rate: m.expert_hit_rate,
+                        expert_stall_ms: m.expert_stall_per_token.as_secs_f64() * 1e3,
                         non_resident_bytes: info.non_resident_bytes(),
                         stall_ms: m.stall_per_token.as_secs_f64() * 1e3,
                         read_ms: m.read_time_per_token.as_secs_f64() * 1e3,
@@ -423,6 +430,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
                         "measured_ms_per_token": 1e3 / median(&r.tokens_per_s),
                         "bottleneck": s.bound.as_ref().map(|b| b.bottleneck),
                     });
+                    if s.expert_bytes_per_token > 0.0 || s.expert_hit_rate > 0.0 {
+                        obj["streaming"]["expert_bytes_per_token"] =
+                            json!(s.expert_bytes_per_token);
+                        obj["streaming"]["expert_hit_rate"] = json!(s.expert_hit_rate);
+                        obj["streaming"]["expert_stall_ms_per_token"] = json!(s.expert_stall_ms);
+                    }
                 }
             }
             println!("{obj}");
@@ -545,6 +558,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 s.read_ms,
                 tiered::human_rate(s.disk_bytes_per_s),
             );
+            if s.expert_bytes_per_token > 0.0 || s.expert_hit_rate > 0.0 {
+                println!(
+                    "  {} threads, experts per token: {} read for the chosen experts (in the figure above), {:.0}% of the chosen found in the expert cache, waited {:.2} ms for them after the router",
+                    r.threads,
+                    human_bytes(s.expert_bytes_per_token as u64),
+                    s.expert_hit_rate * 100.0,
+                    s.expert_stall_ms,
+                );
+            }
             match &s.bound {
                 Some(b) => println!(
                     "  {} threads: {:.2} ms per token measured (median) vs {:.2} ms the plan predicts from the disk speed and compute {}/s measured ({:.2}x); bottleneck {}",

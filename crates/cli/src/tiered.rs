@@ -171,6 +171,10 @@ pub fn build(
     if separate_device {
         on_wgpu_device(&mut shape, Some(&globals));
     }
+    if args.whole_experts {
+        // Streamed layers are read whole, experts and all: their slots hold them.
+        shape.expert_bytes.clear();
+    }
     match (pack, args.store) {
         (Some(pack), StoreKind::Auto | StoreKind::Compressed) => {
             use ballast_weight_codec::{CachePolicy, CompressedStore, StoreOptions};
@@ -537,6 +541,8 @@ pub fn measured(before: StreamStats, after: StreamStats, tokens: usize) -> Measu
             .saturating_sub(before.stall_time)
             .div_f64(n),
         read_time_per_token: read.div_f64(n),
+        // The reader threads' layer bytes over their busy time (expert reads are timed
+        // apart, as the wait above).
         disk_bytes_per_s: if read.is_zero() {
             0.0
         } else {

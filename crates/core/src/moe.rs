@@ -143,9 +143,17 @@ impl FeedForward for MoeFfn {
             .map(|l| route(&s, l))
             .collect();
         self.weighted.resize(n_tokens * k * d, 0.0);
+        // Every chosen expert's three matrices, asked for at once: a store that reads
+        // them from disk reads them together, as soon as the router has chosen.
+        let mut used: Vec<usize> = chosen.iter().flatten().map(|c| c.0).collect();
+        used.sort_unstable();
+        used.dedup();
+        const ROLES: [&str; 3] = [FFN_GATE_EXPS, FFN_UP_EXPS, FFN_DOWN_EXPS];
+        let wanted: Vec<(&str, usize)> = used.iter().flat_map(|&e| ROLES.map(|r| (r, e))).collect();
+        let matrices = weights.experts_of(&wanted)?;
         let (mut rows, mut slots) = (Vec::new(), Vec::new());
         let (mut g, mut u, mut h, mut y) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for e in 0..s.n_expert {
+        for (i_used, &e) in used.iter().enumerate() {
             // The tokens that chose expert e, and where each one's result goes.
             rows.clear();
             slots.clear();
@@ -159,16 +167,14 @@ impl FeedForward for MoeFfn {
                 continue;
             }
             let m = slots.len();
-            // From the layer's stacked tensors, or fetched now from a store that
-            // streams only the chosen experts.
             let (ge, ue, de) = (
-                weights.expert(FFN_GATE_EXPS, e)?,
-                weights.expert(FFN_UP_EXPS, e)?,
-                weights.expert(FFN_DOWN_EXPS, e)?,
+                &matrices[3 * i_used],
+                &matrices[3 * i_used + 1],
+                &matrices[3 * i_used + 2],
             );
-            check_dims(&ge, &[d, s.n_ff_expert])?;
-            check_dims(&ue, &[d, s.n_ff_expert])?;
-            check_dims(&de, &[s.n_ff_expert, d])?;
+            check_dims(ge, &[d, s.n_ff_expert])?;
+            check_dims(ue, &[d, s.n_ff_expert])?;
+            check_dims(de, &[s.n_ff_expert, d])?;
             g.resize(m * s.n_ff_expert, 0.0);
             u.resize(m * s.n_ff_expert, 0.0);
             h.resize(m * s.n_ff_expert, 0.0);
@@ -178,11 +184,11 @@ impl FeedForward for MoeFfn {
                 m,
                 &mut [
                     MatmulJob {
-                        weight: &ge,
+                        weight: ge,
                         out: &mut g,
                     },
                     MatmulJob {
-                        weight: &ue,
+                        weight: ue,
                         out: &mut u,
                     },
                 ],
@@ -192,7 +198,7 @@ impl FeedForward for MoeFfn {
                 &h,
                 m,
                 &mut [MatmulJob {
-                    weight: &de,
+                    weight: de,
                     out: &mut y,
                 }],
             )?;

@@ -229,6 +229,12 @@ pub trait ExpertSource: Send + Sync {
     /// Matrix `index` of the stacked tensor `role` (`ffn_gate_exps.weight`, ...), as
     /// [`Weight::stacked`] gives it (same name, id, type and dims).
     fn expert(&self, role: &str, index: usize) -> Result<Weight>;
+
+    /// Several experts at once (`(role, index)` pairs), in order: a source that reads
+    /// from disk may read them in parallel. The default asks one at a time.
+    fn experts(&self, wanted: &[(&str, usize)]) -> Result<Vec<Weight>> {
+        wanted.iter().map(|&(r, i)| self.expert(r, i)).collect()
+    }
 }
 
 /// A shared [`ExpertSource`].
@@ -263,6 +269,17 @@ impl LayerWeights {
             (Ok(stack), _) => stack.stacked(index),
             (Err(_), Some(fetch)) => fetch.0.expert(role, index),
             (Err(e), None) => Err(e),
+        }
+    }
+
+    /// Several experts (`(role, index)` pairs), in order, as [`LayerWeights::expert`]
+    /// gives them; fetched together (in parallel, where the source reads from disk)
+    /// when the layer does not hold them.
+    pub fn experts_of(&self, wanted: &[(&str, usize)]) -> Result<Vec<Weight>> {
+        let held = wanted.iter().all(|(r, _)| self.matrix(r).is_ok());
+        match (&self.experts, held) {
+            (Some(fetch), false) => fetch.0.experts(wanted),
+            _ => wanted.iter().map(|&(r, i)| self.expert(r, i)).collect(),
         }
     }
 

@@ -201,11 +201,19 @@ impl LayerExperts {
     }
 }
 
-impl ExpertSource for LayerExperts {
-    fn expert(&self, role: &str, index: usize) -> ballast_core::Result<Weight> {
-        let to_core = |e: Error| ballast_core::Error::Store {
-            source: Box::new(e),
-        };
+/// Reads running at once for the experts of one layer (they are independent; a disk
+/// serves several queued reads faster than one at a time).
+const PARALLEL_READS: usize = 4;
+
+fn to_core(e: Error) -> ballast_core::Error {
+    ballast_core::Error::Store {
+        source: Box::new(e),
+    }
+}
+
+impl LayerExperts {
+    /// The tensor of `role` and its position in the layer, checking `index`.
+    fn tensor(&self, role: &str, index: usize) -> ballast_core::Result<(usize, &ExpertTensor)> {
         let (k, t) = self
             .tensors
             .iter()
@@ -223,22 +231,16 @@ impl ExpertSource for LayerExperts {
                 ),
             }));
         }
-        let key = (self.layer, k, index);
-        let buf = match self.cache.get(key) {
-            Some(b) => {
-                self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                b
-            }
-            None => {
-                let started = Instant::now();
-                let b = Arc::new(self.read(t, index).map_err(to_core)?);
-                self.counters
-                    .stall_ns
-                    .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                self.cache.put(key, b.clone());
-                b
-            }
-        };
+        Ok((k, t))
+    }
+
+    /// The weight of expert `index` of `t`, whose bytes `buf` holds.
+    fn weight(
+        &self,
+        t: &ExpertTensor,
+        index: usize,
+        buf: Arc<ExpertBuf>,
+    ) -> ballast_core::Result<Weight> {
         let start = t.file_offset + index as u64 * t.each;
         let at = (start % IO_ALIGN) as usize;
         let source: Arc<dyn ByteSource> = buf;
@@ -254,5 +256,77 @@ impl ExpertSource for LayerExperts {
             dims: vec![w.dims[0], w.dims[1]],
             bytes: WeightBytes::new(source, at..at + t.each as usize)?,
         })
+    }
+}
+
+impl ExpertSource for LayerExperts {
+    fn expert(&self, role: &str, index: usize) -> ballast_core::Result<Weight> {
+        Ok(self.experts(&[(role, index)])?.remove(0))
+    }
+
+    /// The cached ones from the cache; the others read from the file,
+    /// [`PARALLEL_READS`] at a time, the wait counted as stall.
+    fn experts(&self, wanted: &[(&str, usize)]) -> ballast_core::Result<Vec<Weight>> {
+        let mut found: Vec<Option<Arc<ExpertBuf>>> = Vec::with_capacity(wanted.len());
+        let mut missing = Vec::new();
+        for (i, &(role, index)) in wanted.iter().enumerate() {
+            let (k, _) = self.tensor(role, index)?;
+            let hit = self.cache.get((self.layer, k, index));
+            if hit.is_some() {
+                self.counters.hits.fetch_add(1, Ordering::Relaxed);
+            } else {
+                missing.push(i);
+            }
+            found.push(hit);
+        }
+        if !missing.is_empty() {
+            let started = Instant::now();
+            let lanes = missing.len().min(PARALLEL_READS);
+            let read: Vec<Result<Vec<(usize, ExpertBuf)>>> = std::thread::scope(|scope| {
+                let handles: Vec<_> = (0..lanes)
+                    .map(|lane| {
+                        let mine: Vec<usize> =
+                            missing.iter().copied().skip(lane).step_by(lanes).collect();
+                        scope.spawn(move || -> Result<Vec<(usize, ExpertBuf)>> {
+                            mine.into_iter()
+                                .map(|i| {
+                                    let (role, index) = wanted[i];
+                                    let t = self
+                                        .tensors
+                                        .iter()
+                                        .find(|t| t.role == role)
+                                        .expect("checked above");
+                                    Ok((i, self.read(t, index)?))
+                                })
+                                .collect()
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or(Err(Error::PipelineClosed)))
+                    .collect()
+            });
+            self.counters
+                .stall_ns
+                .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            for lane in read {
+                for (i, buf) in lane.map_err(to_core)? {
+                    let (role, index) = wanted[i];
+                    let (k, _) = self.tensor(role, index)?;
+                    let buf = Arc::new(buf);
+                    self.cache.put((self.layer, k, index), buf.clone());
+                    found[i] = Some(buf);
+                }
+            }
+        }
+        wanted
+            .iter()
+            .zip(found)
+            .map(|(&(role, index), buf)| {
+                let (_, t) = self.tensor(role, index)?;
+                self.weight(t, index, buf.expect("found or read"))
+            })
+            .collect()
     }
 }
