@@ -111,6 +111,7 @@ fn check_backend(backend: Arc<dyn Backend>) {
 
 /// A session whose cache is a host [`DenseKv`] even where the backend keeps its own
 /// caches on the device (a device pass then mirrors it).
+#[cfg(feature = "gpu")]
 fn host_cache_session(model: Model) -> Session {
     let kv = ballast_runtime::kv::DenseKv::new(model.kv_shape(), 64);
     Session::with_cache(model, Box::new(kv), None)
