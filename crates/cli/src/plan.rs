@@ -7,7 +7,9 @@ use anyhow::{bail, Context, Result};
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::model::load_weights;
 use ballast_runtime::{CpuBackend, ModelConfig};
-use ballast_tier_stream::{model_shape, plan, probe, Budgets, ModelShape, PlanRequest, Speeds};
+use ballast_tier_stream::{
+    model_shape, plan, probe, Budgets, ModelShape, PlanRequest, Speeds, Tier,
+};
 use clap::Args;
 use serde_json::json;
 
@@ -260,6 +262,11 @@ pub fn run(args: PlanArgs) -> Result<()> {
                 "split": {"device": a, "ram": b, "disk": c},
                 "layer_map": tiered::layer_map(&p),
                 "head_on_disk": p.head_on_disk,
+                "streamed_expert_bytes": (0..p.tiers.len())
+                    .filter(|&i| p.tiers[i] == Tier::Disk)
+                    .map(|i| p.expert_bytes.get(i).copied().unwrap_or(0))
+                    .sum::<u64>(),
+                "expert_share": p.expert_share,
                 "bytes_per_token": {"device": bpt.device, "host_to_device": bpt.host_to_device, "disk": bpt.disk},
                 "speeds": {"compute": compute, "h2d": h2d, "disk": disk},
                 "predicted": {"seconds_per_token": pr.seconds_per_token, "tokens_per_s": pr.tokens_per_s(),

@@ -371,6 +371,19 @@ pub fn describe(p: &Plan, speeds: Option<(&Speeds, u64)>, notes: Option<&str>) -
         human_bytes(bpt.disk)
     );
     let _ = writeln!(s, "layers: {}", layer_map(p));
+    let streamed_experts: u64 = (0..p.tiers.len())
+        .filter(|&i| p.tiers[i] == Tier::Disk)
+        .map(|i| p.expert_bytes.get(i).copied().unwrap_or(0))
+        .sum();
+    if streamed_experts > 0 {
+        let _ = writeln!(
+            s,
+            "experts: {} of the streamed layers are experts, read expert by expert: a token reads {:.1}% of them ({}) once the router has chosen",
+            human_bytes(streamed_experts),
+            p.expert_share * 100.0,
+            human_bytes((streamed_experts as f64 * p.expert_share) as u64),
+        );
+    }
     let r = &p.device_reserve;
     let pool = if p.unified { "RAM" } else { "device" };
     let _ = writeln!(

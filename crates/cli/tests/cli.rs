@@ -880,3 +880,61 @@ fn a_pack_runs_like_its_gguf_and_inspect_shows_codecs() {
     assert!(stderr(&o).contains(", chunk "), "{}", stderr(&o));
     assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
 }
+
+/// A mixture of experts larger than its RAM budget: `plan` counts the experts of the
+/// streamed layers and the share a token reads; `run` streams only the chosen experts
+/// (and says how many bytes that was) and gives the tokens of whole-layer streaming and
+/// of a resident run.
+#[test]
+fn a_mixture_of_experts_streams_only_the_chosen_experts() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("moe.gguf");
+    let spec = TinyModelSpec {
+        arch: "qwen3moe".into(),
+        n_layers: 4,
+        d_model: 128,
+        head_dim: Some(32),
+        n_ff: 256,
+        experts: Some((16, 2, 128)),
+        seed: 5,
+        ..TinyModelSpec::default()
+    };
+    std::fs::write(&path, spec.to_gguf_bytes().unwrap()).unwrap();
+    let m = path.to_str().unwrap();
+    let budget = ["--ram", "10M", "-c", "32"];
+    let o = ballast(
+        &[
+            &["plan", "-m", m, "--compute", "1GB/s", "--json"][..],
+            &budget,
+        ]
+        .concat(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert!(v["streamed_expert_bytes"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(v["expert_share"].as_f64().unwrap(), 0.125);
+    let run = |extra: &[&str]| {
+        let base = [
+            "run",
+            "-m",
+            m,
+            "Hello",
+            "-n",
+            "8",
+            "--temp",
+            "0",
+            "--ignore-eos",
+            "--no-echo",
+        ];
+        let o = ballast(&[&base[..], extra].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        (stdout(&o), stderr(&o))
+    };
+    let (chosen, err) = run(&[&["--store", "tiered"][..], &budget].concat());
+    assert!(err.contains("experts per generated token:"), "{err}");
+    let (whole, err) = run(&[&["--store", "tiered", "--whole-experts"][..], &budget].concat());
+    assert!(!err.contains("experts per generated token:"), "{err}");
+    let (resident, _) = run(&["--store", "ram"]);
+    assert_eq!(chosen, resident);
+    assert_eq!(whole, resident);
+}
