@@ -211,7 +211,7 @@ pub struct Opened {
 
 /// Opens `path` as a GGUF file or, if it is a pack, as the GGUF it decodes to: whole
 /// for the stores that read a plain file (mmap, ram), without the layers' matrices for
-/// the compressed store (`--store compressed`, or auto).
+/// the stores that decode them from the pack (`--store compressed`, tiered, or auto).
 pub fn open_model(path: &Path, mapped: bool, store: crate::tiered::StoreKind) -> Result<Opened> {
     use crate::tiered::StoreKind;
     if !ballast_weight_codec::is_pack(path) {
@@ -225,9 +225,13 @@ pub fn open_model(path: &Path, mapped: bool, store: crate::tiered::StoreKind) ->
     let pack = ballast_weight_codec::PackFile::open(path, mapped)
         .with_context(|| format!("opening the pack {}", path.display()))?;
     let t = threads(None);
+    // The stores that decode layers on demand (compressed, and tiered, which streams
+    // from one) need only the skeleton.
     let file = match store {
-        StoreKind::Auto | StoreKind::Compressed => ballast_weight_codec::store::skeleton(&pack, t),
-        StoreKind::Mmap | StoreKind::Ram | StoreKind::Tiered => pack.to_gguf(t),
+        StoreKind::Auto | StoreKind::Compressed | StoreKind::Tiered => {
+            ballast_weight_codec::store::skeleton(&pack, t)
+        }
+        StoreKind::Mmap | StoreKind::Ram => pack.to_gguf(t),
     }
     .with_context(|| format!("decoding the pack {}", path.display()))?;
     Ok(Opened {

@@ -1,10 +1,8 @@
 //! `ballast plan`: where each layer would live and the speed to expect.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
-use ballast_runtime::gguf::GgufFile;
+use anyhow::{bail, Result};
 use ballast_runtime::model::load_weights;
 use ballast_runtime::{CpuBackend, ModelConfig};
 use ballast_tier_stream::{
@@ -177,12 +175,19 @@ pub fn run(args: PlanArgs) -> Result<()> {
         (shape, None, "shape from flags".to_string(), None)
     } else {
         let path = common::resolve_model(args.model.as_deref())?;
-        let file = Arc::new(
-            GgufFile::open(&path, true).with_context(|| format!("opening {}", path.display()))?,
-        );
+        // A pack is planned as tiered streaming streams it: stored sizes, decode speed.
+        let common::Opened { file, pack } =
+            common::open_model(&path, true, tiered::StoreKind::Tiered)?;
         let config = ModelConfig::from_gguf(&file)?;
         let (g, l) = load_weights(&file, &config)?;
-        let shape = model_shape(&config, &g, &l);
+        let mut shape = model_shape(&config, &g, &l);
+        if let Some(pack) = &pack {
+            let (store, decode) = tiered::decoding_store(pack, g.clone(), l, true)?;
+            shape.stored_bytes = store.stored_bytes_per_layer();
+            shape.decode_bytes_per_s = decode;
+            shape.expert_bytes.clear();
+            notes.push("decode speed measured".into());
+        }
         (
             shape,
             Some((file, path.clone())),

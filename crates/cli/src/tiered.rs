@@ -175,7 +175,18 @@ pub fn build(
         // Streamed layers are read whole, experts and all: their slots hold them.
         shape.expert_bytes.clear();
     }
+    // A pack streamed by tiers: the tiered store's readers fetch each streamed layer
+    // from a store that decodes it on every request (the pack's chunks come through the
+    // page cache from disk), so decoding runs in the prefetch pipeline.
+    let tiered_pack = match (pack, args.store) {
+        (Some(pack), StoreKind::Tiered) => Some(pack.clone()),
+        (Some(pack), StoreKind::Auto) if args.ram.is_some() || args.vram.is_some() => {
+            Some(pack.clone())
+        }
+        _ => None,
+    };
     match (pack, args.store) {
+        _ if tiered_pack.is_some() => {}
         (Some(pack), StoreKind::Auto | StoreKind::Compressed) => {
             use ballast_weight_codec::{CachePolicy, CompressedStore, StoreOptions};
             let opts = StoreOptions {
@@ -207,10 +218,6 @@ pub fn build(
                 store_name: "compressed",
             });
         }
-        (Some(_), StoreKind::Tiered) => bail!(
-            "{}: tiered streaming of a pack is not implemented yet; use --store compressed (the default for a pack), mmap or ram",
-            path.display()
-        ),
         (None, StoreKind::Compressed) => bail!(
             "{}: --store compressed needs a pack (make one with `ballast pack`)",
             path.display()
@@ -253,6 +260,21 @@ pub fn build(
     } else {
         None
     };
+    let mut compressed = None;
+    let beneath_pack = match &tiered_pack {
+        Some(pack) => {
+            let (store, decode_bytes_per_s) =
+                decoding_store(pack, globals.clone(), layers.clone(), mapped)
+                    .with_context(|| format!("loading {}", path.display()))?;
+            shape.stored_bytes = store.stored_bytes_per_layer();
+            shape.decode_bytes_per_s = decode_bytes_per_s;
+            // Experts are read one by one from a file, not from a pack.
+            shape.expert_bytes.clear();
+            compressed = Some(store.stats_handle());
+            Some(store)
+        }
+        None => None,
+    };
     let p = plan(&PlanRequest {
         shape: shape.clone(),
         budgets: Budgets { device, ram },
@@ -260,24 +282,23 @@ pub fn build(
         batch: batch as u64,
         depth: args.depth.max(1),
     })?;
-    let reader = DirectFile::open(path, !args.no_direct_io)
-        .with_context(|| format!("opening {} for streaming", path.display()))?;
-    let store = TieredStore::new(
-        file,
-        globals,
-        layers,
-        &p,
-        Arc::new(reader),
-        TieredOptions {
-            io_threads: args.io_threads.max(1),
-            whole_experts: args.whole_experts,
-            expert_cache_bytes: match args.expert_cache.as_deref() {
-                Some(size) => probe::parse_size(size)?,
-                None if p.unified => ram.saturating_sub(p.device_used()),
-                None => 0,
-            },
+    let options = TieredOptions {
+        io_threads: args.io_threads.max(1),
+        whole_experts: args.whole_experts,
+        expert_cache_bytes: match args.expert_cache.as_deref() {
+            Some(size) => probe::parse_size(size)?,
+            None if p.unified => ram.saturating_sub(p.device_used()),
+            None => 0,
         },
-    )?;
+    };
+    let store = match beneath_pack {
+        Some(inner) => TieredStore::over_store(Arc::new(inner), &p, options)?,
+        None => {
+            let reader = DirectFile::open(path, !args.no_direct_io)
+                .with_context(|| format!("opening {} for streaming", path.display()))?;
+            TieredStore::new(file, globals, layers, &p, Arc::new(reader), options)?
+        }
+    };
     if !p.unified {
         // Tiers B and C are uploaded per use into the device slots the plan sized.
         if let Some(memory) = backend.device_memory() {
@@ -285,8 +306,12 @@ pub fn build(
         }
     }
     // Loading touched each layer's norms through the memory map: let those pages go.
-    io::release_mapped_pages(file.as_bytes());
-    let _ = io::drop_file_cache(path);
+    // Not a pack's: its GGUF is an anonymous map (decoded head and norms), which
+    // MADV_DONTNEED would zero.
+    if tiered_pack.is_none() {
+        io::release_mapped_pages(file.as_bytes());
+        let _ = io::drop_file_cache(path);
+    }
     let info = TieredInfo {
         plan: p,
         stats: store.stats_handle(),
@@ -307,9 +332,56 @@ pub fn build(
             Model::from_parts(config, Box::new(store), backend, ffn)
         },
         tiered: Some(info),
-        compressed: None,
-        store_name: "tiered",
+        compressed,
+        store_name: if tiered_pack.is_some() {
+            "tiered over a pack"
+        } else {
+            "tiered"
+        },
     })
+}
+
+/// The store a tiered store streams a pack from: it decodes a layer on every request
+/// (the tiered store keeps what it keeps), on one thread per request, with no prefetch
+/// of its own (the tiered store's readers prefetch). Returns it with its decode speed,
+/// measured now on the largest layer (decoded bytes per second).
+pub fn decoding_store(
+    pack: &Arc<ballast_weight_codec::PackFile>,
+    globals: ballast_runtime::weights::GlobalWeights,
+    layers: Vec<ballast_runtime::weights::LayerWeights>,
+    mapped: bool,
+) -> Result<(ballast_weight_codec::CompressedStore, f64)> {
+    use ballast_runtime::WeightStore;
+    use ballast_weight_codec::{CachePolicy, CompressedStore, StoreOptions};
+    let largest = (0..layers.len())
+        .max_by_key(|&i| layers[i].byte_size())
+        .unwrap_or(0);
+    let store = CompressedStore::new(
+        pack.clone(),
+        globals,
+        layers,
+        StoreOptions {
+            policy: CachePolicy::EveryUse,
+            keep_layers: 0,
+            prefetch: false,
+            decode_threads: 1,
+        },
+        mapped,
+    )?;
+    let before = store.stats();
+    let passes = ballast_runtime::store::PassCounter::default();
+    for _ in 0..3 {
+        drop(store.layer(passes.next(), largest)?);
+    }
+    let after = store.stats();
+    let time = after.decode_time.saturating_sub(before.decode_time);
+    let bytes = after.bytes_decoded - before.bytes_decoded;
+    let speed = if time.is_zero() {
+        0.0
+    } else {
+        bytes as f64 / time.as_secs_f64()
+    };
+    Ok((store, speed))
 }
 
 /// What the wgpu backend keeps on its device beyond the layers: the session's KV cache,
@@ -371,6 +443,33 @@ pub fn describe(p: &Plan, speeds: Option<(&Speeds, u64)>, notes: Option<&str>) -
         human_bytes(bpt.disk)
     );
     let _ = writeln!(s, "layers: {}", layer_map(p));
+    if !p.stored_bytes.is_empty() && p.counts().2 > 0 {
+        let disk: Vec<usize> = (0..p.tiers.len())
+            .filter(|&i| p.tiers[i] == Tier::Disk)
+            .collect();
+        let stored: u64 = disk.iter().map(|&i| p.stored_bytes[i]).sum();
+        let raw: u64 = disk.iter().map(|&i| p.layer_bytes[i]).sum();
+        let _ = writeln!(
+            s,
+            "pack: the streamed layers read {} compressed instead of {} ({:.3}x), decoded at {}/s in the readers",
+            human_bytes(stored),
+            human_bytes(raw),
+            raw as f64 / stored.max(1) as f64,
+            human_rate(p.decode_bytes_per_s),
+        );
+        if let Some((decode, saved)) =
+            speeds.and_then(|(sp, _)| p.compression_trade(sp.disk_bytes_per_s))
+        {
+            let _ =
+                writeln!(
+                s,
+                "compression {}: decoding adds {:.2} ms per token, the smaller reads save {:.2} ms",
+                if saved > decode { "pays" } else { "does not pay" },
+                decode * 1e3,
+                saved * 1e3,
+            );
+        }
+    }
     let streamed_experts: u64 = (0..p.tiers.len())
         .filter(|&i| p.tiers[i] == Tier::Disk)
         .map(|i| p.expert_bytes.get(i).copied().unwrap_or(0))

@@ -938,3 +938,63 @@ fn a_mixture_of_experts_streams_only_the_chosen_experts() {
     assert_eq!(chosen, resident);
     assert_eq!(whole, resident);
 }
+
+/// A pack streamed by tiers (`--store tiered` with a budget smaller than the model):
+/// the streamed layers are decoded from the pack in the readers, the plan says what
+/// they read compressed and whether decoding pays, and the tokens are the GGUF's.
+#[test]
+fn a_pack_streams_by_tiers_like_its_gguf() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("wide.gguf");
+    let spec = TinyModelSpec {
+        n_layers: 4,
+        d_model: 256,
+        n_ff: 1024,
+        seed: 9,
+        ..TinyModelSpec::default()
+    };
+    std::fs::write(&model, spec.to_gguf_bytes().unwrap()).unwrap();
+    let packed = dir.path().join("wide.pack");
+    let (m, p) = (model.to_str().unwrap(), packed.to_str().unwrap());
+    let o = ballast(&["pack", m, p]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let budget = ["--store", "tiered", "--ram", "12M", "-c", "32"];
+    let want = generated_tokens(m, "hello", 8, &budget);
+    let o = ballast(
+        &[
+            &[
+                "run",
+                "-m",
+                p,
+                "hello",
+                "-n",
+                "8",
+                "--temp",
+                "0",
+                "--ignore-eos",
+            ][..],
+            &budget,
+        ]
+        .concat(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("pack: the streamed layers read"), "{err}");
+    assert!(err.contains("compressed store:"), "{err}");
+    assert_eq!(generated_tokens(p, "hello", 8, &budget), want);
+    let o = ballast(&[
+        "plan",
+        "-m",
+        p,
+        "--ram",
+        "12M",
+        "-c",
+        "32",
+        "--compute",
+        "1GB/s",
+        "--disk",
+        "1GB/s",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("compression "), "{}", stdout(&o));
+}

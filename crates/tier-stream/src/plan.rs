@@ -79,6 +79,12 @@ pub struct ModelShape {
     /// The share of a layer's experts one token uses (`expert_used_count /
     /// expert_count`; 1 for a dense model).
     pub expert_share: f64,
+    /// Bytes a streamed layer reads from storage when they differ from `layer_bytes`
+    /// (a compressed pack: its stored chunks); empty: `layer_bytes`.
+    pub stored_bytes: Vec<u64>,
+    /// Decoded bytes per second of the store beneath, which decodes each streamed
+    /// layer after reading it (a pack; 0: nothing to decode).
+    pub decode_bytes_per_s: f64,
 }
 
 impl ModelShape {
@@ -116,6 +122,8 @@ impl ModelShape {
             kv_on_device_only: false,
             expert_bytes: Vec::new(),
             expert_share: 1.0,
+            stored_bytes: Vec::new(),
+            decode_bytes_per_s: 0.0,
         }
     }
 
@@ -300,6 +308,10 @@ pub struct Plan {
     pub expert_bytes: Vec<u64>,
     /// The share of those a token reads (see [`ModelShape::expert_share`]).
     pub expert_share: f64,
+    /// See [`ModelShape::stored_bytes`].
+    pub stored_bytes: Vec<u64>,
+    /// See [`ModelShape::decode_bytes_per_s`].
+    pub decode_bytes_per_s: f64,
 }
 
 /// Indices of `k` of `n` layers spread evenly over `0..n`.
@@ -483,6 +495,8 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
         embd_row_bytes: shape.embd_row_bytes,
         expert_bytes,
         expert_share: shape.expert_share.clamp(0.0, 1.0),
+        stored_bytes: shape.stored_bytes.clone(),
+        decode_bytes_per_s: shape.decode_bytes_per_s.max(0.0),
     })
 }
 
@@ -628,7 +642,40 @@ impl Plan {
     /// Bytes of streamed layer `i` read ahead of its use: all of it, or on the CPU all
     /// but its experts.
     fn prefetched_bytes(&self, i: usize) -> u64 {
-        self.layer_bytes[i] - self.expert_bytes.get(i).copied().unwrap_or(0)
+        let stored = self
+            .stored_bytes
+            .get(i)
+            .copied()
+            .unwrap_or(self.layer_bytes[i]);
+        stored.saturating_sub(self.expert_bytes.get(i).copied().unwrap_or(0))
+    }
+
+    /// Seconds the store beneath spends decoding streamed layer `i` (0 when nothing is
+    /// decoded).
+    fn decode_seconds(&self, i: usize) -> f64 {
+        if self.decode_bytes_per_s > 0.0 && !self.stored_bytes.is_empty() {
+            self.layer_bytes[i] as f64 / self.decode_bytes_per_s
+        } else {
+            0.0
+        }
+    }
+
+    /// When the layers stream from a compressed store: seconds per token that decoding
+    /// adds and that the smaller reads save, at `disk_bytes_per_s`. Compression pays
+    /// when the second is larger (decoding overlaps nothing in the reader).
+    pub fn compression_trade(&self, disk_bytes_per_s: f64) -> Option<(f64, f64)> {
+        if self.stored_bytes.is_empty() || disk_bytes_per_s <= 0.0 {
+            return None;
+        }
+        let disk: Vec<usize> = (0..self.tiers.len())
+            .filter(|&i| self.tiers[i] == Tier::Disk)
+            .collect();
+        let decode: f64 = disk.iter().map(|&i| self.decode_seconds(i)).sum();
+        let saved: u64 = disk
+            .iter()
+            .map(|&i| self.layer_bytes[i].saturating_sub(self.stored_bytes[i]))
+            .sum();
+        Some((decode, saved as f64 / disk_bytes_per_s))
     }
 
     /// Bytes of streamed layer `i`'s experts one token reads (no cache hits counted).
@@ -659,9 +706,10 @@ impl Plan {
             speeds.disk_bytes_per_s,
         );
         let streamed: Vec<usize> = (0..n).filter(|&i| self.tiers[i] != Tier::Device).collect();
+        // A layer read from a compressed store is decoded by the reader after its read.
         let disk_time = |i: usize| {
             if self.tiers[i] == Tier::Disk {
-                rate(self.prefetched_bytes(i), speeds.disk_bytes_per_s)
+                rate(self.prefetched_bytes(i), speeds.disk_bytes_per_s) + self.decode_seconds(i)
             } else {
                 0.0
             }

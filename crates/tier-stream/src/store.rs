@@ -524,6 +524,8 @@ pub fn model_shape(
         expert_share: config
             .moe
             .map_or(1.0, |m| m.n_expert_used as f64 / m.n_expert as f64),
+        stored_bytes: Vec::new(),
+        decode_bytes_per_s: 0.0,
     }
 }
 

@@ -20,6 +20,8 @@ fn shape(layers: Vec<u64>, head: u64, kv_dim: u64) -> ModelShape {
         kv_on_device_only: false,
         expert_bytes: Vec::new(),
         expert_share: 1.0,
+        stored_bytes: Vec::new(),
+        decode_bytes_per_s: 0.0,
     }
 }
 

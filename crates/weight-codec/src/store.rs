@@ -321,6 +321,12 @@ impl CompressedStore {
         self.inner.layers.iter().map(|l| l.stored).sum()
     }
 
+    /// Stored (coded) bytes of each layer, in layer order: what streaming a layer
+    /// from the pack reads.
+    pub fn stored_bytes_per_layer(&self) -> Vec<u64> {
+        self.inner.layers.iter().map(|l| l.stored).collect()
+    }
+
     /// Raw bytes of all layers.
     pub fn raw_layer_bytes(&self) -> u64 {
         self.inner.layers.iter().map(|l| l.raw as u64).sum()
