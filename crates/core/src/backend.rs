@@ -34,6 +34,9 @@ pub struct Rope {
     pub n_dims: usize,
     /// `rope.freq_base`.
     pub freq_base: f32,
+    /// Linear RoPE scaling: angles are multiplied by this (`1 / rope.scaling.factor`;
+    /// 1 without scaling), as llama.cpp's `freq_scale` with no YaRN extension.
+    pub freq_scale: f32,
 }
 
 /// The head layout of attention, the scale of its scores and its mask.

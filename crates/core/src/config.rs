@@ -183,6 +183,7 @@ impl ModelConfig {
             style: arch.rope_style(),
             n_dims: n_rot,
             freq_base,
+            freq_scale: rope_freq_scale(file, &key)?,
         };
         let gemma = arch == Architecture::Gemma3;
         let shape = AttentionShape::new(n_heads, n_kv_heads, head_dim);
@@ -222,15 +223,6 @@ impl ModelConfig {
                     format!("{cap}: logit soft-capping is not implemented"),
                 ));
             }
-            if let Some(f) = file
-                .get_f32_opt(&key("rope.scaling.factor"))?
-                .filter(|&f| f != 0.0 && f != 1.0)
-            {
-                return Err(invalid(
-                    "rope.scaling.factor",
-                    format!("{f}: RoPE scaling is not implemented"),
-                ));
-            }
             let window = get_opt("attention.sliding_window")?.filter(|&w| w > 0);
             if let Some(w) = window {
                 if w > context_length {
@@ -252,6 +244,9 @@ impl ModelConfig {
                 for (spec, _) in layer_attention.iter_mut().zip(swa).filter(|(_, s)| *s) {
                     spec.shape.window = Some(w);
                     spec.rope.freq_base = local_base;
+                    // llama.cpp scales only the global layers (its freq_scale for
+                    // sliding layers is 1 in gemma3).
+                    spec.rope.freq_scale = 1.0;
                 }
                 sliding_window = Some(w);
             }
@@ -295,6 +290,41 @@ impl ModelConfig {
     /// Key/value width: `n_kv_heads * head_dim`.
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+}
+
+/// The RoPE angle factor of `file`, as llama.cpp reads it: `rope.scaling.type`
+/// (default linear; `none` never scales) and `rope.scaling.factor` (or the older
+/// `rope.scale_linear`; 0 or absent: 1). YaRN and other types that change more than the
+/// angle are refused by name.
+fn rope_freq_scale(file: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<f32> {
+    let invalid = |k: &str, why: String| Error::InvalidHyperParameter { key: key(k), why };
+    let kind = match file.get(&key("rope.scaling.type")) {
+        None => "linear",
+        Some(Value::String(s)) => s.as_str(),
+        Some(other) => {
+            return Err(invalid(
+                "rope.scaling.type",
+                format!("{other} is not a string"),
+            ))
+        }
+    };
+    let factor = match file.get_f32_opt(&key("rope.scaling.factor"))? {
+        Some(f) => f,
+        None => file.get_f32_opt(&key("rope.scale_linear"))?.unwrap_or(0.0),
+    };
+    match kind {
+        "none" => Ok(1.0),
+        _ if factor == 0.0 || factor == 1.0 => Ok(1.0),
+        "linear" if factor.is_finite() && factor > 0.0 => Ok(1.0 / factor),
+        "linear" => Err(invalid(
+            "rope.scaling.factor",
+            format!("{factor} is not a positive factor"),
+        )),
+        other => Err(invalid(
+            "rope.scaling.type",
+            format!("'{other}' RoPE scaling (factor {factor}) is not implemented (linear is)"),
+        )),
     }
 }
 

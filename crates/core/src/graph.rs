@@ -448,11 +448,12 @@ impl std::fmt::Display for Graph {
                     head_dim,
                     rope,
                 } => format!(
-                    "rope({}, {n_heads} heads of {head_dim}, {:?}, {} dims, base {})",
+                    "rope({}, {n_heads} heads of {head_dim}, {:?}, {} dims, base {}, scale {})",
                     t(x),
                     rope.style,
                     rope.n_dims,
-                    rope.freq_base
+                    rope.freq_base,
+                    rope.freq_scale
                 ),
                 Op::KvWrite { layer, k, v } => format!("kv[{layer}] <- {}, {}", t(k), t(v)),
                 Op::KvPolicy { layer } => format!("host sync: kv policy before attention {layer}"),

@@ -20,6 +20,7 @@ fn rope() -> Rope {
         style: RopeStyle::Normal,
         n_dims: 32,
         freq_base: 10000.0,
+        freq_scale: 1.0,
     }
 }
 

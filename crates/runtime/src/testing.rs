@@ -71,6 +71,9 @@ pub struct TinyModelSpec {
     /// token, width of one expert)`. qwen3moe writes the width as
     /// `expert_feed_forward_length`; a llama file (Mixtral) has experts `n_ff` wide.
     pub experts: Option<(usize, usize, usize)>,
+    /// Linear RoPE scaling: `rope.scaling.type = "linear"` and this
+    /// `rope.scaling.factor`.
+    pub rope_scaling: Option<f32>,
     /// Seed of the weights.
     pub seed: u64,
 }
@@ -93,6 +96,7 @@ impl Default for TinyModelSpec {
             context_length: 256,
             sliding_window: None,
             experts: None,
+            rope_scaling: None,
             seed: 1,
         }
     }
@@ -308,6 +312,13 @@ impl TinyModelSpec {
             )?;
             w.add_metadata(format!("{a}.rope.freq_base_swa"), Value::F32(local_base))?;
         }
+        if let Some(factor) = self.rope_scaling {
+            w.add_metadata(
+                format!("{a}.rope.scaling.type"),
+                Value::String("linear".into()),
+            )?;
+            w.add_metadata(format!("{a}.rope.scaling.factor"), Value::F32(factor))?;
+        }
         if let Some((n_expert, n_used, n_ff_expert)) = self.experts {
             w.add_metadata(format!("{a}.expert_count"), Value::U32(n_expert as u32))?;
             w.add_metadata(format!("{a}.expert_used_count"), Value::U32(n_used as u32))?;
@@ -495,6 +506,18 @@ pub fn reference_spec(name: &str) -> Option<TinyModelSpec> {
             experts: Some((8, 2, 32)),
             ..base.clone()
         }),
+        // gemma3 with linear RoPE scaling (4B and larger): global layers' angles / 8.
+        "gemma3-scaled" => Some(TinyModelSpec {
+            arch: "gemma3".into(),
+            n_layers: 3,
+            head_dim: Some(32),
+            rope_base: 1_000_000.0,
+            sliding_window: Some((4, 2, 10_000.0)),
+            rope_scaling: Some(8.0),
+            tied: true,
+            seed: 14,
+            ..base.clone()
+        }),
         // Mixtral's layout: llama with four experts as wide as n_ff, two per token.
         "mixtral" => Some(TinyModelSpec {
             experts: Some((4, 2, 128)),
@@ -505,4 +528,11 @@ pub fn reference_spec(name: &str) -> Option<TinyModelSpec> {
 }
 
 /// Names [`reference_spec`] knows.
-pub const REFERENCE_SPECS: &[&str] = &["llama-spm", "qwen3", "gemma3", "qwen3moe", "mixtral"];
+pub const REFERENCE_SPECS: &[&str] = &[
+    "llama-spm",
+    "qwen3",
+    "gemma3",
+    "qwen3moe",
+    "mixtral",
+    "gemma3-scaled",
+];

@@ -596,7 +596,14 @@ fn a_malformed_gemma3_file_is_a_named_error() {
         "gemma3.final_logit_softcapping",
     );
     key_error(
-        &[("gemma3.rope.scaling.factor", Value::F32(8.0))],
+        &[
+            ("gemma3.rope.scaling.type", Value::String("yarn".into())),
+            ("gemma3.rope.scaling.factor", Value::F32(8.0)),
+        ],
+        "gemma3.rope.scaling.type",
+    );
+    key_error(
+        &[("gemma3.rope.scaling.factor", Value::F32(-2.0))],
         "gemma3.rope.scaling.factor",
     );
     for missing in [

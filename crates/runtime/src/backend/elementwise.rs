@@ -60,7 +60,10 @@ fn rope_impl(x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, 
         // theta_scale per pair, in f32.
         let mut theta = pos as f32;
         for cs in cos_sin.iter_mut().take(pairs) {
-            *cs = (theta.cos(), theta.sin());
+            // ggml's rope_yarn without extension: the angle times freq_scale (exactly
+            // the angle when it is 1).
+            let scaled = rope.freq_scale * theta;
+            *cs = (scaled.cos(), scaled.sin());
             theta *= theta_scale;
         }
         for head in row.chunks_exact_mut(head_dim) {
@@ -220,6 +223,7 @@ mod tests {
                 style,
                 n_dims: 64,
                 freq_base: 10000.0,
+                freq_scale: 1.0,
             };
             let mut x: Vec<f32> = (0..4 * 128).map(|i| (i as f32 * 0.31).cos()).collect();
             let mut y = x.clone();

@@ -24,8 +24,9 @@ pub(super) fn rope_table(positions: &[u32], head_dim: usize, rope: &Rope) -> Vec
     for &pos in positions {
         let mut theta = pos as f32;
         for _ in 0..n_dims / 2 {
-            out.push(theta.cos());
-            out.push(theta.sin());
+            let scaled = rope.freq_scale * theta;
+            out.push(scaled.cos());
+            out.push(scaled.sin());
             theta *= theta_scale;
         }
     }
