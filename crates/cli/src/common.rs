@@ -422,8 +422,9 @@ impl KvArgs {
         let kind = self.kind(ctx);
         let capacity = kind.budget().unwrap_or(ctx);
         let cache = self.cache(model, capacity)?;
-        let policy = StreamingLlm::from_kind(kind, model.backend().clone(), model.config().rope)?
-            .map(|p| Box::new(p) as Box<dyn KvPolicy>);
+        let policy =
+            StreamingLlm::from_kind(kind, model.backend().clone(), model.config().rope.clone())?
+                .map(|p| Box::new(p) as Box<dyn KvPolicy>);
         Ok((cache, policy))
     }
 }

@@ -26,7 +26,7 @@ pub enum RopeStyle {
 }
 
 /// Rotary position embedding parameters, from the GGUF metadata.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Rope {
     /// Pairing of the rotated dimensions.
     pub style: RopeStyle,
@@ -37,6 +37,22 @@ pub struct Rope {
     /// Linear RoPE scaling: angles are multiplied by this (`1 / rope.scaling.factor`;
     /// 1 without scaling), as llama.cpp's `freq_scale` with no YaRN extension.
     pub freq_scale: f32,
+    /// Per rotated pair, a divisor of its angle (`rope_freqs.weight`: Llama 3.1's
+    /// long-context frequencies), as ggml's `freq_factors`.
+    pub freq_factors: Option<std::sync::Arc<[f32]>>,
+}
+
+impl Rope {
+    /// The angle of pair `pair` from its unscaled angle `theta`: divided by the pair's
+    /// frequency factor, then scaled (exactly `theta` without either).
+    #[inline(always)]
+    pub fn angle(&self, pair: usize, theta: f32) -> f32 {
+        let theta = match &self.freq_factors {
+            Some(f) => theta / f[pair],
+            None => theta,
+        };
+        self.freq_scale * theta
+    }
 }
 
 /// The head layout of attention, the scale of its scores and its mask.

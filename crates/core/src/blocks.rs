@@ -58,7 +58,7 @@ pub const OUTPUT: &str = "output.weight";
 
 /// How one layer attends: head sizes and RoPE. Read from the GGUF per layer, so an
 /// architecture whose layers differ (a RoPE base per layer kind) states it here.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct AttentionSpec {
     /// Heads.
     pub shape: AttentionShape,
@@ -177,7 +177,7 @@ pub fn attention(
             x,
             n_heads,
             head_dim: s.head_dim,
-            rope: spec.rope,
+            rope: spec.rope.clone(),
         });
     }
     if let Some(factor) = spec.q_scale {

@@ -184,6 +184,7 @@ impl ModelConfig {
             n_dims: n_rot,
             freq_base,
             freq_scale: rope_freq_scale(file, &key)?,
+            freq_factors: rope_freq_factors(file, n_rot)?,
         };
         let gemma = arch == Architecture::Gemma3;
         let shape = AttentionShape::new(n_heads, n_kv_heads, head_dim);
@@ -197,7 +198,7 @@ impl ModelConfig {
             } else {
                 shape
             },
-            rope,
+            rope: rope.clone(),
             qk_norm: matches!(
                 arch,
                 Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Qwen3Moe
@@ -326,6 +327,38 @@ fn rope_freq_scale(file: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<f32>
             format!("'{other}' RoPE scaling (factor {factor}) is not implemented (linear is)"),
         )),
     }
+}
+
+/// `rope_freqs.weight` (Llama 3.1 and later: a divisor of each rotated pair's angle),
+/// if the file has it: f32, one per pair, each positive.
+fn rope_freq_factors(file: &GgufFile, n_rot: usize) -> Result<Option<std::sync::Arc<[f32]>>> {
+    const NAME: &str = "rope_freqs.weight";
+    let Some(t) = file.tensors().iter().find(|t| t.name == NAME) else {
+        return Ok(None);
+    };
+    let bad = |why: String| Error::InvalidHyperParameter {
+        key: NAME.into(),
+        why,
+    };
+    if t.ty != crate::ggml_type::GgmlType::F32
+        || t.dims.iter().product::<u64>() != (n_rot / 2) as u64
+    {
+        return Err(bad(format!(
+            "{} {:?}: expected f32 [{}], one per rotated pair",
+            t.ty,
+            t.dims,
+            n_rot / 2
+        )));
+    }
+    let factors: Vec<f32> = file
+        .tensor_data(t)
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    if let Some(f) = factors.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
+        return Err(bad(format!("{f} is not a positive factor")));
+    }
+    Ok(Some(factors.into()))
 }
 
 /// The mixture of experts of `file`, read from `{arch}.expert_*` (`key` makes the

@@ -28,7 +28,7 @@ fn session(backend: Arc<dyn Backend>, precision: Precision, policy: bool) -> Ses
     let model = load(backend.clone());
     let cache = new_cache(UpdateMode::PointerShift, model.kv_shape(), 16, precision).unwrap();
     let policy: Option<Box<dyn KvPolicy>> = policy.then(|| {
-        let rope = model.config().rope;
+        let rope = model.config().rope.clone();
         Box::new(StreamingLlm::new(4, 12).unwrap().with_rope(backend, rope)) as Box<dyn KvPolicy>
     });
     Session::with_cache(model, cache, policy)
@@ -253,7 +253,7 @@ fn a_session_on_a_device_cache_reads_back_only_logits() {
             .new_kv_cache(model.kv_shape(), 16, element(precision))
             .unwrap()
             .unwrap();
-        let rope = model.config().rope;
+        let rope = model.config().rope.clone();
         let policy = StreamingLlm::new(4, 12)
             .unwrap()
             .with_rope(gpu.clone(), rope);

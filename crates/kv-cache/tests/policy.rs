@@ -21,6 +21,7 @@ fn rope() -> Rope {
         n_dims: 32,
         freq_base: 10000.0,
         freq_scale: 1.0,
+        freq_factors: None,
     }
 }
 

@@ -74,6 +74,9 @@ pub struct TinyModelSpec {
     /// Linear RoPE scaling: `rope.scaling.type = "linear"` and this
     /// `rope.scaling.factor`.
     pub rope_scaling: Option<f32>,
+    /// A `rope_freqs.weight` tensor as Llama 3.1 has: one divisor per rotated pair,
+    /// from 1 (the fastest pairs) rising to 8 (the slowest).
+    pub rope_freqs: bool,
     /// Seed of the weights.
     pub seed: u64,
 }
@@ -97,6 +100,7 @@ impl Default for TinyModelSpec {
             sliding_window: None,
             experts: None,
             rope_scaling: None,
+            rope_freqs: false,
             seed: 1,
         }
     }
@@ -435,6 +439,16 @@ impl TinyModelSpec {
                 }
             }
         }
+        if self.rope_freqs {
+            let pairs = hd / 2;
+            let factors: Vec<f32> = (0..pairs)
+                .map(|i| {
+                    let x = i as f32 / (pairs - 1).max(1) as f32;
+                    1.0 + 7.0 * x * x
+                })
+                .collect();
+            w.add_tensor_f32("rope_freqs.weight", &[pairs as u64], &factors)?;
+        }
         Ok(w)
     }
 }
@@ -518,6 +532,13 @@ pub fn reference_spec(name: &str) -> Option<TinyModelSpec> {
             seed: 14,
             ..base.clone()
         }),
+        // Llama 3.1's layout: llama with per-pair RoPE frequency factors.
+        "llama-freqs" => Some(TinyModelSpec {
+            rope_freqs: true,
+            rope_base: 500_000.0,
+            seed: 15,
+            ..base.clone()
+        }),
         // Mixtral's layout: llama with four experts as wide as n_ff, two per token.
         "mixtral" => Some(TinyModelSpec {
             experts: Some((4, 2, 128)),
@@ -535,4 +556,5 @@ pub const REFERENCE_SPECS: &[&str] = &[
     "qwen3moe",
     "mixtral",
     "gemma3-scaled",
+    "llama-freqs",
 ];

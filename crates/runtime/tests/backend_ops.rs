@@ -382,6 +382,7 @@ fn rope_case(
         },
         freq_base: 10000.0,
         freq_scale: 1.0,
+        freq_factors: None,
     };
     let positions: Vec<u32> = (0..n as u32).map(|i| start + 3 * i).collect();
     let x = values(seed, n * heads * head_dim, 2.0);
@@ -747,6 +748,7 @@ fn mismatched_lengths_case(be: &dyn Backend) {
         n_dims: 4,
         freq_base: 10000.0,
         freq_scale: 1.0,
+        freq_factors: None,
     };
     named(be.rope(&mut out, &[0, 1], 1, 4, &rope), "RoPE input");
     let shape = AttentionShape::new(2, 1, 4);

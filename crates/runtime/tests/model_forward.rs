@@ -837,3 +837,46 @@ fn moe_reads_only_the_chosen_experts() {
     assert!(clean.iter().any(|&v| v != 0.0));
     assert_eq!(clean, poisoned);
 }
+
+// RoPE frequency factors of the wrong length or with a factor that divides by nothing
+// are refused by an error naming the tensor.
+#[test]
+fn bad_rope_frequency_factors_are_a_named_error() {
+    let spec = reference_spec("llama-freqs").unwrap();
+    let file = GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap();
+    let rebuilt = |factors: &[f32]| {
+        let mut w = GgufWriter::new();
+        for (k, v) in file.metadata() {
+            w.add_metadata(k.clone(), v.clone()).unwrap();
+        }
+        for t in file.tensors() {
+            if t.name == "rope_freqs.weight" {
+                w.add_tensor_f32(&t.name, &[factors.len() as u64], factors)
+                    .unwrap();
+            } else {
+                w.add_tensor(&t.name, t.ty, &t.dims, file.tensor_data(t).to_vec())
+                    .unwrap();
+            }
+        }
+        Arc::new(GgufFile::from_bytes(w.to_bytes()).unwrap())
+    };
+    let pairs = spec.head_dim() / 2;
+    for (factors, what) in [
+        (vec![1.0; pairs - 1], "one short"),
+        (vec![0.0; pairs], "zero factors"),
+        (vec![f32::NAN; pairs], "NaN factors"),
+    ] {
+        match Model::load(rebuilt(&factors), Arc::new(CpuBackend::new(1)), false)
+            .err()
+            .expect("refused")
+        {
+            Error::InvalidHyperParameter { key, .. } => {
+                assert_eq!(key, "rope_freqs.weight", "{what}")
+            }
+            other => panic!("{what}: unexpected {other}"),
+        }
+    }
+    // The factors as written load.
+    let good: Vec<f32> = (0..pairs).map(|i| 1.0 + i as f32).collect();
+    assert!(Model::load(rebuilt(&good), Arc::new(CpuBackend::new(1)), false).is_ok());
+}

@@ -59,10 +59,10 @@ fn rope_impl(x: &mut [f32], positions: &[u32], n_heads: usize, head_dim: usize, 
         // ggml_rope_cache_init: theta starts at the position and is multiplied by
         // theta_scale per pair, in f32.
         let mut theta = pos as f32;
-        for cs in cos_sin.iter_mut().take(pairs) {
-            // ggml's rope_yarn without extension: the angle times freq_scale (exactly
-            // the angle when it is 1).
-            let scaled = rope.freq_scale * theta;
+        for (pair, cs) in cos_sin.iter_mut().take(pairs).enumerate() {
+            // ggml's rope_yarn without extension: the angle over the pair's frequency
+            // factor, times freq_scale (exactly the angle without either).
+            let scaled = rope.angle(pair, theta);
             *cs = (scaled.cos(), scaled.sin());
             theta *= theta_scale;
         }
@@ -224,6 +224,7 @@ mod tests {
                 n_dims: 64,
                 freq_base: 10000.0,
                 freq_scale: 1.0,
+                freq_factors: None,
             };
             let mut x: Vec<f32> = (0..4 * 128).map(|i| (i as f32 * 0.31).cos()).collect();
             let mut y = x.clone();

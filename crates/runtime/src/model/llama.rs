@@ -20,7 +20,7 @@ use crate::graph::{Graph, Op, WeightRef};
 /// The tensors of layer `layer`: role, shape in ggml order, whether the file must have
 /// it.
 pub(super) fn layer_tensors(c: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
-    let spec = c.layer_attention[layer];
+    let spec = &c.layer_attention[layer];
     let s = spec.shape;
     let (d, ff) = (c.d_model, c.n_ff);
     let (q, kv) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);

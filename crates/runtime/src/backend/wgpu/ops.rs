@@ -23,8 +23,8 @@ pub(super) fn rope_table(positions: &[u32], head_dim: usize, rope: &Rope) -> Vec
     let mut out = Vec::with_capacity(positions.len() * n_dims);
     for &pos in positions {
         let mut theta = pos as f32;
-        for _ in 0..n_dims / 2 {
-            let scaled = rope.freq_scale * theta;
+        for pair in 0..n_dims / 2 {
+            let scaled = rope.angle(pair, theta);
             out.push(scaled.cos());
             out.push(scaled.sin());
             theta *= theta_scale;

@@ -503,7 +503,7 @@ impl WgpuBackend {
                         None => {
                             let table = rope_table(positions, *head_dim, rope);
                             let b = rec.upload("rope table", bytemuck::cast_slice(&table))?;
-                            rope_tables.push((*rope, *head_dim, b));
+                            rope_tables.push((rope.clone(), *head_dim, b));
                             rope_tables.len() - 1
                         }
                     };
