@@ -39,6 +39,15 @@ pub const FFN_GATE: &str = "ffn_gate.weight";
 pub const FFN_UP: &str = "ffn_up.weight";
 /// `ffn_down.weight`: MLP down projection.
 pub const FFN_DOWN: &str = "ffn_down.weight";
+/// Mixture of experts, qwen2moe's shared expert: the gate's weights (`[d_model]`: one
+/// logit per token, through a sigmoid).
+pub const FFN_GATE_INP_SHEXP: &str = "ffn_gate_inp_shexp.weight";
+/// The shared expert's gate projection (`[d_model, n_ff_shared]`).
+pub const FFN_GATE_SHEXP: &str = "ffn_gate_shexp.weight";
+/// The shared expert's up projection (`[d_model, n_ff_shared]`).
+pub const FFN_UP_SHEXP: &str = "ffn_up_shexp.weight";
+/// The shared expert's down projection (`[n_ff_shared, d_model]`).
+pub const FFN_DOWN_SHEXP: &str = "ffn_down_shexp.weight";
 /// Mixture of experts: the router (`[d_model, n_expert]`: one logit per expert).
 pub const FFN_GATE_INP: &str = "ffn_gate_inp.weight";
 /// Mixture of experts: the experts' gate projections stacked (`[d_model, n_ff_expert,

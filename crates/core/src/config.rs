@@ -22,6 +22,10 @@ pub enum Architecture {
     Gemma3,
     /// Qwen3-MoE: qwen3's attention, and a mixture-of-experts MLP in every layer.
     Qwen3Moe,
+    /// Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): qwen2's attention, and a mixture of
+    /// experts whose weights are not renormalized, plus a shared expert gated by a
+    /// sigmoid.
+    Qwen2Moe,
 }
 
 impl Architecture {
@@ -33,6 +37,7 @@ impl Architecture {
             Architecture::Qwen3 => "qwen3",
             Architecture::Gemma3 => "gemma3",
             Architecture::Qwen3Moe => "qwen3moe",
+            Architecture::Qwen2Moe => "qwen2moe",
         }
     }
 
@@ -43,7 +48,8 @@ impl Architecture {
             Architecture::Qwen2
             | Architecture::Qwen3
             | Architecture::Gemma3
-            | Architecture::Qwen3Moe => RopeStyle::Neox,
+            | Architecture::Qwen3Moe
+            | Architecture::Qwen2Moe => RopeStyle::Neox,
         }
     }
 }
@@ -106,6 +112,11 @@ pub struct MoeSpec {
     /// A factor on the experts' weights (`{arch}.expert_weights_scale`, none when
     /// absent, 0 or 1).
     pub weights_scale: Option<f32>,
+    /// qwen2moe's shared expert, its hidden width
+    /// (`{arch}.expert_shared_feed_forward_length`, default `feed_forward_length`):
+    /// every token's SwiGLU MLP, times the sigmoid of a per-token gate, added to the
+    /// chosen experts' sum.
+    pub shared_ff: Option<usize>,
 }
 
 impl ModelConfig {
@@ -119,6 +130,7 @@ impl ModelConfig {
             "qwen3" => Architecture::Qwen3,
             "gemma3" => Architecture::Gemma3,
             "qwen3moe" => Architecture::Qwen3Moe,
+            "qwen2moe" => Architecture::Qwen2Moe,
             other => {
                 return Err(Error::UnsupportedArchitecture {
                     arch: other.to_string(),
@@ -374,13 +386,14 @@ fn moe_spec(
     let invalid = |k: &str, why: String| Error::InvalidHyperParameter { key: key(k), why };
     let n_expert = file.get_u32_opt(&key("expert_count"))?.unwrap_or(0) as usize;
     match (arch, n_expert) {
-        (Architecture::Qwen3Moe, 0) => {
+        (Architecture::Qwen3Moe | Architecture::Qwen2Moe, 0) => {
             return Err(invalid(
                 "expert_count",
-                "qwen3moe needs experts (missing or 0)".into(),
+                format!("{} needs experts (missing or 0)", arch.name()),
             ))
         }
-        (Architecture::Llama | Architecture::Qwen3Moe, _) if n_expert > 0 => {}
+        (Architecture::Llama | Architecture::Qwen3Moe | Architecture::Qwen2Moe, _)
+            if n_expert > 0 => {}
         (_, 0) => return Ok(None),
         (other, n) => {
             return Err(invalid(
@@ -400,9 +413,9 @@ fn moe_spec(
         ));
     }
     let n_ff_expert = match (arch, file.get_u32_opt(&key("expert_feed_forward_length"))?) {
-        (Architecture::Qwen3Moe, Some(n)) => n as usize,
+        (Architecture::Qwen3Moe | Architecture::Qwen2Moe, Some(n)) => n as usize,
         // llama.cpp's fallback when the key is absent.
-        (Architecture::Qwen3Moe, None) => n_ff / n_expert_used,
+        (Architecture::Qwen3Moe | Architecture::Qwen2Moe, None) => n_ff / n_expert_used,
         (_, _) => n_ff,
     };
     if n_ff_expert == 0 {
@@ -430,8 +443,22 @@ fn moe_spec(
             format!("{g}: only softmax gating (1) is implemented"),
         ));
     }
+    let shared_ff = match arch {
+        Architecture::Qwen2Moe => Some(
+            file.get_u32_opt(&key("expert_shared_feed_forward_length"))?
+                .map_or(n_ff, |n| n as usize),
+        ),
+        _ => None,
+    };
+    if shared_ff == Some(0) {
+        return Err(invalid(
+            "expert_shared_feed_forward_length",
+            "a zero-sized shared expert".into(),
+        ));
+    }
     let norm_weights = match file.get(&key("expert_weights_norm")) {
-        None => true,
+        // llama.cpp renormalizes Mixtral's and qwen3moe's weights, not qwen2moe's.
+        None => arch != Architecture::Qwen2Moe,
         Some(Value::Bool(b)) => *b,
         Some(other) => {
             return Err(invalid(
@@ -455,6 +482,7 @@ fn moe_spec(
         n_ff_expert,
         norm_weights,
         weights_scale,
+        shared_ff,
     }))
 }
 

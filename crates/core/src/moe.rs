@@ -13,7 +13,14 @@
 //! use ballast_core::config::MoeSpec;
 //! use ballast_core::moe::route;
 //!
-//! let spec = MoeSpec { n_expert: 4, n_expert_used: 2, n_ff_expert: 8, norm_weights: true, weights_scale: None };
+//! let spec = MoeSpec {
+//!     n_expert: 4,
+//!     n_expert_used: 2,
+//!     n_ff_expert: 8,
+//!     norm_weights: true,
+//!     weights_scale: None,
+//!     shared_ff: None,
+//! };
 //! // Experts 2 and 0 are the most probable; their weights are renormalized.
 //! let chosen = route(&spec, &[1.0, -1.0, 2.0, 0.0]);
 //! assert_eq!(chosen.iter().map(|c| c.0).collect::<Vec<_>>(), vec![2, 0]);
@@ -21,7 +28,10 @@
 //! ```
 
 use crate::backend::{Backend, MatmulJob};
-use crate::blocks::{FFN_DOWN_EXPS, FFN_GATE_EXPS, FFN_GATE_INP, FFN_UP_EXPS};
+use crate::blocks::{
+    FFN_DOWN_EXPS, FFN_DOWN_SHEXP, FFN_GATE_EXPS, FFN_GATE_INP, FFN_GATE_INP_SHEXP, FFN_GATE_SHEXP,
+    FFN_UP_EXPS, FFN_UP_SHEXP,
+};
 use crate::config::MoeSpec;
 use crate::error::{Error, Result};
 use crate::ffn::FeedForward;
@@ -101,6 +111,79 @@ fn check_dims(w: &Weight, dims: &[usize]) -> Result<()> {
         });
     }
     Ok(())
+}
+
+impl MoeFfn {
+    /// qwen2moe's shared expert: `out += swiglu_mlp(x) * sigmoid(gate · x)` per token.
+    #[allow(clippy::too_many_arguments)]
+    fn add_shared_expert(
+        &mut self,
+        backend: &dyn Backend,
+        weights: &LayerWeights,
+        x: &[f32],
+        n_tokens: usize,
+        d: usize,
+        ff: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let gate_inp = weights.vector(FFN_GATE_INP_SHEXP)?;
+        let (gate, up, down) = (
+            weights.matrix(FFN_GATE_SHEXP)?,
+            weights.matrix(FFN_UP_SHEXP)?,
+            weights.matrix(FFN_DOWN_SHEXP)?,
+        );
+        if gate_inp.len() != d {
+            return Err(Error::ShapeMismatch {
+                what: format!("the shared expert's gate of layer {}", weights.index),
+                expected: d,
+                got: gate_inp.len(),
+            });
+        }
+        check_dims(gate, &[d, ff])?;
+        check_dims(up, &[d, ff])?;
+        check_dims(down, &[ff, d])?;
+        let (mut g, mut u, mut h) = (
+            vec![0f32; n_tokens * ff],
+            vec![0f32; n_tokens * ff],
+            vec![0f32; n_tokens * ff],
+        );
+        let mut y = vec![0f32; n_tokens * d];
+        backend.matmul(
+            x,
+            n_tokens,
+            &mut [
+                MatmulJob {
+                    weight: gate,
+                    out: &mut g,
+                },
+                MatmulJob {
+                    weight: up,
+                    out: &mut u,
+                },
+            ],
+        )?;
+        backend.swiglu(&g, &u, &mut h)?;
+        backend.matmul(
+            &h,
+            n_tokens,
+            &mut [MatmulJob {
+                weight: down,
+                out: &mut y,
+            }],
+        )?;
+        for ((o, xr), yr) in out
+            .chunks_exact_mut(d)
+            .zip(x.chunks_exact(d))
+            .zip(y.chunks_exact(d))
+        {
+            let logit: f32 = xr.iter().zip(gate_inp.iter()).map(|(a, b)| a * b).sum();
+            let gate = 1.0 / (1.0 + (-logit).exp());
+            for (a, &b) in o.iter_mut().zip(yr) {
+                *a += b * gate;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl FeedForward for MoeFfn {
@@ -218,6 +301,9 @@ impl FeedForward for MoeFfn {
                     *a += b;
                 }
             }
+        }
+        if let Some(ff) = s.shared_ff {
+            self.add_shared_expert(backend, weights, x, n_tokens, d, ff, out)?;
         }
         Ok(())
     }

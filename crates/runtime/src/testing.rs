@@ -74,6 +74,9 @@ pub struct TinyModelSpec {
     /// Linear RoPE scaling: `rope.scaling.type = "linear"` and this
     /// `rope.scaling.factor`.
     pub rope_scaling: Option<f32>,
+    /// qwen2moe's shared expert, this wide (`expert_shared_feed_forward_length`), with
+    /// its gate vector.
+    pub shared_expert: Option<usize>,
     /// A `rope_freqs.weight` tensor as Llama 3.1 has: one divisor per rotated pair,
     /// from 1 (the fastest pairs) rising to 8 (the slowest).
     pub rope_freqs: bool,
@@ -101,6 +104,7 @@ impl Default for TinyModelSpec {
             experts: None,
             rope_scaling: None,
             rope_freqs: false,
+            shared_expert: None,
             seed: 1,
         }
     }
@@ -326,10 +330,16 @@ impl TinyModelSpec {
         if let Some((n_expert, n_used, n_ff_expert)) = self.experts {
             w.add_metadata(format!("{a}.expert_count"), Value::U32(n_expert as u32))?;
             w.add_metadata(format!("{a}.expert_used_count"), Value::U32(n_used as u32))?;
-            if a == "qwen3moe" {
+            if a == "qwen3moe" || a == "qwen2moe" {
                 w.add_metadata(
                     format!("{a}.expert_feed_forward_length"),
                     Value::U32(n_ff_expert as u32),
+                )?;
+            }
+            if let Some(sf) = self.shared_expert {
+                w.add_metadata(
+                    format!("{a}.expert_shared_feed_forward_length"),
+                    Value::U32(sf as u32),
                 )?;
             }
         }
@@ -432,7 +442,15 @@ impl TinyModelSpec {
                 norm(&mut w, &n("post_attention_norm.weight"), d)?;
                 norm(&mut w, &n("post_ffw_norm.weight"), d)?;
             }
-            if self.arch == "qwen2" {
+            if let Some(sf) = self.shared_expert {
+                let sf = sf as u64;
+                let gate = biases.values(d as usize, 1.0 / (d as f32).sqrt());
+                w.add_tensor_f32(n("ffn_gate_inp_shexp.weight"), &[d], &gate)?;
+                matrix(&mut w, &n("ffn_gate_shexp.weight"), t, d, sf, 1)?;
+                matrix(&mut w, &n("ffn_up_shexp.weight"), t, d, sf, 1)?;
+                matrix(&mut w, &n("ffn_down_shexp.weight"), t, sf, d, 1)?;
+            }
+            if self.arch == "qwen2" || self.arch == "qwen2moe" {
                 for (name, len) in [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)] {
                     let v = biases.values(len as usize, 0.1);
                     w.add_tensor_f32(n(name), &[len], &v)?;
@@ -539,6 +557,16 @@ pub fn reference_spec(name: &str) -> Option<TinyModelSpec> {
             seed: 15,
             ..base.clone()
         }),
+        // Qwen1.5-MoE's layout: qwen2's attention (biases), eight experts of 32, two
+        // per token, not renormalized, and a shared expert of 96 behind a sigmoid gate.
+        "qwen2moe" => Some(TinyModelSpec {
+            arch: "qwen2moe".into(),
+            rope_base: 1_000_000.0,
+            experts: Some((8, 2, 32)),
+            shared_expert: Some(96),
+            seed: 16,
+            ..base.clone()
+        }),
         // Mixtral's layout: llama with four experts as wide as n_ff, two per token.
         "mixtral" => Some(TinyModelSpec {
             experts: Some((4, 2, 128)),
@@ -557,4 +585,5 @@ pub const REFERENCE_SPECS: &[&str] = &[
     "mixtral",
     "gemma3-scaled",
     "llama-freqs",
+    "qwen2moe",
 ];

@@ -689,6 +689,26 @@ fn a_malformed_moe_file_is_a_named_error() {
         &[("qwen3moe.expert_weights_norm", Value::U32(1))],
         "qwen3moe.expert_weights_norm",
     );
+    // qwen2moe without its shared expert's gate.
+    let qwen2moe = reference_spec("qwen2moe").unwrap();
+    match Model::load(
+        rewritten(&qwen2moe, "blk.0.ffn_gate_inp_shexp.weight", &[]),
+        cpu(),
+        false,
+    )
+    .err()
+    .expect("refused")
+    {
+        Error::GgufMissingTensor { tensor, .. } => {
+            assert_eq!(tensor, "blk.0.ffn_gate_inp_shexp.weight")
+        }
+        other => panic!("unexpected: {other}"),
+    }
+    key_error(
+        &qwen2moe,
+        &[("qwen2moe.expert_shared_feed_forward_length", Value::U32(0))],
+        "qwen2moe.expert_shared_feed_forward_length",
+    );
     // Experts where this pass has none.
     let qwen3 = reference_spec("qwen3").unwrap();
     key_error(
@@ -772,6 +792,7 @@ fn moe_reads_only_the_chosen_experts() {
         n_ff_expert: ff,
         norm_weights: true,
         weights_scale: None,
+        shared_ff: None,
     };
     let f32_weight = |name: &str, dims: Vec<usize>, values: Vec<f32>| Weight {
         name: name.into(),

@@ -45,12 +45,23 @@ pub(super) fn layer_tensors(c: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
     ]);
     match c.moe {
         // Mixtral, qwen3moe: a router and the experts' matrices stacked.
-        Some(m) => table.extend([
-            TensorSpec::required(FFN_GATE_INP, &[d, m.n_expert]),
-            TensorSpec::required(FFN_GATE_EXPS, &[d, m.n_ff_expert, m.n_expert]),
-            TensorSpec::required(FFN_UP_EXPS, &[d, m.n_ff_expert, m.n_expert]),
-            TensorSpec::required(FFN_DOWN_EXPS, &[m.n_ff_expert, d, m.n_expert]),
-        ]),
+        Some(m) => {
+            table.extend([
+                TensorSpec::required(FFN_GATE_INP, &[d, m.n_expert]),
+                TensorSpec::required(FFN_GATE_EXPS, &[d, m.n_ff_expert, m.n_expert]),
+                TensorSpec::required(FFN_UP_EXPS, &[d, m.n_ff_expert, m.n_expert]),
+                TensorSpec::required(FFN_DOWN_EXPS, &[m.n_ff_expert, d, m.n_expert]),
+            ]);
+            // qwen2moe's shared expert and its gate.
+            if let Some(sf) = m.shared_ff {
+                table.extend([
+                    TensorSpec::required(FFN_GATE_INP_SHEXP, &[d]),
+                    TensorSpec::required(FFN_GATE_SHEXP, &[d, sf]),
+                    TensorSpec::required(FFN_UP_SHEXP, &[d, sf]),
+                    TensorSpec::required(FFN_DOWN_SHEXP, &[sf, d]),
+                ]);
+            }
+        }
         None => table.extend([
             TensorSpec::required(FFN_GATE, &[d, ff]),
             TensorSpec::required(FFN_UP, &[d, ff]),

@@ -112,7 +112,8 @@ pub fn layer_tensors(config: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
         Architecture::Llama
         | Architecture::Qwen2
         | Architecture::Qwen3
-        | Architecture::Qwen3Moe => llama::layer_tensors(config, layer),
+        | Architecture::Qwen3Moe
+        | Architecture::Qwen2Moe => llama::layer_tensors(config, layer),
         Architecture::Gemma3 => gemma3::layer_tensors(config, layer),
     }
 }
@@ -467,7 +468,8 @@ impl Model {
             Architecture::Llama
             | Architecture::Qwen2
             | Architecture::Qwen3
-            | Architecture::Qwen3Moe => llama::build(
+            | Architecture::Qwen3Moe
+            | Architecture::Qwen2Moe => llama::build(
                 config,
                 key.tokens,
                 key.head.as_ref(),
