@@ -56,15 +56,69 @@ pub fn for_config(config: &crate::ModelConfig) -> Box<dyn FeedForward> {
     }
 }
 
+/// Hidden-layer buffers of [`gated_mlp`], kept between calls so decode allocates
+/// nothing.
+#[derive(Debug, Default)]
+pub struct MlpScratch {
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    hidden: Vec<f32>,
+}
+
+/// `out = down(act(gate(x)) * up(x))` for `n_tokens` rows of `x` on `backend`: the gated
+/// MLP of the dense lever, of each expert of a mixture and of its shared expert.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_mlp(
+    backend: &dyn Backend,
+    gate: &crate::weights::Weight,
+    up: &crate::weights::Weight,
+    down: &crate::weights::Weight,
+    act: blocks::Activation,
+    x: &[f32],
+    n_tokens: usize,
+    scratch: &mut MlpScratch,
+    out: &mut [f32],
+) -> Result<()> {
+    let n_ff = gate.rows();
+    scratch.gate.resize(n_tokens * n_ff, 0.0);
+    scratch.up.resize(n_tokens * n_ff, 0.0);
+    scratch.hidden.resize(n_tokens * n_ff, 0.0);
+    backend.matmul(
+        x,
+        n_tokens,
+        &mut [
+            MatmulJob {
+                weight: gate,
+                out: &mut scratch.gate,
+            },
+            MatmulJob {
+                weight: up,
+                out: &mut scratch.up,
+            },
+        ],
+    )?;
+    match act {
+        blocks::Activation::Silu => {
+            backend.swiglu(&scratch.gate, &scratch.up, &mut scratch.hidden)?
+        }
+        blocks::Activation::GeluTanh => {
+            backend.geglu(&scratch.gate, &scratch.up, &mut scratch.hidden)?
+        }
+    }
+    backend.matmul(
+        &scratch.hidden,
+        n_tokens,
+        &mut [MatmulJob { weight: down, out }],
+    )
+}
+
 /// The exact MLP: every neuron, every token. It emits its ops into the pass
 /// ([`blocks::ffn_swiglu`]); [`FeedForward::forward`] computes the same on host slices
 /// for callers outside a pass.
 #[derive(Debug, Default)]
 pub struct DenseFfn {
     act: blocks::Activation,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    hidden: Vec<f32>,
+    scratch: MlpScratch,
 }
 
 impl DenseFfn {
@@ -99,39 +153,16 @@ impl FeedForward for DenseFfn {
         n_tokens: usize,
         out: &mut [f32],
     ) -> Result<()> {
-        let (gate, up, down) = (
+        gated_mlp(
+            backend,
             weights.matrix(blocks::FFN_GATE)?,
             weights.matrix(blocks::FFN_UP)?,
             weights.matrix(blocks::FFN_DOWN)?,
-        );
-        let n_ff = gate.rows();
-        self.gate.resize(n_tokens * n_ff, 0.0);
-        self.up.resize(n_tokens * n_ff, 0.0);
-        self.hidden.resize(n_tokens * n_ff, 0.0);
-        backend.matmul(
+            self.act,
             x,
             n_tokens,
-            &mut [
-                MatmulJob {
-                    weight: gate,
-                    out: &mut self.gate,
-                },
-                MatmulJob {
-                    weight: up,
-                    out: &mut self.up,
-                },
-            ],
-        )?;
-        match self.act {
-            blocks::Activation::Silu => backend.swiglu(&self.gate, &self.up, &mut self.hidden)?,
-            blocks::Activation::GeluTanh => {
-                backend.geglu(&self.gate, &self.up, &mut self.hidden)?
-            }
-        }
-        backend.matmul(
-            &self.hidden,
-            n_tokens,
-            &mut [MatmulJob { weight: down, out }],
+            &mut self.scratch,
+            out,
         )
     }
 }

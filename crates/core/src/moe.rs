@@ -34,7 +34,7 @@ use crate::blocks::{
 };
 use crate::config::MoeSpec;
 use crate::error::{Error, Result};
-use crate::ffn::FeedForward;
+use crate::ffn::{gated_mlp, FeedForward, MlpScratch};
 use crate::weights::{LayerWeights, Weight};
 
 /// The smallest sum of the chosen probabilities llama.cpp divides by (2^-14, the
@@ -83,6 +83,7 @@ pub struct MoeFfn {
     logits: Vec<f32>,
     /// Per token and choice, the chosen expert's output times its weight.
     weighted: Vec<f32>,
+    mlp: MlpScratch,
 }
 
 impl MoeFfn {
@@ -92,6 +93,7 @@ impl MoeFfn {
             spec,
             logits: Vec::new(),
             weighted: Vec::new(),
+            mlp: MlpScratch::default(),
         }
     }
 
@@ -142,34 +144,18 @@ impl MoeFfn {
         check_dims(gate, &[d, ff])?;
         check_dims(up, &[d, ff])?;
         check_dims(down, &[ff, d])?;
-        let (mut g, mut u, mut h) = (
-            vec![0f32; n_tokens * ff],
-            vec![0f32; n_tokens * ff],
-            vec![0f32; n_tokens * ff],
-        );
         let mut y = vec![0f32; n_tokens * d];
-        backend.matmul(
+        let act = crate::blocks::Activation::Silu;
+        gated_mlp(
+            backend,
+            gate,
+            up,
+            down,
+            act,
             x,
             n_tokens,
-            &mut [
-                MatmulJob {
-                    weight: gate,
-                    out: &mut g,
-                },
-                MatmulJob {
-                    weight: up,
-                    out: &mut u,
-                },
-            ],
-        )?;
-        backend.swiglu(&g, &u, &mut h)?;
-        backend.matmul(
-            &h,
-            n_tokens,
-            &mut [MatmulJob {
-                weight: down,
-                out: &mut y,
-            }],
+            &mut self.mlp,
+            &mut y,
         )?;
         for ((o, xr), yr) in out
             .chunks_exact_mut(d)
@@ -235,7 +221,7 @@ impl FeedForward for MoeFfn {
         let wanted: Vec<(&str, usize)> = used.iter().flat_map(|&e| ROLES.map(|r| (r, e))).collect();
         let matrices = weights.experts_of(&wanted)?;
         let (mut rows, mut slots) = (Vec::new(), Vec::new());
-        let (mut g, mut u, mut h, mut y) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut y = Vec::new();
         for (i_used, &e) in used.iter().enumerate() {
             // The tokens that chose expert e, and where each one's result goes.
             rows.clear();
@@ -258,33 +244,9 @@ impl FeedForward for MoeFfn {
             check_dims(ge, &[d, s.n_ff_expert])?;
             check_dims(ue, &[d, s.n_ff_expert])?;
             check_dims(de, &[s.n_ff_expert, d])?;
-            g.resize(m * s.n_ff_expert, 0.0);
-            u.resize(m * s.n_ff_expert, 0.0);
-            h.resize(m * s.n_ff_expert, 0.0);
             y.resize(m * d, 0.0);
-            backend.matmul(
-                &rows,
-                m,
-                &mut [
-                    MatmulJob {
-                        weight: ge,
-                        out: &mut g,
-                    },
-                    MatmulJob {
-                        weight: ue,
-                        out: &mut u,
-                    },
-                ],
-            )?;
-            backend.swiglu(&g, &u, &mut h)?;
-            backend.matmul(
-                &h,
-                m,
-                &mut [MatmulJob {
-                    weight: de,
-                    out: &mut y,
-                }],
-            )?;
+            let act = crate::blocks::Activation::Silu;
+            gated_mlp(backend, ge, ue, de, act, &rows, m, &mut self.mlp, &mut y)?;
             for (i, &(slot, w)) in slots.iter().enumerate() {
                 let dst = &mut self.weighted[slot * d..(slot + 1) * d];
                 for (o, &v) in dst.iter_mut().zip(&y[i * d..(i + 1) * d]) {
