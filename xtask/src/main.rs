@@ -55,8 +55,9 @@ const USAGE: &str =
                 and zstd over the whole file (--level: zstd level, default 9)
 
   bench-serve   ballast serve on the default model: aggregate tokens/s with 1, 2, 4 and 8
-                concurrent clients, resident and streamed from disk in a 64 MiB cgroup (with
-                disk bytes per token), then a load run of 32 clients x 10 requests (3 with --quick),
+                concurrent clients, resident, streamed from disk in a 64 MiB cgroup (with
+                disk bytes per token), and on the GPU with layers uploaded per use (bytes
+                uploaded per token; skipped without a wgpu adapter), then a load run of 32 clients x 10 requests (3 with --quick),
                 mixed prompt lengths, some streams dropped: errors, p50/p99 latency, tokens/s,
                 the server's RSS before and after. BALLAST_BIN=path skips the release build.
 

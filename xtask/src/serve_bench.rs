@@ -7,6 +7,9 @@
 //!    counts every read of the process): one pass per step serves every sequence, so
 //!    each streamed layer, and the output head the budget leaves on disk, is read once
 //!    for all of them.
+//!    Then on the GPU (`--device gpu --store tiered --vram 100M --ram 200M`): the
+//!    weight bytes uploaded per generated token, which one device pass per step
+//!    divides among the sequences.
 //! 2. A load run: 32 concurrent clients, 10 requests each (3 with `--quick`), prompts of
 //!    mixed lengths, every fifth request streamed and dropped after its first tokens.
 //!    It fails on any error response; it prints p50/p99 latency, aggregate tokens/s
@@ -196,6 +199,7 @@ pub fn run(ballast: &Path, quick: bool) -> Result<()> {
     eprintln!("==> aggregate decode speed (greedy, 32 tokens per request, --parallel 8)");
     aggregate(&server, 32)?;
     tiered(ballast, quick)?;
+    gpu_tiered(ballast, quick)?;
 
     let (clients, per_client) = if quick { (32, 3) } else { (32, 10) };
     eprintln!(
@@ -302,9 +306,9 @@ fn aggregate(server: &Server, max_tokens: usize) -> Result<Vec<f64>> {
     let addr = server.addr.as_str();
     let pid = server.child.id();
     println!(
-        "| clients | requests | generated tokens | wall s | aggregate tokens/s | sequences per pass | store reads MiB per token | kernel storage reads MiB per token |"
+        "| clients | requests | generated tokens | wall s | aggregate tokens/s | sequences per pass | store reads MiB per token | kernel storage reads MiB per token | uploaded to the GPU MiB per token |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     let body = json!({"prompt": "Once upon a time, there was a little", "max_tokens": max_tokens,
                       "temperature": 0, "ignore_eos": true})
     .to_string();
@@ -315,6 +319,7 @@ fn aggregate(server: &Server, max_tokens: usize) -> Result<Vec<f64>> {
         let per_client = 2;
         let moved = metric(addr, "ballast_weight_bytes_moved_total")?;
         let storage = storage_read_bytes(pid)?;
+        let uploaded = metric(addr, "ballast_device_weight_bytes_uploaded_total")?;
         let steps = metric(addr, "ballast_steps_total")?;
         let served = metric(addr, "ballast_step_sequences_total")?;
         let start = Instant::now();
@@ -340,19 +345,49 @@ fn aggregate(server: &Server, max_tokens: usize) -> Result<Vec<f64>> {
         let wall = start.elapsed().as_secs_f64();
         let moved = metric(addr, "ballast_weight_bytes_moved_total")? - moved;
         let storage = storage_read_bytes(pid)? - storage;
+        let uploaded = metric(addr, "ballast_device_weight_bytes_uploaded_total")? - uploaded;
         let steps = metric(addr, "ballast_steps_total")? - steps;
         let served = metric(addr, "ballast_step_sequences_total")? - served;
         let speed = tokens as f64 / wall;
         speeds.push(speed);
         println!(
-            "| {clients} | {} | {tokens} | {wall:.1} | {speed:.1} | {:.2} | {:.2} | {:.2} |",
+            "| {clients} | {} | {tokens} | {wall:.1} | {speed:.1} | {:.2} | {:.2} | {:.2} | {:.2} |",
             clients * per_client,
             served / steps.max(1.0),
             moved / tokens.max(1) as f64 / (1u64 << 20) as f64,
             storage as f64 / tokens.max(1) as f64 / (1u64 << 20) as f64,
+            uploaded / tokens.max(1) as f64 / (1u64 << 20) as f64,
         );
     }
     Ok(speeds)
+}
+
+/// The aggregate table on the GPU with half the layers uploaded per use from RAM
+/// (`--device gpu --store tiered --vram 100M --ram 200M`): one device pass per step
+/// uploads each streamed layer once for every sequence. Skipped, said so, without a
+/// wgpu adapter. On a software driver only the bytes mean anything, not the speed.
+fn gpu_tiered(ballast: &Path, quick: bool) -> Result<()> {
+    let max_tokens = if quick { 8 } else { 16 };
+    eprintln!("==> GPU: --device gpu --store tiered --vram 100M --ram 200M -c 64, {max_tokens} tokens per request");
+    let server = match start_with(
+        ballast,
+        8,
+        &[
+            "--device", "gpu", "--store", "tiered", "--vram", "100M", "--ram", "200M", "-c", "64",
+        ],
+        None,
+    ) {
+        Ok(s) => s,
+        Err(e) => {
+            println!("\nGPU section skipped: {e:#}");
+            return Ok(());
+        }
+    };
+    println!(
+        "\nOn the GPU, layers uploaded per use from RAM: `--device gpu --store tiered --vram 100M --ram 200M -c 64`\n"
+    );
+    aggregate(&server, max_tokens)?;
+    Ok(())
 }
 
 /// The aggregate table with the weights streamed from disk in a 64 MiB cgroup (or
