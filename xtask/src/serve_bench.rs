@@ -158,14 +158,10 @@ fn metric(addr: &str, name: &str) -> Result<f64> {
         .with_context(|| format!("no metric {name}"))
 }
 
-/// Bytes the kernel read from storage for process `pid` (`read_bytes` of
-/// `/proc/PID/io`): the store's direct reads and the page faults of a mapped head alike.
+/// Bytes the kernel read from storage for process `pid`: the store's direct reads and
+/// the page faults of a mapped head alike.
 fn storage_read_bytes(pid: u32) -> Result<u64> {
-    let io = std::fs::read_to_string(format!("/proc/{pid}/io"))?;
-    io.lines()
-        .find_map(|l| l.strip_prefix("read_bytes:"))
-        .and_then(|v| v.trim().parse().ok())
-        .context("no read_bytes in /proc/PID/io")
+    ballast_tier_stream::io::read_bytes_of(pid).context("no read_bytes in /proc/PID/io")
 }
 
 fn rss_kib(pid: u32) -> Result<u64> {

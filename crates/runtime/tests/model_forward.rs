@@ -644,102 +644,56 @@ fn a_malformed_gemma3_file_is_a_named_error() {
 #[test]
 fn a_malformed_moe_file_is_a_named_error() {
     let cpu = || -> Arc<dyn ballast_runtime::Backend> { Arc::new(CpuBackend::new(1)) };
-    let spec = reference_spec("qwen3moe").unwrap();
-    let key_error = |spec: &TinyModelSpec, meta: &[(&str, Value)], want: &str| match Model::load(
-        rewritten(spec, "", meta),
-        cpu(),
-        false,
-    )
-    .err()
-    .expect("refused")
-    {
-        Error::InvalidHyperParameter { key, why } => {
-            assert_eq!(key, want, "{why}");
-            eprintln!("{key}: {why}");
-        }
-        other => panic!("unexpected: {other}"),
+    let refusal = |spec: &TinyModelSpec, drop: &str, meta: &[(&str, Value)]| {
+        Model::load(rewritten(spec, drop, meta), cpu(), false)
+            .err()
+            .expect("refused")
     };
-    key_error(
-        &spec,
-        &[("qwen3moe.expert_count", Value::U32(0))],
-        "qwen3moe.expert_count",
+    let (qwen3moe, qwen2moe, qwen3) = (
+        reference_spec("qwen3moe").unwrap(),
+        reference_spec("qwen2moe").unwrap(),
+        reference_spec("qwen3").unwrap(),
     );
-    key_error(
-        &spec,
-        &[("qwen3moe.expert_used_count", Value::U32(9))],
-        "qwen3moe.expert_used_count",
-    );
-    key_error(
-        &spec,
-        &[("qwen3moe.expert_used_count", Value::U32(0))],
-        "qwen3moe.expert_used_count",
-    );
-    key_error(
-        &spec,
-        &[("qwen3moe.expert_shared_count", Value::U32(1))],
-        "qwen3moe.expert_shared_count",
-    );
-    key_error(
-        &spec,
-        &[("qwen3moe.expert_gating_func", Value::U32(2))],
-        "qwen3moe.expert_gating_func",
-    );
-    key_error(
-        &spec,
-        &[("qwen3moe.expert_weights_norm", Value::U32(1))],
-        "qwen3moe.expert_weights_norm",
-    );
-    // qwen2moe without its shared expert's gate.
-    let qwen2moe = reference_spec("qwen2moe").unwrap();
-    match Model::load(
-        rewritten(&qwen2moe, "blk.0.ffn_gate_inp_shexp.weight", &[]),
-        cpu(),
-        false,
-    )
-    .err()
-    .expect("refused")
-    {
-        Error::GgufMissingTensor { tensor, .. } => {
-            assert_eq!(tensor, "blk.0.ffn_gate_inp_shexp.weight")
+    // One key each: impossible counts, variants not computed, a zero-sized shared
+    // expert, and experts in an architecture without them.
+    for (spec, key, value) in [
+        (&qwen3moe, "qwen3moe.expert_count", Value::U32(0)),
+        (&qwen3moe, "qwen3moe.expert_used_count", Value::U32(9)),
+        (&qwen3moe, "qwen3moe.expert_used_count", Value::U32(0)),
+        (&qwen3moe, "qwen3moe.expert_shared_count", Value::U32(1)),
+        (&qwen3moe, "qwen3moe.expert_gating_func", Value::U32(2)),
+        (&qwen3moe, "qwen3moe.expert_weights_norm", Value::U32(1)),
+        (
+            &qwen2moe,
+            "qwen2moe.expert_shared_feed_forward_length",
+            Value::U32(0),
+        ),
+        (&qwen3, "qwen3.expert_count", Value::U32(4)),
+    ] {
+        match refusal(spec, "", &[(key, value)]) {
+            Error::InvalidHyperParameter { key: got, why } => {
+                assert_eq!(got, key, "{why}");
+                eprintln!("{got}: {why}");
+            }
+            other => panic!("unexpected: {other}"),
         }
-        other => panic!("unexpected: {other}"),
     }
-    key_error(
-        &qwen2moe,
-        &[("qwen2moe.expert_shared_feed_forward_length", Value::U32(0))],
-        "qwen2moe.expert_shared_feed_forward_length",
-    );
-    // Experts where this pass has none.
-    let qwen3 = reference_spec("qwen3").unwrap();
-    key_error(
-        &qwen3,
-        &[("qwen3.expert_count", Value::U32(4))],
-        "qwen3.expert_count",
-    );
-    match Model::load(
-        rewritten(&spec, "blk.1.ffn_up_exps.weight", &[]),
-        cpu(),
-        false,
-    )
-    .err()
-    .expect("refused")
-    {
-        Error::GgufMissingTensor { tensor, .. } => assert_eq!(tensor, "blk.1.ffn_up_exps.weight"),
-        other => panic!("unexpected: {other}"),
+    // A missing expert tensor, and qwen2moe without its shared expert's gate.
+    for (spec, tensor) in [
+        (&qwen3moe, "blk.1.ffn_up_exps.weight"),
+        (&qwen2moe, "blk.0.ffn_gate_inp_shexp.weight"),
+    ] {
+        match refusal(spec, tensor, &[]) {
+            Error::GgufMissingTensor { tensor: got, .. } => assert_eq!(got, tensor),
+            other => panic!("unexpected: {other}"),
+        }
     }
     // Experts half as wide as the tensors are.
-    match Model::load(
-        rewritten(
-            &spec,
-            "",
-            &[("qwen3moe.expert_feed_forward_length", Value::U32(16))],
-        ),
-        cpu(),
-        false,
-    )
-    .err()
-    .expect("refused")
-    {
+    match refusal(
+        &qwen3moe,
+        "",
+        &[("qwen3moe.expert_feed_forward_length", Value::U32(16))],
+    ) {
         Error::TensorShape { tensor, .. } => assert_eq!(tensor, "blk.0.ffn_gate_exps.weight"),
         other => panic!("unexpected: {other}"),
     }

@@ -267,37 +267,28 @@ impl ExpertSource for LayerExperts {
     /// The cached ones from the cache; the others read from the file,
     /// [`PARALLEL_READS`] at a time, the wait counted as stall.
     fn experts(&self, wanted: &[(&str, usize)]) -> ballast_core::Result<Vec<Weight>> {
-        let mut found: Vec<Option<Arc<ExpertBuf>>> = Vec::with_capacity(wanted.len());
-        let mut missing = Vec::new();
-        for (i, &(role, index)) in wanted.iter().enumerate() {
-            let (k, _) = self.tensor(role, index)?;
-            let hit = self.cache.get((self.layer, k, index));
+        // Each wanted expert: its tensor, its cache key, and its bytes if cached.
+        let mut found = Vec::with_capacity(wanted.len());
+        for &(role, index) in wanted {
+            let (k, t) = self.tensor(role, index)?;
+            let key = (self.layer, k, index);
+            let hit = self.cache.get(key);
             if hit.is_some() {
                 self.counters.hits.fetch_add(1, Ordering::Relaxed);
-            } else {
-                missing.push(i);
             }
-            found.push(hit);
+            found.push((t, index, key, hit));
         }
+        let missing: Vec<usize> = (0..found.len()).filter(|&i| found[i].3.is_none()).collect();
         if !missing.is_empty() {
             let started = Instant::now();
             let lanes = missing.len().min(PARALLEL_READS);
             let read: Vec<Result<Vec<(usize, ExpertBuf)>>> = std::thread::scope(|scope| {
                 let handles: Vec<_> = (0..lanes)
                     .map(|lane| {
-                        let mine: Vec<usize> =
-                            missing.iter().copied().skip(lane).step_by(lanes).collect();
+                        let found = &found;
+                        let mine = missing.iter().copied().skip(lane).step_by(lanes);
                         scope.spawn(move || -> Result<Vec<(usize, ExpertBuf)>> {
-                            mine.into_iter()
-                                .map(|i| {
-                                    let (role, index) = wanted[i];
-                                    let t = self
-                                        .tensors
-                                        .iter()
-                                        .find(|t| t.role == role)
-                                        .expect("checked above");
-                                    Ok((i, self.read(t, index)?))
-                                })
+                            mine.map(|i| Ok((i, self.read(found[i].0, found[i].1)?)))
                                 .collect()
                         })
                     })
@@ -312,21 +303,15 @@ impl ExpertSource for LayerExperts {
                 .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
             for lane in read {
                 for (i, buf) in lane.map_err(to_core)? {
-                    let (role, index) = wanted[i];
-                    let (k, _) = self.tensor(role, index)?;
                     let buf = Arc::new(buf);
-                    self.cache.put((self.layer, k, index), buf.clone());
-                    found[i] = Some(buf);
+                    self.cache.put(found[i].2, buf.clone());
+                    found[i].3 = Some(buf);
                 }
             }
         }
-        wanted
-            .iter()
-            .zip(found)
-            .map(|(&(role, index), buf)| {
-                let (_, t) = self.tensor(role, index)?;
-                self.weight(t, index, buf.expect("found or read"))
-            })
+        found
+            .into_iter()
+            .map(|(t, index, _, buf)| self.weight(t, index, buf.expect("found or read")))
             .collect()
     }
 }

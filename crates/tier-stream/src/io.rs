@@ -245,7 +245,12 @@ fn advise(mapped: &[u8], advice: libc::c_int) {
 /// Bytes this process has caused to be read from storage (`read_bytes` of
 /// `/proc/self/io`: page faults of memory maps and direct reads alike), if known.
 pub fn process_read_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/self/io").ok()?;
+    read_bytes_of(std::process::id())
+}
+
+/// [`process_read_bytes`] of process `pid` (all its threads), if known.
+pub fn read_bytes_of(pid: u32) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
     text.lines()
         .find_map(|l| l.strip_prefix("read_bytes:"))?
         .trim()
