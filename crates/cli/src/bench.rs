@@ -209,7 +209,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         backend_name = model.backend().name();
         let vocab = model.config().vocab_size;
-        let mut session = Session::new(model, ctx)?;
+        let mut session = Session::with_batch(model, ctx, args.n_prompt.max(1))?;
         if args.n_prompt > 0 {
             progress.set_message(format!("pp{} at {t} threads", args.n_prompt));
             session.set_batch(args.n_prompt);

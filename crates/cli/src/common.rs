@@ -389,17 +389,22 @@ impl KvArgs {
             .unwrap_or_else(|| Precision::of(model.default_kv_element()))
     }
 
-    /// An empty cache of `capacity` tokens for `model`: on its device where the backend
-    /// keeps KV rows there (the --kv-mode then does not apply: the device masks evicted
-    /// slots and moves nothing), else in host memory in the --kv-mode asked for.
-    pub fn cache(&self, model: &Model, capacity: usize) -> Result<Box<dyn KvCache>> {
+    /// An empty cache of `capacity` tokens for `model`, fed passes of at most `chunk`
+    /// tokens: on its device where the backend keeps KV rows there (the --kv-mode then
+    /// does not apply: the device masks evicted slots and moves nothing), else in host
+    /// memory in the --kv-mode asked for, its sliding-window layers (gemma3's local
+    /// ones) keeping only their window when no policy evicts.
+    pub fn cache(&self, model: &Model, capacity: usize, chunk: usize) -> Result<Box<dyn KvCache>> {
         let precision = self.precision(model);
-        Ok(
-            match model.device_kv_cache(capacity, precision.element())? {
-                Some(cache) => cache,
-                None => new_cache(self.mode, model.kv_shape(), capacity, precision)?,
-            },
-        )
+        if let Some(cache) = model.device_kv_cache(capacity, precision.element())? {
+            return Ok(cache);
+        }
+        let mode = self.mode;
+        let make = |shape, capacity| new_cache(mode, shape, capacity, precision);
+        Ok(match self.kind(capacity) {
+            PolicyKind::None => model.host_kv_cache(capacity, chunk, make)?,
+            _ => make(model.kv_shape(), capacity)?,
+        })
     }
 
     /// The policy these flags describe, for a context of `ctx` tokens.
@@ -418,10 +423,10 @@ impl KvArgs {
 
     /// A cache and a policy for `model`: with a policy the cache holds exactly its
     /// budget (sinks plus window), without one `ctx` tokens.
-    pub fn build(&self, model: &Model, ctx: usize) -> Result<CacheAndPolicy> {
+    pub fn build(&self, model: &Model, ctx: usize, chunk: usize) -> Result<CacheAndPolicy> {
         let kind = self.kind(ctx);
         let capacity = kind.budget().unwrap_or(ctx);
-        let cache = self.cache(model, capacity)?;
+        let cache = self.cache(model, capacity, chunk)?;
         let policy =
             StreamingLlm::from_kind(kind, model.backend().clone(), model.config().rope.clone())?
                 .map(|p| Box::new(p) as Box<dyn KvPolicy>);

@@ -91,7 +91,7 @@ fn run_stream(args: &PerplexityArgs, loaded: &mut common::Loaded, text: &str) ->
         held = Vec::new();
         moved = Vec::new();
     } else {
-        let (mut cache, mut policy) = args.kv.build(&loaded.model, args.ctx)?;
+        let (mut cache, mut policy) = args.kv.build(&loaded.model, args.ctx, args.batch)?;
         label = format!(
             "{} policy, {} cache, {} keys and values, capacity {}",
             args.kv.policy,
@@ -191,11 +191,11 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
         args.ctx,
         args.batch,
         || {
-            args.kv
-                .cache(&model, args.ctx)
-                .map_err(|e| ballast_runtime::Error::InvalidArgument {
+            args.kv.cache(&model, args.ctx, args.batch).map_err(|e| {
+                ballast_runtime::Error::InvalidArgument {
                     what: format!("{e:#}"),
-                })
+                }
+            })
         },
         |done, _| bar.set_position(done as u64),
     )?;

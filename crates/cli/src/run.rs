@@ -97,7 +97,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         mode: args.kv.mode,
     };
     let backend_name = loaded.model.backend().name();
-    let (cache, policy) = args.kv.build(&loaded.model, args.ctx)?;
+    let (cache, policy) = args.kv.build(&loaded.model, args.ctx, args.batch)?;
     let mut session = Session::with_cache(loaded.model, cache, policy);
     session.set_batch(args.batch);
     if let Some(path) = args.session.as_deref().filter(|p| p.exists()) {

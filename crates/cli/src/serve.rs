@@ -117,7 +117,7 @@ fn load(args: &ServeArgs) -> Result<Engine> {
         // A slot holds a cache and a history; the passes run on the engine's handle
         // below, so the slot's own handle needs no MLP lever.
         let model = loaded.model.share();
-        let (cache, policy) = args.kv.build(&model, args.ctx)?;
+        let (cache, policy) = args.kv.build(&model, args.ctx, args.batch)?;
         let mut session = Session::with_cache(model, cache, policy);
         session.set_batch(args.batch);
         sessions.push(session);

@@ -57,8 +57,11 @@ pub fn run(args: SparsifyArgs) -> Result<()> {
         ids.len()
     );
     let (ffn, calibration) = SparseFfn::calibrating();
-    let mut session = Session::new(loaded.model.share_with_ffn(Box::new(ffn)), args.ctx)?;
-    session.set_batch(args.ctx);
+    let mut session = Session::with_batch(
+        loaded.model.share_with_ffn(Box::new(ffn)),
+        args.ctx,
+        args.ctx,
+    )?;
     let windows: Vec<&[u32]> = ids[..n].chunks(args.ctx).collect();
     let bar = indicatif::ProgressBar::new(windows.len() as u64);
     bar.set_message("calibrating");

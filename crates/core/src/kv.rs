@@ -275,6 +275,19 @@ pub trait KvCache: Send {
     /// Keep only the first `n_tokens` tokens of every layer (speculative decoding,
     /// regenerating an answer).
     fn rewind(&mut self, n_tokens: usize);
+    /// The smallest `n > 0` for which [`KvCache::rewind`]`(n)` leaves the cache as if
+    /// the tokens after `n` had never been fed (`rewind(0)` always does). 0 for a cache
+    /// that keeps every token; a cache that dropped tokens no later query would see (a
+    /// sliding-window layer's past) cannot rewind below them exactly, and a caller
+    /// rewinding further starts over instead.
+    fn exact_rewind_floor(&self) -> usize {
+        0
+    }
+    /// Most tokens one pass may append (a sliding-window layer keeps room for its
+    /// window plus one pass); callers split longer prompts into passes of this size.
+    fn pass_limit(&self) -> usize {
+        usize::MAX
+    }
     /// Drop the tokens at indices `range` (in cache order) from every layer.
     fn evict(&mut self, range: std::ops::Range<usize>);
     /// Replace the keys and positions of the `positions.len()` tokens of `layer` that

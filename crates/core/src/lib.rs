@@ -61,6 +61,7 @@ pub mod gguf;
 pub mod graph;
 pub mod kv;
 pub mod kv_payload;
+pub mod kv_window;
 pub mod moe;
 pub mod store;
 pub mod weights;

@@ -28,14 +28,25 @@ impl Session {
     /// A session over `model` with a cache of `context` tokens in the model's default
     /// element type ([`Model::default_kv_element`]): on the model's device where its
     /// backend keeps KV rows there ([`Model::device_kv_cache`]), else an f16
-    /// [`DenseKv`].
+    /// [`DenseKv`] (whose sliding-window layers keep only their window:
+    /// [`Model::host_kv_cache`]); prompts go in chunks of [`DEFAULT_BATCH`].
     pub fn new(model: Model, context: usize) -> Result<Session> {
+        Session::with_batch(model, context, DEFAULT_BATCH)
+    }
+
+    /// [`Session::new`] with prompts fed in chunks of `batch` tokens (the cache's
+    /// sliding-window layers keep room for one such chunk).
+    pub fn with_batch(model: Model, context: usize, batch: usize) -> Result<Session> {
         let element = model.default_kv_element();
         let kv = match model.device_kv_cache(context, element)? {
             Some(kv) => kv,
-            None => Box::new(DenseKv::new(model.kv_shape(), context)),
+            None => model.host_kv_cache(context, batch, |shape, capacity| {
+                Ok(Box::new(DenseKv::new(shape, capacity)))
+            })?,
         };
-        Ok(Session::with_cache(model, kv, None))
+        let mut session = Session::with_cache(model, kv, None);
+        session.set_batch(batch);
+        Ok(session)
     }
 
     /// A session over `model` with any cache and policy.
@@ -55,7 +66,8 @@ impl Session {
         }
     }
 
-    /// Sets the prefill chunk size (at least one token).
+    /// Sets the prefill chunk size (at least one token; at most what the cache takes
+    /// per pass, [`KvCache::pass_limit`], is used).
     pub fn set_batch(&mut self, batch: usize) {
         self.batch = batch.max(1);
     }
@@ -116,7 +128,7 @@ impl Session {
             return Err(Error::EmptyInput);
         }
         self.check_room(ids.len())?;
-        let chunks: Vec<&[u32]> = ids.chunks(self.batch).collect();
+        let chunks: Vec<&[u32]> = ids.chunks(self.batch.min(self.kv.pass_limit())).collect();
         for (i, chunk) in chunks.iter().enumerate() {
             let start = self.tokens.len() as u32;
             self.positions.clear();
@@ -166,13 +178,25 @@ impl Session {
         greedy.ok_or(Error::EmptyInput)
     }
 
-    /// Forgets everything after the first `n_tokens` tokens. The cache drops as many
-    /// of its newest tokens (after an eviction it holds fewer than the history).
-    pub fn rewind(&mut self, n_tokens: usize) {
+    /// Forgets everything after the first `n_tokens` tokens and returns how many it
+    /// kept. The cache drops as many of its newest tokens (after an eviction it holds
+    /// fewer than the history). A cache that cannot rewind that far exactly (a
+    /// sliding-window layer dropped keys the next token would see:
+    /// [`KvCache::exact_rewind_floor`]) is cleared instead and 0 tokens are kept: the
+    /// caller feeds them again.
+    pub fn rewind(&mut self, n_tokens: usize) -> usize {
         let dropped = self.tokens.len().saturating_sub(n_tokens);
-        self.kv.rewind(self.kv.len().saturating_sub(dropped));
-        self.tokens.truncate(n_tokens);
+        let target = self.kv.len().saturating_sub(dropped);
+        let kept = if target > 0 && target < self.kv.exact_rewind_floor() {
+            self.kv.clear();
+            0
+        } else {
+            self.kv.rewind(target);
+            n_tokens.min(self.tokens.len())
+        };
+        self.tokens.truncate(kept);
         self.logits.clear();
+        kept
     }
 
     /// The policy that may evict from the cache, if any.

@@ -855,3 +855,45 @@ fn bad_rope_frequency_factors_are_a_named_error() {
     let good: Vec<f32> = (0..pairs).map(|i| 1.0 + i as f32).collect();
     assert!(Model::load(rebuilt(&good), Arc::new(CpuBackend::new(1)), false).is_ok());
 }
+
+// A session of a sliding-window model keeps only the window on its windowed layers
+// (`Session::with_batch` on the CPU) and computes what a cache keeping every token
+// computes, bit for bit, through prompt chunks, decoding and rewinds.
+#[test]
+fn gemma3_windowed_cache_equals_a_full_one() {
+    let spec = reference_spec("gemma3").unwrap();
+    let ids: Vec<u32> = (0..40u32)
+        .map(|i| (i * 37 + 11) % TINY_VOCAB as u32)
+        .collect();
+    let model = load(&spec, 1);
+    let mut windowed = Session::with_batch(model.share(), 64, 3).unwrap();
+    let full_kv = Box::new(DenseKv::new(model.kv_shape(), 64));
+    let mut full = Session::with_cache(model, full_kv, None);
+    full.set_batch(3);
+    assert_eq!(
+        windowed.feed(&ids[..20]).unwrap(),
+        full.feed(&ids[..20]).unwrap()
+    );
+    for &id in &ids[20..30] {
+        assert_eq!(windowed.feed(&[id]).unwrap(), full.feed(&[id]).unwrap());
+    }
+    // Layers 0 and 2 keep at most the window (4) plus a pass (3) less one.
+    assert!(windowed.kv().view(0).len() <= 6);
+    assert_eq!(windowed.kv().view(1).len(), 30);
+    let (w, f) = (
+        windowed.kv().held_bytes().total(),
+        full.kv().held_bytes().total(),
+    );
+    assert!(w * 2 < f, "windowed {w} bytes, full {f}");
+    // A rewind of a token is exact; past the floor the session starts over.
+    assert_eq!(windowed.rewind(29), 29);
+    full.rewind(29);
+    assert_eq!(windowed.feed(&[5]).unwrap(), full.feed(&[5]).unwrap());
+    assert_eq!(windowed.rewind(10), 0);
+    assert!(windowed.tokens().is_empty());
+    full.rewind(0);
+    assert_eq!(
+        windowed.feed(&ids[..12]).unwrap(),
+        full.feed(&ids[..12]).unwrap()
+    );
+}

@@ -264,13 +264,15 @@ impl Scheduler {
         let session = &mut slot.session;
         // Reuse the cached keys and values of the prompt's start, but feed at least its
         // last token: its logits give the first generated token. A cache with an
-        // eviction policy is not a prefix of its history, so it starts over.
-        let cached = if context_of(session).is_some() {
+        // eviction policy is not a prefix of its history, so it starts over; so does
+        // one whose sliding-window layers dropped what the prompt's next token sees
+        // (`rewind` then keeps nothing).
+        let reusable = if context_of(session).is_some() {
             common_prefix(session.tokens(), &job.prompt).min(job.prompt.len() - 1)
         } else {
             0
         };
-        session.rewind(cached);
+        let cached = session.rewind(reusable);
         if let (Some(policy), Some(fresh)) = (session.policy_mut(), &slot.fresh_policy) {
             if let Err(e) = policy.restore_state(fresh) {
                 let _ = job.events.send(Event::Failed(e.to_string()));
@@ -322,7 +324,8 @@ impl Scheduler {
                     prompt: false,
                 });
             } else if !seq.pending.is_empty() && prompt_budget > 0 {
-                let n = prompt_budget.min(seq.pending.len());
+                let room = slot.session.kv().pass_limit();
+                let n = prompt_budget.min(seq.pending.len()).min(room);
                 prompt_budget -= n;
                 let ids: Vec<u32> = seq.pending.drain(..n).collect();
                 inputs.push(StepInput {

@@ -21,6 +21,7 @@ use crate::kv::{KvCache, KvElement, KvPolicy, KvShape};
 use crate::quant;
 use crate::store::{PassCounter, ResidentStore, WeightStore};
 use crate::weights::{ByteSource, GlobalWeights, LayerWeights, Weight, WeightBytes, WeightId};
+use ballast_core::kv_window::WindowedKv;
 use blocks::HeadRows;
 
 /// Which rows of logits a forward pass computes.
@@ -317,6 +318,41 @@ impl Model {
         match (backend.device_forward(), backend.device_memory()) {
             (Some(_), Some(memory)) => memory.new_kv_cache(self.kv_shape(), capacity, element),
             _ => Ok(None),
+        }
+    }
+
+    /// The sliding window of each layer (`None`: the layer sees every token).
+    pub fn kv_windows(&self) -> Vec<Option<usize>> {
+        self.shared
+            .config
+            .layer_attention
+            .iter()
+            .map(|a| a.shape.window)
+            .collect()
+    }
+
+    /// A host KV cache of `capacity` tokens made by `make`: when the model has
+    /// sliding-window layers and their window is shorter than the context, a
+    /// [`WindowedKv`] whose windowed layers keep only their window (plus one pass of
+    /// at most `chunk` tokens), each part made by `make`; otherwise `make` of the whole
+    /// shape.
+    pub fn host_kv_cache(
+        &self,
+        capacity: usize,
+        chunk: usize,
+        mut make: impl FnMut(KvShape, usize) -> Result<Box<dyn KvCache>>,
+    ) -> Result<Box<dyn KvCache>> {
+        let windows = self.kv_windows();
+        let widest = windows.iter().flatten().copied().max();
+        match widest {
+            Some(w) if w - 1 + chunk.max(1) < capacity => Ok(Box::new(WindowedKv::new(
+                self.kv_shape(),
+                capacity,
+                &windows,
+                chunk,
+                make,
+            )?)),
+            _ => make(self.kv_shape(), capacity),
         }
     }
 
