@@ -163,6 +163,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     progress.enable_steady_tick(std::time::Duration::from_millis(120));
     let mut device_report: Option<DeviceReport> = None;
     let mut sparse_figures: Vec<SparseFigures> = Vec::new();
+    // Tokens cached and KV bytes held at the end of the last decode run.
+    let mut kv_held: Option<(usize, u64)> = None;
     for &t in &threads {
         let backend = common::backend(args.device, t)?;
         let on_device = backend.device_forward().is_some();
@@ -257,6 +259,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 }
                 let elapsed = start.elapsed();
                 wall += elapsed;
+                kv_held = Some((session.kv().len(), session.kv().held_bytes().total()));
                 let s = backend.op_times().snapshot();
                 busy.matmul += s.matmul;
                 busy.attention += s.attention;
@@ -385,12 +388,20 @@ pub fn run(args: BenchArgs) -> Result<()> {
             });
         }
     }
-    // KV-cache memory per cached token (keys and values of every layer) per precision.
+    // KV-cache memory per cached token (keys and values of every layer that keeps the
+    // whole context) per precision; a host cache's sliding-window layers keep only
+    // their window, a fixed amount however long the context.
     let config = ballast_runtime::ModelConfig::from_gguf(&file)?;
     let kv_dim = config.n_kv_heads * config.head_dim;
+    let windows: Vec<usize> = config
+        .layer_attention
+        .iter()
+        .filter_map(|a| a.shape.window)
+        .collect();
+    let growing = config.n_layers - windows.len();
     let kv_per_token: Vec<(&str, usize)> = [Precision::F32, Precision::F16, Precision::Q8]
         .into_iter()
-        .map(|p| (p.name(), 2 * config.n_layers * p.row_bytes(kv_dim)))
+        .map(|p| (p.name(), 2 * growing * p.row_bytes(kv_dim)))
         .collect();
     let model_name = path
         .file_name()
@@ -445,7 +456,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .map(|(name, b)| (name.to_string(), json!(b)))
             .collect();
         // Before the device report, which stays the last line.
-        println!("{}", json!({ "kv_bytes_per_token": kv }));
+        let mut line = json!({ "kv_bytes_per_token": kv });
+        if !windows.is_empty() {
+            line["kv_windowed_layers"] = json!(windows.len());
+            line["kv_window"] = json!(windows.iter().max());
+        }
+        if let Some((tokens, bytes)) = kv_held {
+            line["kv_held"] = json!({ "tokens": tokens, "bytes": bytes });
+        }
+        println!("{line}");
         if let Some(DeviceReport {
             plain,
             profiled,
@@ -597,7 +616,22 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .iter()
         .map(|(name, b)| format!("{name} {}", human_bytes(*b as u64)))
         .collect();
-    println!("KV cache per token (--kv-dtype): {}", shown.join(", "));
+    if windows.is_empty() {
+        println!("KV cache per token (--kv-dtype): {}", shown.join(", "));
+    } else {
+        println!(
+            "KV cache per token (--kv-dtype) on the {growing} layers that keep the whole context: {}; the {} sliding-window layers keep at most their window of {} tokens plus one prompt chunk (host caches)",
+            shown.join(", "),
+            windows.len(),
+            windows.iter().max().copied().unwrap_or(0),
+        );
+    }
+    if let Some((tokens, bytes)) = kv_held {
+        println!(
+            "KV cache held after the last decode run: {} for {tokens} tokens",
+            human_bytes(bytes)
+        );
+    }
     println!("backend: {backend_name}");
     Ok(())
 }

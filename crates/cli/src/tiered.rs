@@ -386,12 +386,14 @@ pub fn decoding_store(
 
 /// What the wgpu backend keeps on its device beyond the layers: the session's KV cache,
 /// counted at f32 (the default there; an upper bound for f16 and q8) and held there
-/// alone (a `DeviceKv`: no host record), and it looks tokens up on the device, so an
+/// alone (a `DeviceKv`: no host record; it keeps a windowed layer's every token), and it looks tokens up on the device, so an
 /// embedding table that is not the output head is uploaded whole beside it (`globals`,
 /// when the model is known).
 pub fn on_wgpu_device(shape: &mut ModelShape, globals: Option<&GlobalWeights>) {
     shape.kv_value_bytes = 4;
     shape.kv_on_device_only = true;
+    // The device cache keeps every token of a windowed layer (masked past the window).
+    shape.kv_windows.clear();
     if let Some(g) = globals.filter(|g| g.token_embd.name != g.output.name) {
         shape.head_bytes += g.token_embd.bytes.len() as u64;
     }
@@ -504,6 +506,15 @@ pub fn describe(p: &Plan, speeds: Option<(&Speeds, u64)>, notes: Option<&str>) -
         human_bytes(p.tier_bytes(Tier::Device)),
         human_bytes(p.device_used()),
     );
+    let windowed: Vec<u64> = p.kv_windows.iter().flatten().copied().collect();
+    if let Some(&widest) = windowed.iter().max() {
+        let _ = writeln!(
+            s,
+            "KV cache: {} of {} layers slide a window of {widest} tokens and keep only it (plus one prompt chunk); the others keep the whole context",
+            windowed.len(),
+            p.kv_windows.len(),
+        );
+    }
     if !p.unified {
         let _ = writeln!(
             s,

@@ -85,6 +85,10 @@ pub struct ModelShape {
     /// Decoded bytes per second of the store beneath, which decodes each streamed
     /// layer after reading it (a pack; 0: nothing to decode).
     pub decode_bytes_per_s: f64,
+    /// Each layer's sliding window when its KV cache keeps only that (gemma3's local
+    /// layers, in a cache that drops what no later query sees); empty or `None`: the
+    /// layer keeps every token.
+    pub kv_windows: Vec<Option<u64>>,
 }
 
 impl ModelShape {
@@ -124,6 +128,7 @@ impl ModelShape {
             expert_share: 1.0,
             stored_bytes: Vec::new(),
             decode_bytes_per_s: 0.0,
+            kv_windows: Vec::new(),
         }
     }
 
@@ -144,13 +149,35 @@ impl ModelShape {
         2u64.saturating_mul(self.kv_dim)
             .saturating_mul(self.kv_value_bytes)
     }
+
+    /// Tokens layer `layer`'s KV cache holds at `ctx` tokens of context fed in passes
+    /// of `batch`: all of them, or for a windowed layer its window plus one pass
+    /// (`window - 1 + batch`, as the runtime's windowed cache keeps).
+    pub fn kv_tokens_held(&self, layer: usize, ctx: u64, batch: u64) -> u64 {
+        match self.kv_windows.get(layer).copied().flatten() {
+            Some(w) => w.saturating_sub(1).saturating_add(batch.max(1)).min(ctx),
+            None => ctx,
+        }
+    }
+
+    /// Bytes of the whole KV cache at `ctx` tokens of context fed in passes of
+    /// `batch`.
+    pub fn kv_bytes(&self, ctx: u64, batch: u64) -> u64 {
+        (0..self.n_layers()).fold(0u64, |sum, l| {
+            sum.saturating_add(
+                self.kv_tokens_held(l, ctx, batch)
+                    .saturating_mul(self.kv_bytes_per_token_layer()),
+            )
+        })
+    }
 }
 
 /// What the model needs besides its layers, per memory pool. Computed from the model
 /// and the context by [`Reserve::for_context`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Reserve {
-    /// KV cache at full context: layers x context x 2 x kv_dim x value bytes.
+    /// KV cache at full context: per layer its tokens held (the context, or a windowed
+    /// layer's window plus one pass) x 2 x kv_dim x value bytes.
     pub kv: u64,
     /// Activations of one forward pass of `batch` tokens (residual, q, k, v,
     /// attention output, the MLP's gate and up, f32) and one row of logits.
@@ -167,10 +194,7 @@ impl Reserve {
     /// activations of a model with `shape`, at `ctx` tokens of context and prompt
     /// chunks of `batch` tokens.
     pub fn for_context(shape: &ModelShape, ctx: u64, batch: u64, budget: u64) -> Reserve {
-        let n_layers = shape.n_layers() as u64;
-        let kv = n_layers
-            .saturating_mul(ctx)
-            .saturating_mul(shape.kv_bytes_per_token_layer());
+        let kv = shape.kv_bytes(ctx, batch);
         let per_token = 3u64
             .saturating_mul(shape.d_model)
             .saturating_add(2u64.saturating_mul(shape.q_dim))
@@ -301,6 +325,9 @@ pub struct Plan {
     pub layer_bytes: Vec<u64>,
     /// Bytes of keys and values per cached token per layer (for the attention cost).
     pub kv_bytes_per_token_layer: u64,
+    /// Each layer's sliding window when its cache keeps only that (attention then
+    /// reads at most the window); see [`ModelShape::kv_windows`].
+    pub kv_windows: Vec<Option<u64>>,
     /// Bytes of one embedding row.
     pub embd_row_bytes: u64,
     /// Bytes of each layer's experts read one by one when it streams (zeros for a
@@ -492,6 +519,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
         requested_depth: req.depth,
         layer_bytes: sizes.clone(),
         kv_bytes_per_token_layer: shape.kv_bytes_per_token_layer(),
+        kv_windows: shape.kv_windows.clone(),
         embd_row_bytes: shape.embd_row_bytes,
         expert_bytes,
         expert_share: shape.expert_share.clamp(0.0, 1.0),
@@ -693,11 +721,19 @@ impl Plan {
     pub fn predict(&self, speeds: &Speeds, kv_tokens: u64) -> Prediction {
         let n = self.tiers.len();
         let rate = |b: u64, r: f64| if r > 0.0 { b as f64 / r } else { 0.0 };
-        let kv = self.kv_bytes_per_token_layer.saturating_mul(kv_tokens);
+        // A windowed layer's attention reads at most its window.
+        let kv = |l: usize| {
+            let tokens = match self.kv_windows.get(l).copied().flatten() {
+                Some(w) => kv_tokens.min(w),
+                None => kv_tokens,
+            };
+            self.kv_bytes_per_token_layer.saturating_mul(tokens)
+        };
         let compute: Vec<f64> = self
             .layer_bytes
             .iter()
-            .map(|&b| rate(b.saturating_add(kv), speeds.compute_bytes_per_s))
+            .enumerate()
+            .map(|(l, &b)| rate(b.saturating_add(kv(l)), speeds.compute_bytes_per_s))
             .collect();
         let head = rate(self.head_bytes, speeds.compute_bytes_per_s);
         // A head on disk is paged in while the head computes: nothing overlaps it.

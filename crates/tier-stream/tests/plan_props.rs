@@ -22,6 +22,7 @@ fn shape(layers: Vec<u64>, head: u64, kv_dim: u64) -> ModelShape {
         expert_share: 1.0,
         stored_bytes: Vec::new(),
         decode_bytes_per_s: 0.0,
+        kv_windows: Vec::new(),
     }
 }
 
@@ -256,4 +257,45 @@ fn seed_machine_is_bound_by_pcie() {
         assert_eq!(pr.bottleneck.name(), "PCIe (host to device)");
         assert!(pr.tokens_per_s() > 0.1 && pr.tokens_per_s() < 0.5);
     }
+}
+
+// A layer whose cache keeps only its window reserves the window plus one prompt chunk,
+// not the context, and its attention costs at most the window.
+#[test]
+fn windowed_layers_reserve_and_read_only_their_window() {
+    let mut windowed = shape(vec![1 << 20; 3], 1 << 20, 256);
+    windowed.kv_windows = vec![Some(512), None, Some(512)];
+    let full = shape(vec![1 << 20; 3], 1 << 20, 256);
+    let per_token = full.kv_bytes_per_token_layer();
+    assert_eq!(full.kv_bytes(8192, 64), 3 * 8192 * per_token);
+    assert_eq!(
+        windowed.kv_bytes(8192, 64),
+        (8192 + 2 * (511 + 64)) * per_token
+    );
+    // A context shorter than the window: every token, as a full cache.
+    assert_eq!(windowed.kv_bytes(100, 64), full.kv_bytes(100, 64));
+    let request = |shape: ModelShape| PlanRequest {
+        shape,
+        budgets: Budgets {
+            device: None,
+            ram: 1 << 30,
+        },
+        ctx: 8192,
+        batch: 64,
+        depth: 2,
+    };
+    let (w, f) = (
+        plan(&request(windowed)).unwrap(),
+        plan(&request(full)).unwrap(),
+    );
+    assert!(w.device_reserve.kv < f.device_reserve.kv);
+    let speeds = Speeds {
+        compute_bytes_per_s: 1e9,
+        h2d_bytes_per_s: 1e9,
+        disk_bytes_per_s: 1e9,
+    };
+    let (pw, pf) = (w.predict(&speeds, 8000), f.predict(&speeds, 8000));
+    let saved = (pf.compute_s - pw.compute_s) * 1e9;
+    let expected = (2 * (8000 - 512) * per_token) as f64;
+    assert!((saved - expected).abs() < 1.0, "{saved} vs {expected}");
 }
