@@ -61,9 +61,10 @@ const USAGE: &str =
                 mixed prompt lengths, some streams dropped: errors, p50/p99 latency, tokens/s,
                 the server's RSS before and after. BALLAST_BIN=path skips the release build.
 
-  bench-moe     a synthetic mixture of experts (430 MB) in a 160 MiB cgroup, tiered on the CPU:
+  bench-moe     a synthetic mixture of experts (1.6 GB) in a cgroup of a third of it, tiered on the CPU:
                 only the experts the router chooses read from disk, against whole layers
-                (--whole-experts): tokens/s, bytes per token, the wait for experts, the plan's bound
+                (--whole-experts): tokens/s, bytes per token, the chosen experts' bytes against
+                what the disk read for them, the wait for experts, the plan's bound
 
   tiny-model    write the tiny random-weight reference model NAME (llama-spm, qwen3, gemma3,
                 qwen3moe, mixtral) to FILE,

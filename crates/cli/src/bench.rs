@@ -89,6 +89,8 @@ struct StreamingFigures {
     disk_bytes_per_token: f64,
     /// Of a mixture of experts streamed expert by expert.
     expert_bytes_per_token: f64,
+    expert_chosen_per_token: f64,
+    expert_missed_per_token: f64,
     expert_hit_rate: f64,
     expert_stall_ms: f64,
     non_resident_bytes: u64,
@@ -317,6 +319,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     StreamingFigures {
                         disk_bytes_per_token: m.disk_bytes_per_token,
                         expert_bytes_per_token: m.expert_bytes_per_token,
+                        expert_chosen_per_token: m.expert_chosen_per_token,
+                        expert_missed_per_token: m.expert_missed_per_token,
                         expert_hit_rate: m.expert_hit_rate,
                         expert_stall_ms: m.expert_stall_per_token.as_secs_f64() * 1e3,
                         non_resident_bytes: info.non_resident_bytes(),
@@ -445,6 +449,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
                         obj["streaming"]["expert_bytes_per_token"] =
                             json!(s.expert_bytes_per_token);
                         obj["streaming"]["expert_hit_rate"] = json!(s.expert_hit_rate);
+                        obj["streaming"]["expert_chosen_bytes_per_token"] =
+                            json!(s.expert_chosen_per_token);
+                        obj["streaming"]["expert_missed_bytes_per_token"] =
+                            json!(s.expert_missed_per_token);
                         obj["streaming"]["expert_stall_ms_per_token"] = json!(s.expert_stall_ms);
                     }
                 }

@@ -392,18 +392,28 @@ impl KvArgs {
     /// An empty cache of `capacity` tokens for `model`, fed passes of at most `chunk`
     /// tokens: on its device where the backend keeps KV rows there (the --kv-mode then
     /// does not apply: the device masks evicted slots and moves nothing), else in host
-    /// memory in the --kv-mode asked for, its sliding-window layers (gemma3's local
-    /// ones) keeping only their window when no policy evicts.
+    /// memory in the --kv-mode asked for; either way its sliding-window layers
+    /// (gemma3's local ones) keep only their window when no policy evicts.
     pub fn cache(&self, model: &Model, capacity: usize, chunk: usize) -> Result<Box<dyn KvCache>> {
         let precision = self.precision(model);
-        if let Some(cache) = model.device_kv_cache(capacity, precision.element())? {
+        let element = precision.element();
+        // A policy evicts by cache index across every layer: its caches keep every
+        // token of a windowed layer (masked past the window).
+        let windowed = matches!(self.kind(capacity), PolicyKind::None);
+        let device = if windowed {
+            model.device_kv_cache_windowed(capacity, element, chunk)?
+        } else {
+            model.device_kv_cache(capacity, element)?
+        };
+        if let Some(cache) = device {
             return Ok(cache);
         }
         let mode = self.mode;
         let make = |shape, capacity| new_cache(mode, shape, capacity, precision);
-        Ok(match self.kind(capacity) {
-            PolicyKind::None => model.host_kv_cache(capacity, chunk, make)?,
-            _ => make(model.kv_shape(), capacity)?,
+        Ok(if windowed {
+            model.host_kv_cache(capacity, chunk, make)?
+        } else {
+            make(model.kv_shape(), capacity)?
         })
     }
 

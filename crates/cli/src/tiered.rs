@@ -386,14 +386,12 @@ pub fn decoding_store(
 
 /// What the wgpu backend keeps on its device beyond the layers: the session's KV cache,
 /// counted at f32 (the default there; an upper bound for f16 and q8) and held there
-/// alone (a `DeviceKv`: no host record; it keeps a windowed layer's every token), and it looks tokens up on the device, so an
+/// alone (a `DeviceKv`: no host record), and it looks tokens up on the device, so an
 /// embedding table that is not the output head is uploaded whole beside it (`globals`,
 /// when the model is known).
 pub fn on_wgpu_device(shape: &mut ModelShape, globals: Option<&GlobalWeights>) {
     shape.kv_value_bytes = 4;
     shape.kv_on_device_only = true;
-    // The device cache keeps every token of a windowed layer (masked past the window).
-    shape.kv_windows.clear();
     if let Some(g) = globals.filter(|g| g.token_embd.name != g.output.name) {
         shape.head_bytes += g.token_embd.bytes.len() as u64;
     }
@@ -639,6 +637,9 @@ pub struct Measured {
     /// Of a mixture of experts streamed expert by expert: bytes read for the chosen
     /// experts, the share of chosen experts found in the cache, and the wait for them.
     pub expert_bytes_per_token: f64,
+    /// The chosen experts' own bytes per token, and those not found in the cache.
+    pub expert_chosen_per_token: f64,
+    pub expert_missed_per_token: f64,
     pub expert_hit_rate: f64,
     pub expert_stall_per_token: Duration,
 }
@@ -652,6 +653,8 @@ pub fn measured(before: StreamStats, after: StreamStats, tokens: usize) -> Measu
     let (reads, hits) = (ea.reads - eb.reads, ea.hits - eb.hits);
     Measured {
         expert_bytes_per_token: expert_bytes as f64 / n,
+        expert_chosen_per_token: (ea.chosen - eb.chosen) as f64 / n,
+        expert_missed_per_token: (ea.missed - eb.missed) as f64 / n,
         expert_hit_rate: if reads + hits == 0 {
             0.0
         } else {

@@ -353,6 +353,20 @@ pub trait DeviceMemory: Send + Sync {
         let _ = (shape, capacity, element);
         Ok(None)
     }
+    /// [`DeviceMemory::new_kv_cache`] whose layer `l` keeps only the last `windows[l]`
+    /// tokens when that is `Some` (a sliding-window layer: room for the window plus
+    /// one pass of at most `chunk` tokens). The default keeps every token.
+    fn new_windowed_kv_cache(
+        &self,
+        shape: KvShape,
+        capacity: usize,
+        element: KvElement,
+        windows: &[Option<usize>],
+        chunk: usize,
+    ) -> Result<Option<Box<dyn KvCache>>> {
+        let _ = (windows, chunk);
+        self.new_kv_cache(shape, capacity, element)
+    }
 }
 
 /// Hands a device pass layer `i`'s weights for this pass (the model asks its

@@ -38,7 +38,7 @@ impl Session {
     /// sliding-window layers keep room for one such chunk).
     pub fn with_batch(model: Model, context: usize, batch: usize) -> Result<Session> {
         let element = model.default_kv_element();
-        let kv = match model.device_kv_cache(context, element)? {
+        let kv = match model.device_kv_cache_windowed(context, element, batch)? {
             Some(kv) => kv,
             None => model.host_kv_cache(context, batch, |shape, capacity| {
                 Ok(Box::new(DenseKv::new(shape, capacity)))

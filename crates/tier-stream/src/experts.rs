@@ -67,6 +67,11 @@ pub struct ExpertStats {
     pub reads: u64,
     /// Expert matrices found in the cache.
     pub hits: u64,
+    /// Bytes of every expert matrix the router chose, found in the cache or not (the
+    /// matrices' own sizes, not the aligned reads): what a token needs of the experts.
+    pub chosen: u64,
+    /// Of `chosen`, the bytes not found in the cache: what had to come from the file.
+    pub missed: u64,
     /// Time the forward pass waited for expert reads (they start only once the router
     /// has chosen).
     pub stall: Duration,
@@ -77,6 +82,8 @@ pub(crate) struct ExpertCounters {
     bytes: AtomicU64,
     reads: AtomicU64,
     hits: AtomicU64,
+    chosen: AtomicU64,
+    missed: AtomicU64,
     stall_ns: AtomicU64,
 }
 
@@ -86,6 +93,8 @@ impl ExpertCounters {
             bytes: self.bytes.load(Ordering::Relaxed),
             reads: self.reads.load(Ordering::Relaxed),
             hits: self.hits.load(Ordering::Relaxed),
+            chosen: self.chosen.load(Ordering::Relaxed),
+            missed: self.missed.load(Ordering::Relaxed),
             stall: Duration::from_nanos(self.stall_ns.load(Ordering::Relaxed)),
         }
     }
@@ -273,8 +282,11 @@ impl ExpertSource for LayerExperts {
             let (k, t) = self.tensor(role, index)?;
             let key = (self.layer, k, index);
             let hit = self.cache.get(key);
+            self.counters.chosen.fetch_add(t.each, Ordering::Relaxed);
             if hit.is_some() {
                 self.counters.hits.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.counters.missed.fetch_add(t.each, Ordering::Relaxed);
             }
             found.push((t, index, key, hit));
         }

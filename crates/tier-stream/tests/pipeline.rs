@@ -708,6 +708,14 @@ fn a_streamed_moe_layer_reads_only_the_chosen_experts() {
         // Four decode steps: 3 layers x 3 matrices x 2 experts each, read or cached.
         let step_uses = (end.reads + end.hits) - (prefill.reads + prefill.hits);
         assert_eq!(step_uses, 4 * 3 * 3 * 2, "{what}");
+        // Every use counts the matrix's own bytes as chosen; misses also as missed.
+        let each = shape.expert_bytes[0] / (3 * 8);
+        assert_eq!(end.chosen, (end.reads + end.hits) * each, "{what}");
+        assert_eq!(end.missed, end.reads * each, "{what}");
+        assert!(
+            end.bytes >= end.missed,
+            "{what}: aligned reads cover the missed bytes"
+        );
         if cache == 0 {
             assert_eq!(end.hits, 0, "{what}");
         } else {

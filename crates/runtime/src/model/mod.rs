@@ -321,6 +321,28 @@ impl Model {
         }
     }
 
+    /// [`Model::device_kv_cache`] whose sliding-window layers keep only their window
+    /// plus one pass of at most `chunk` tokens (as [`Model::host_kv_cache`] does on
+    /// the host).
+    pub fn device_kv_cache_windowed(
+        &self,
+        capacity: usize,
+        element: KvElement,
+        chunk: usize,
+    ) -> Result<Option<Box<dyn KvCache>>> {
+        let backend = &self.shared.backend;
+        match (backend.device_forward(), backend.device_memory()) {
+            (Some(_), Some(memory)) => memory.new_windowed_kv_cache(
+                self.kv_shape(),
+                capacity,
+                element,
+                &self.kv_windows(),
+                chunk,
+            ),
+            _ => Ok(None),
+        }
+    }
+
     /// The sliding window of each layer (`None`: the layer sees every token).
     pub fn kv_windows(&self) -> Vec<Option<usize>> {
         self.shared

@@ -40,6 +40,14 @@ struct DeviceLayer {
     order: Vec<u32>,
     /// The live rows as read back, made on the first host view after a change.
     host: OnceCell<HostLayer>,
+    /// Rows the buffers hold: the cache's capacity, or for a windowed layer its
+    /// window plus one pass.
+    rows: usize,
+    /// The sliding window this layer keeps only (older tokens are released before a
+    /// pass appends).
+    window: Option<usize>,
+    /// Tokens released by the window: the layer holds cache indices `dropped..`.
+    dropped: usize,
 }
 
 /// A layer's live tokens on the host, in cache order and stored type.
@@ -72,6 +80,8 @@ pub(super) struct DeviceLayerKv<'a> {
     pub(super) positions: &'a wgpu::Buffer,
     /// Slots attention scans (live or masked).
     pub(super) n_slots: usize,
+    /// Rows the buffers hold (where an int8 cache's scales start).
+    pub(super) rows: usize,
 }
 
 /// A [`KvCache`] whose keys and values live in device buffers of the cache's element
@@ -88,6 +98,8 @@ pub struct DeviceKv {
     shape: KvShape,
     element: KvElement,
     capacity: usize,
+    /// Most tokens a pass appends when a layer slides a window (else unbounded).
+    chunk: usize,
     layers: Vec<DeviceLayer>,
     moved: u64,
 }
@@ -109,6 +121,31 @@ impl DeviceKv {
         capacity: usize,
         element: KvElement,
     ) -> Result<DeviceKv> {
+        DeviceKv::windowed(ctx, shape, capacity, element, &[], usize::MAX)
+    }
+
+    /// [`DeviceKv::new`] whose layer `l` keeps only the last `windows[l]` tokens when
+    /// that is `Some` (a sliding-window layer: its buffers hold the window plus one
+    /// pass of at most `chunk` tokens, and the tokens no later query sees are released
+    /// before each pass appends); `windows` empty: every layer keeps every token.
+    pub fn windowed(
+        ctx: Arc<GpuContext>,
+        shape: KvShape,
+        capacity: usize,
+        element: KvElement,
+        windows: &[Option<usize>],
+        chunk: usize,
+    ) -> Result<DeviceKv> {
+        if !windows.is_empty() && windows.len() != shape.n_layers {
+            return Err(Error::InvalidArgument {
+                what: format!(
+                    "{} sliding windows for a KV cache of {} layers",
+                    windows.len(),
+                    shape.n_layers
+                ),
+            });
+        }
+        let chunk = chunk.max(1);
         let dim = shape.kv_dim();
         if element == KvElement::Q8 && dim % Q8_BLOCK != 0 {
             return Err(Error::InvalidArgument {
@@ -118,14 +155,19 @@ impl DeviceKv {
             });
         }
         let elem = elem_of(element);
-        let bytes = elem.buffer_bytes(capacity.max(1) * dim) as u64;
         let usage = wgpu::BufferUsages::STORAGE
             | wgpu::BufferUsages::COPY_DST
             | wgpu::BufferUsages::COPY_SRC;
         let mut layers = Vec::with_capacity(shape.n_layers);
-        for _ in 0..shape.n_layers {
+        for l in 0..shape.n_layers {
+            let window = windows.get(l).copied().flatten().filter(|&w| w > 0);
+            let rows = match window {
+                Some(w) => (w - 1).saturating_add(chunk).min(capacity),
+                None => capacity,
+            };
+            let bytes = elem.buffer_bytes(rows.max(1) * dim) as u64;
             let positions =
-                ctx.buffer_with_usage((capacity.max(1) * 4) as u64, usage, "device kv positions")?;
+                ctx.buffer_with_usage((rows.max(1) * 4) as u64, usage, "device kv positions")?;
             layers.push(DeviceLayer {
                 keys: ctx.buffer_with_usage(bytes, usage, "device kv keys")?,
                 values: ctx.buffer_with_usage(bytes, usage, "device kv values")?,
@@ -133,13 +175,18 @@ impl DeviceKv {
                 slot_positions: Vec::new(),
                 order: Vec::new(),
                 host: OnceCell::new(),
+                rows,
+                window,
+                dropped: 0,
             });
         }
+        let windowed = layers.iter().any(|l| l.window.is_some());
         Ok(DeviceKv {
             ctx,
             shape,
             element,
             capacity,
+            chunk: if windowed { chunk } else { usize::MAX },
             layers,
             moved: 0,
         })
@@ -161,6 +208,7 @@ impl DeviceKv {
             values: l.values.raw(),
             positions: l.positions.raw(),
             n_slots: l.slot_positions.len(),
+            rows: l.rows,
         })
     }
 
@@ -176,20 +224,52 @@ impl DeviceKv {
 
     /// Takes slots for `positions.len()` new tokens of `layer` (the lowest free ones
     /// first), records their positions on both sides, and returns them. The rows are
-    /// the caller's to write.
+    /// the caller's to write. A windowed layer first releases the tokens no query at
+    /// these positions or later sees.
     pub(super) fn reserve(&mut self, layer: usize, positions: &[u32]) -> Result<Vec<u32>> {
         self.check_layer(layer)?;
+        if let Some(w) = self.layers[layer].window {
+            if positions.len() > self.chunk {
+                return Err(Error::InvalidArgument {
+                    what: format!(
+                        "a pass of {} tokens into a KV cache whose sliding-window layers keep room for {} new tokens per pass",
+                        positions.len(),
+                        self.chunk
+                    ),
+                });
+            }
+            // Release what no query of this pass or a later one sees.
+            if let Some(&q0) = positions.iter().min() {
+                let l = &self.layers[layer];
+                let out = l
+                    .order
+                    .iter()
+                    .take_while(|&&s| {
+                        u64::from(l.slot_positions[s as usize]) + w as u64 <= u64::from(q0)
+                    })
+                    .count();
+                if out > 0 {
+                    self.mask_layer(layer, 0..out);
+                    self.layers[layer].dropped += out;
+                }
+            }
+        }
+        self.take_slots(layer, positions)
+    }
+
+    /// [`DeviceKv::reserve`] without the window.
+    fn take_slots(&mut self, layer: usize, positions: &[u32]) -> Result<Vec<u32>> {
         if positions.contains(&MASKED_POSITION) {
             return Err(Error::InvalidArgument {
                 what: format!("position {MASKED_POSITION} is reserved for masked slots"),
             });
         }
-        let capacity = self.capacity;
         let l = &mut self.layers[layer];
-        if l.order.len() + positions.len() > capacity {
+        let total = l.dropped + l.order.len() + positions.len();
+        if total > self.capacity || l.order.len() + positions.len() > l.rows {
             return Err(Error::ContextFull {
-                needed: l.order.len() + positions.len(),
-                capacity,
+                needed: total,
+                capacity: self.capacity,
             });
         }
         let free = l
@@ -220,8 +300,19 @@ impl DeviceKv {
         }
     }
 
-    /// Masks the live tokens at cache indices `range` of `layer`.
+    /// Masks the live tokens at cache indices `range` of `layer` (counted from the
+    /// first token ever kept: a windowed layer holds indices `dropped..`).
     fn release_layer(&mut self, layer: usize, range: Range<usize>) {
+        let d = self.layers[layer].dropped;
+        // Tokens the window already released only lower the count (a rewind below
+        // them cannot bring them back: see `exact_rewind_floor`).
+        let already = range.start.min(d)..range.end.min(d);
+        self.layers[layer].dropped -= already.len();
+        self.mask_layer(layer, range.start.max(d) - d..range.end.max(d) - d);
+    }
+
+    /// Masks the live tokens at positions `range` of `layer`'s slot order.
+    fn mask_layer(&mut self, layer: usize, range: Range<usize>) {
         let l = &mut self.layers[layer];
         let start = range.start.min(l.order.len());
         let end = range.end.clamp(start, l.order.len());
@@ -242,7 +333,13 @@ impl DeviceKv {
 
     /// Uploads `rows` (f32, one row per slot) into `slots` of `dst` with the KV-write
     /// kernel, submitted at once (no wait).
-    fn write_rows(&self, dst: &wgpu::Buffer, slots: &[u32], rows: &[f32]) -> Result<()> {
+    fn write_rows(
+        &self,
+        dst: &wgpu::Buffer,
+        layer_rows: usize,
+        slots: &[u32],
+        rows: &[f32],
+    ) -> Result<()> {
         if slots.is_empty() {
             return Ok(());
         }
@@ -258,7 +355,7 @@ impl DeviceKv {
             self.shape.kv_dim(),
             &slot_buf,
             dst,
-            self.capacity,
+            layer_rows,
         )?;
         rec.flush()
     }
@@ -295,7 +392,7 @@ impl DeviceKv {
                 }
                 KvElem::Q8 => {
                     let spr = dim / Q8_BLOCK;
-                    let scale_at = elem.scale_word(self.capacity.max(1) * dim) * 4;
+                    let scale_at = elem.scale_word(l.rows.max(1) * dim) * 4;
                     let mut quants = Vec::with_capacity(l.order.len() * dim);
                     let mut scales = Vec::with_capacity(l.order.len() * spr * 2);
                     for &s in &l.order {
@@ -327,7 +424,7 @@ impl DeviceKv {
         let dim = self.shape.kv_dim();
         let row = self.element.row_bytes(dim);
         let n = rows.positions.len();
-        let slots = self.reserve(layer, &rows.positions)?;
+        let slots = self.take_slots(layer, &rows.positions)?;
         debug_assert!(slots.iter().enumerate().all(|(i, &s)| s as usize == i));
         let elem = self.elem();
         let queue = self.ctx.queue();
@@ -356,7 +453,7 @@ impl DeviceKv {
                         (0..n).flat_map(|i| token(i)[dim..].to_vec()).collect();
                     quants.resize(quants.len().next_multiple_of(4), 0);
                     scales.resize(scales.len().next_multiple_of(4), 0);
-                    let scale_at = (elem.scale_word(self.capacity.max(1) * dim) * 4) as u64;
+                    let scale_at = (elem.scale_word(l.rows.max(1) * dim) * 4) as u64;
                     if !quants.is_empty() {
                         queue.write_buffer(buffer.raw(), 0, &quants);
                         queue.write_buffer(buffer.raw(), scale_at, &scales);
@@ -407,7 +504,7 @@ impl KvCache for DeviceKv {
     }
 
     fn len(&self) -> usize {
-        self.layers.first().map_or(0, |l| l.order.len())
+        self.layers.first().map_or(0, |l| l.dropped + l.order.len())
     }
 
     fn append(
@@ -429,11 +526,11 @@ impl KvCache for DeviceKv {
         let slots = self.reserve(layer, positions)?;
         let l = &self.layers[layer];
         let written = self
-            .write_rows(l.keys.raw(), &slots, keys)
-            .and_then(|()| self.write_rows(l.values.raw(), &slots, values));
+            .write_rows(l.keys.raw(), l.rows, &slots, keys)
+            .and_then(|()| self.write_rows(l.values.raw(), l.rows, &slots, values));
         if let Err(e) = written {
             let keep = self.layers[layer].order.len() - slots.len();
-            self.release_layer(layer, keep..usize::MAX);
+            self.mask_layer(layer, keep..usize::MAX);
             return Err(e);
         }
         self.moved += 2 * (slots.len() * self.element.row_bytes(self.shape.kv_dim())) as u64;
@@ -482,6 +579,22 @@ impl KvCache for DeviceKv {
         self.release(n_tokens..usize::MAX);
     }
 
+    fn exact_rewind_floor(&self) -> usize {
+        // After a rewind to n the next query sits at n and sees from n - w + 1 on.
+        self.layers
+            .iter()
+            .filter_map(|l| match l.window {
+                Some(w) if l.dropped > 0 => Some(l.dropped + w - 1),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn pass_limit(&self) -> usize {
+        self.chunk
+    }
+
     fn evict(&mut self, range: Range<usize>) {
         self.release(range);
     }
@@ -508,7 +621,8 @@ impl KvCache for DeviceKv {
             });
         }
         let slots = self.layers[layer].order[start..start + positions.len()].to_vec();
-        self.write_rows(self.layers[layer].keys.raw(), &slots, keys)?;
+        let l = &self.layers[layer];
+        self.write_rows(l.keys.raw(), l.rows, &slots, keys)?;
         let l = &mut self.layers[layer];
         for (&s, &p) in slots.iter().zip(positions) {
             l.slot_positions[s as usize] = p;
@@ -550,11 +664,34 @@ impl KvCache for DeviceKv {
         kv_payload::write(out, self.element, self.shape, &layers)
     }
 
+    /// Loads any payload of this shape; a windowed layer keeps the last tokens its
+    /// window needs (so a session saved from a cache keeping every token loads too).
     fn load(&mut self, input: &mut dyn Read) -> Result<()> {
-        let layers = kv_payload::read(input, self.element, self.shape, self.capacity)?;
+        let mut layers = kv_payload::read(input, self.element, self.shape, self.capacity)?;
+        let total = layers.iter().map(|l| l.positions.len()).max().unwrap_or(0);
+        // The next query comes after the newest saved position.
+        let next = layers
+            .iter()
+            .flat_map(|l| l.positions.iter().copied())
+            .max()
+            .map_or(0, |p| u64::from(p) + 1);
+        let row = self.element.row_bytes(self.shape.kv_dim());
+        for (l, rows) in self.layers.iter().zip(&mut layers) {
+            if let Some(w) = l.window {
+                let cut = rows
+                    .positions
+                    .iter()
+                    .take_while(|&&p| u64::from(p) + w as u64 <= next)
+                    .count();
+                rows.positions.drain(..cut);
+                rows.rows.drain(..cut * 2 * row);
+            }
+        }
         self.release(0..usize::MAX);
         for (layer, rows) in layers.iter().enumerate() {
             self.upload_stored(layer, rows)?;
+            let l = &mut self.layers[layer];
+            l.dropped = total - rows.positions.len();
         }
         Ok(())
     }

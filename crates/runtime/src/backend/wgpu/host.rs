@@ -362,4 +362,16 @@ impl DeviceMemory for WgpuBackend {
         let cache = DeviceKv::new(self.ctx.clone(), shape, capacity, element)?;
         Ok(Some(Box::new(cache)))
     }
+
+    fn new_windowed_kv_cache(
+        &self,
+        shape: crate::kv::KvShape,
+        capacity: usize,
+        element: crate::kv::KvElement,
+        windows: &[Option<usize>],
+        chunk: usize,
+    ) -> Result<Option<Box<dyn KvCache>>> {
+        let cache = DeviceKv::windowed(self.ctx.clone(), shape, capacity, element, windows, chunk)?;
+        Ok(Some(Box::new(cache)))
+    }
 }

@@ -249,8 +249,6 @@ struct SequenceKv {
 /// Where a pass's keys and values go and are read from, layer by layer.
 struct PassKv {
     elem: KvElem,
-    /// Rows each layer's buffers hold.
-    capacity: usize,
     layers: Vec<LayerKv>,
     /// Each layer's new rows go to the slots of `slot_lists[layers[l].slots]`.
     slot_lists: Vec<wgpu::Buffer>,
@@ -265,6 +263,9 @@ struct LayerKv {
     /// Slots attention scans, the new tokens' included.
     n_slots: usize,
     slots: usize,
+    /// Rows the layer's buffers hold (a sliding-window layer of a `DeviceKv` holds
+    /// fewer than the context).
+    capacity: usize,
 }
 
 impl WgpuBackend {
@@ -295,6 +296,7 @@ impl WgpuBackend {
                 positions: b.positions.clone(),
                 n_slots: b.n_slots,
                 slots: at,
+                capacity: b.rows,
             });
         }
         let slot_lists = lists
@@ -303,7 +305,6 @@ impl WgpuBackend {
             .collect::<Result<Vec<_>>>()?;
         Ok(PassKv {
             elem: dkv.elem(),
-            capacity: dkv.capacity(),
             layers,
             slot_lists,
             read_back: false,
@@ -343,11 +344,11 @@ impl WgpuBackend {
                 positions: mirror.positions.raw().clone(),
                 n_slots: cached + n,
                 slots: 0,
+                capacity: mirror.capacity,
             })
             .collect();
         Ok(PassKv {
             elem: mirror.elem,
-            capacity: mirror.capacity,
             layers,
             slot_lists: vec![slots],
             read_back: true,
@@ -536,7 +537,7 @@ impl WgpuBackend {
                                 kvd,
                                 &kv.slot_lists[lk.slots],
                                 dst,
-                                kv.capacity,
+                                lk.capacity,
                             )?;
                         }
                     }
@@ -562,7 +563,7 @@ impl WgpuBackend {
                         let binding = |buffer| KvBinding {
                             buffer,
                             elem: kv.elem,
-                            scale_word: kv.elem.scale_word(kv.capacity * kvd),
+                            scale_word: kv.elem.scale_word(lk.capacity * kvd),
                         };
                         self.record_attention_stored(
                             &mut rec,
