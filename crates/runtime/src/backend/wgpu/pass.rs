@@ -634,7 +634,8 @@ impl WgpuBackend {
                     let host = self.read_tensor(&mut rec, graph, *x, buf(*x))?;
                     ffn.prepare(*l, &host, n)?;
                 }
-                Op::FeedForward { layer: l, x, out } => {
+                // For now the device serves a mixture of experts as it serves a lever.
+                Op::FeedForward { layer: l, x, out } | Op::Moe { layer: l, x, out, .. } => {
                     let host = self.read_tensor(&mut rec, graph, *x, buf(*x))?;
                     let w = host_layer.ok_or_else(|| Error::InvalidArgument {
                         what: format!("FeedForward of layer {l} outside BeginLayer/EndLayer"),
