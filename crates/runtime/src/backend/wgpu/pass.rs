@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::kv::KvMirror;
+use super::moe::{MoeDevice, SharedDevice};
 use super::ops::{record_kv_write, KvBinding, KvElem};
 use super::record::{Params, Recorder};
 use super::{rope_table, DeviceKv, DeviceWeight, WgpuBackend, ARGMAX};
@@ -63,6 +64,36 @@ impl WgpuBackend {
     ) -> Result<Vec<f32>> {
         let bytes = rec.read_now(buffer, 0, (graph.desc(t).len() * 4) as u64)?;
         Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+}
+
+impl WgpuBackend {
+    /// The MLP lever's host sync point: reads `x` back, runs `ffn` on the host (its
+    /// matrix products through this backend's ops) and uploads its result to `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn host_ffn(
+        &self,
+        rec: &mut Recorder<'_>,
+        graph: &Graph,
+        l: usize,
+        host_layer: Option<&LayerWeights>,
+        ffn: &mut dyn FeedForward,
+        xb: &wgpu::Buffer,
+        x: TensorId,
+        outb: &wgpu::Buffer,
+        out: TensorId,
+    ) -> Result<()> {
+        let host = self.read_tensor(rec, graph, x, xb)?;
+        let w = host_layer.ok_or_else(|| Error::InvalidArgument {
+            what: format!("FeedForward of layer {l} outside BeginLayer/EndLayer"),
+        })?;
+        let mut result = vec![0f32; graph.desc(out).len()];
+        ffn.forward(self, w, &host, graph.n_tokens(), &mut result)?;
+        // Lands before the commands recorded next (read_now submitted the rest).
+        self.ctx
+            .queue()
+            .write_buffer(outb, 0, bytemuck::cast_slice(&result));
+        Ok(())
     }
 }
 
@@ -371,7 +402,6 @@ impl WgpuBackend {
         let (ids, positions) = (input.ids, input.positions);
         let n = graph.n_tokens();
         let n_layers = seqs[0].kv.layers.len();
-        let queue = self.ctx.queue();
         let idb = rec.upload("token ids", bytemuck::cast_slice(ids))?;
         let qpos = rec.upload("positions", bytemuck::cast_slice(positions))?;
         let bufs = graph
@@ -634,16 +664,78 @@ impl WgpuBackend {
                     let host = self.read_tensor(&mut rec, graph, *x, buf(*x))?;
                     ffn.prepare(*l, &host, n)?;
                 }
-                // For now the device serves a mixture of experts as it serves a lever.
-                Op::FeedForward { layer: l, x, out } | Op::Moe { layer: l, x, out, .. } => {
-                    let host = self.read_tensor(&mut rec, graph, *x, buf(*x))?;
-                    let w = host_layer.ok_or_else(|| Error::InvalidArgument {
-                        what: format!("FeedForward of layer {l} outside BeginLayer/EndLayer"),
+                Op::Moe {
+                    layer: l,
+                    x,
+                    out,
+                    weights,
+                    spec,
+                } => {
+                    let cur = layer.as_ref().ok_or_else(|| Error::InvalidArgument {
+                        what: format!("the experts of layer {l} outside BeginLayer/EndLayer"),
                     })?;
-                    let mut result = vec![0f32; graph.desc(*out).len()];
-                    ffn.forward(self, w, &host, n, &mut result)?;
-                    // Lands before the commands recorded next (read_now submitted the rest).
-                    queue.write_buffer(buf(*out), 0, bytemuck::cast_slice(&result));
+                    // Experts a store fetches on demand are not in the table: the MLP
+                    // then runs on the host, as a lever's does.
+                    let held = [weights.gate, weights.up, weights.down]
+                        .iter()
+                        .all(|r| r.matrix(input.globals, Some(&cur.host)).is_ok());
+                    if held {
+                        let dm = |r| self.device_matrix(r, input, Some(cur));
+                        let shared = match &weights.shared {
+                            Some(s) => {
+                                let v = s.gate_inp.vector(input.globals, Some(&cur.host))?;
+                                Some(SharedDevice::new(
+                                    (v, self.vector(v)?),
+                                    dm(s.gate)?,
+                                    dm(s.up)?,
+                                    dm(s.down)?,
+                                ))
+                            }
+                            None => None,
+                        };
+                        let experts = MoeDevice {
+                            router: dm(weights.router)?,
+                            gate: dm(weights.gate)?,
+                            up: dm(weights.up)?,
+                            down: dm(weights.down)?,
+                            shared,
+                        };
+                        let d = graph.desc(*x);
+                        self.record_moe(
+                            &mut rec,
+                            buf(*x),
+                            d.rows,
+                            d.width,
+                            &experts,
+                            spec,
+                            buf(*out),
+                        )?;
+                    } else {
+                        self.host_ffn(
+                            &mut rec,
+                            graph,
+                            *l,
+                            host_layer,
+                            ffn,
+                            buf(*x),
+                            *x,
+                            buf(*out),
+                            *out,
+                        )?;
+                    }
+                }
+                Op::FeedForward { layer: l, x, out } => {
+                    self.host_ffn(
+                        &mut rec,
+                        graph,
+                        *l,
+                        host_layer,
+                        ffn,
+                        buf(*x),
+                        *x,
+                        buf(*out),
+                        *out,
+                    )?;
                 }
                 Op::KvPolicy { .. } => unreachable!("refused above"),
             }
