@@ -117,6 +117,16 @@ impl WgpuBackend {
                 what: format!("{k} experts used of {ne}"),
             });
         }
+        // One workgroup row per (token, choice) pair in the expert products' z.
+        let max_z = self.ctx.limits().max_compute_workgroups_per_dimension as usize;
+        if n * k > max_z {
+            return Err(Error::InvalidArgument {
+                what: format!(
+                    "{n} tokens of {k} experts each: more (token, expert) pairs than the \
+                     device's {max_z} workgroups per dimension; use a smaller batch"
+                ),
+            });
+        }
         let f4 = |values: usize| (values.max(1) * 4) as u64;
         let logits = rec.scratch("moe router logits", 0, f4(n * ne))?;
         self.record_matmul(rec, x, n, d, &[(&w.router, &logits)])?;
