@@ -15,6 +15,8 @@
 use super::ops::ExpertRows;
 use super::weights::WeightChunk;
 use super::*;
+use crate::graph::{MoeWeights, WeightRef};
+use crate::weights::{GlobalWeights, LayerWeights};
 use ballast_core::config::MoeSpec;
 
 pub(crate) const MOE_ROUTE: Shader = Shader {
@@ -31,27 +33,27 @@ pub(crate) const MOE_COMBINE: Shader = Shader {
 
 /// The device tensors of one layer's mixture of experts.
 pub(super) struct MoeDevice {
-    pub(super) router: Arc<DeviceWeight>,
+    router: Arc<DeviceWeight>,
     /// The stacked gate, up and down matrices.
-    pub(super) gate: Arc<DeviceWeight>,
-    pub(super) up: Arc<DeviceWeight>,
-    pub(super) down: Arc<DeviceWeight>,
-    pub(super) shared: Option<SharedDevice>,
+    gate: Arc<DeviceWeight>,
+    up: Arc<DeviceWeight>,
+    down: Arc<DeviceWeight>,
+    shared: Option<SharedDevice>,
 }
 
 /// qwen2moe's shared expert on the device.
-pub(super) struct SharedDevice {
+struct SharedDevice {
     /// The gate's vector, as a one-row f32 matrix (its logit is a matrix product).
-    pub(super) gate_inp: DeviceWeight,
-    pub(super) gate: Arc<DeviceWeight>,
-    pub(super) up: Arc<DeviceWeight>,
-    pub(super) down: Arc<DeviceWeight>,
+    gate_inp: DeviceWeight,
+    gate: Arc<DeviceWeight>,
+    up: Arc<DeviceWeight>,
+    down: Arc<DeviceWeight>,
 }
 
 impl SharedDevice {
     /// The shared expert of `gate_inp` (the host vector, for its length, and its device
     /// copy) and its three matrices.
-    pub(super) fn new(
+    fn new(
         gate_inp: (&[f32], Arc<GpuBuffer>),
         gate: Arc<DeviceWeight>,
         up: Arc<DeviceWeight>,
@@ -94,6 +96,44 @@ fn check_shape(w: &DeviceWeight, rows: usize, cols: usize) -> Result<()> {
 }
 
 impl WgpuBackend {
+    /// The device tensors `weights` names in `layer` (`matrix` gives a matrix's device
+    /// copy: cached, or in the layer's stream slot); `None` when the layer's table does
+    /// not hold the stacked experts (a store fetching the chosen ones on demand), which
+    /// the pass then serves at a host sync point.
+    pub(super) fn moe_device(
+        &self,
+        weights: &MoeWeights,
+        globals: &GlobalWeights,
+        layer: &LayerWeights,
+        matrix: impl Fn(WeightRef) -> Result<Arc<DeviceWeight>>,
+    ) -> Result<Option<MoeDevice>> {
+        let held = [weights.gate, weights.up, weights.down]
+            .iter()
+            .all(|r| r.matrix(globals, Some(layer)).is_ok());
+        if !held {
+            return Ok(None);
+        }
+        let shared = match &weights.shared {
+            Some(s) => {
+                let v = s.gate_inp.vector(globals, Some(layer))?;
+                Some(SharedDevice::new(
+                    (v, self.vector(v)?),
+                    matrix(s.gate)?,
+                    matrix(s.up)?,
+                    matrix(s.down)?,
+                ))
+            }
+            None => None,
+        };
+        Ok(Some(MoeDevice {
+            router: matrix(weights.router)?,
+            gate: matrix(weights.gate)?,
+            up: matrix(weights.up)?,
+            down: matrix(weights.down)?,
+            shared,
+        }))
+    }
+
     /// Records the mixture of experts `spec` over `n` rows of `d` values of `x` into
     /// `out` (see the module doc).
     #[allow(clippy::too_many_arguments)]

@@ -11,7 +11,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::kv::KvMirror;
-use super::moe::{MoeDevice, SharedDevice};
 use super::ops::{record_kv_write, KvBinding, KvElem};
 use super::record::{Params, Recorder};
 use super::{rope_table, DeviceKv, DeviceWeight, WgpuBackend, ARGMAX};
@@ -68,22 +67,22 @@ impl WgpuBackend {
 }
 
 impl WgpuBackend {
-    /// The MLP lever's host sync point: reads `x` back, runs `ffn` on the host (its
-    /// matrix products through this backend's ops) and uploads its result to `out`.
+    /// The MLP lever's host sync point for layer `l`: reads `x` back (its buffer of
+    /// `bufs`, one per tensor), runs `ffn` on the host (its matrix products through this
+    /// backend's ops) and uploads its result to `out`.
     #[allow(clippy::too_many_arguments)]
     fn host_ffn(
         &self,
         rec: &mut Recorder<'_>,
         graph: &Graph,
+        bufs: &[wgpu::Buffer],
         l: usize,
         host_layer: Option<&LayerWeights>,
         ffn: &mut dyn FeedForward,
-        xb: &wgpu::Buffer,
         x: TensorId,
-        outb: &wgpu::Buffer,
         out: TensorId,
     ) -> Result<()> {
-        let host = self.read_tensor(rec, graph, x, xb)?;
+        let host = self.read_tensor(rec, graph, x, &bufs[x.index()])?;
         let w = host_layer.ok_or_else(|| Error::InvalidArgument {
             what: format!("FeedForward of layer {l} outside BeginLayer/EndLayer"),
         })?;
@@ -92,7 +91,7 @@ impl WgpuBackend {
         // Lands before the commands recorded next (read_now submitted the rest).
         self.ctx
             .queue()
-            .write_buffer(outb, 0, bytemuck::cast_slice(&result));
+            .write_buffer(&bufs[out.index()], 0, bytemuck::cast_slice(&result));
         Ok(())
     }
 }
@@ -674,68 +673,28 @@ impl WgpuBackend {
                     let cur = layer.as_ref().ok_or_else(|| Error::InvalidArgument {
                         what: format!("the experts of layer {l} outside BeginLayer/EndLayer"),
                     })?;
-                    // Experts a store fetches on demand are not in the table: the MLP
-                    // then runs on the host, as a lever's does.
-                    let held = [weights.gate, weights.up, weights.down]
-                        .iter()
-                        .all(|r| r.matrix(input.globals, Some(&cur.host)).is_ok());
-                    if held {
-                        let dm = |r| self.device_matrix(r, input, Some(cur));
-                        let shared = match &weights.shared {
-                            Some(s) => {
-                                let v = s.gate_inp.vector(input.globals, Some(&cur.host))?;
-                                Some(SharedDevice::new(
-                                    (v, self.vector(v)?),
-                                    dm(s.gate)?,
-                                    dm(s.up)?,
-                                    dm(s.down)?,
-                                ))
-                            }
-                            None => None,
-                        };
-                        let experts = MoeDevice {
-                            router: dm(weights.router)?,
-                            gate: dm(weights.gate)?,
-                            up: dm(weights.up)?,
-                            down: dm(weights.down)?,
-                            shared,
-                        };
-                        let d = graph.desc(*x);
-                        self.record_moe(
-                            &mut rec,
-                            buf(*x),
-                            d.rows,
-                            d.width,
-                            &experts,
-                            spec,
-                            buf(*out),
-                        )?;
-                    } else {
-                        self.host_ffn(
-                            &mut rec,
-                            graph,
-                            *l,
-                            host_layer,
-                            ffn,
-                            buf(*x),
-                            *x,
-                            buf(*out),
-                            *out,
-                        )?;
+                    let matrix = |r| self.device_matrix(r, input, Some(cur));
+                    match self.moe_device(weights, input.globals, &cur.host, matrix)? {
+                        Some(experts) => {
+                            let d = graph.desc(*x);
+                            self.record_moe(
+                                &mut rec,
+                                buf(*x),
+                                d.rows,
+                                d.width,
+                                &experts,
+                                spec,
+                                buf(*out),
+                            )?;
+                        }
+                        // Experts fetched on demand: the MLP runs as a lever's does.
+                        None => {
+                            self.host_ffn(&mut rec, graph, &bufs, *l, host_layer, ffn, *x, *out)?
+                        }
                     }
                 }
                 Op::FeedForward { layer: l, x, out } => {
-                    self.host_ffn(
-                        &mut rec,
-                        graph,
-                        *l,
-                        host_layer,
-                        ffn,
-                        buf(*x),
-                        *x,
-                        buf(*out),
-                        *out,
-                    )?;
+                    self.host_ffn(&mut rec, graph, &bufs, *l, host_layer, ffn, *x, *out)?;
                 }
                 Op::KvPolicy { .. } => unreachable!("refused above"),
             }
