@@ -1,6 +1,7 @@
 //! The mixture of experts inside the wgpu device pass (`backend/wgpu/moe.rs`) against
 //! the CPU: every row of a prefill chunk, in one submission that reads back only the
-//! logits, and the routing kernel's choice on tied router logits.
+//! logits; the routing kernel's choice on tied router logits; layers whose experts are
+//! fetched on demand, at a host sync point.
 //!
 //! Its own test binary: the device-memory figures `wgpu_model.rs` checks are the whole
 //! context's, which these tests' buffers would move.
@@ -14,11 +15,15 @@ use ballast_runtime::blocks::FFN_GATE_INP;
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::kv::DenseKv;
-use ballast_runtime::model::{Logits, MoeSpec};
+use ballast_runtime::model::{load_weights, Logits, MoeSpec};
 use ballast_runtime::moe::{route, MoeFfn};
+use ballast_runtime::store::PassId;
 use ballast_runtime::testing::{reference_spec, TinyModelSpec};
-use ballast_runtime::weights::LayerWeights;
-use ballast_runtime::{Backend, CpuBackend, FeedForward, KvElement, Model, WgpuBackend};
+use ballast_runtime::weights::{ExpertFetch, ExpertSource, GlobalWeights, LayerWeights, Weight};
+use ballast_runtime::{
+    Backend, CpuBackend, FeedForward, KvElement, Model, ModelConfig, TierBytes, WeightStore,
+    WgpuBackend,
+};
 
 fn load(spec: &TinyModelSpec, backend: Arc<dyn Backend>) -> Model {
     let file = Arc::new(GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap());
@@ -233,4 +238,79 @@ fn device_routing_breaks_ties_as_the_host_does() {
             }
         }
     }
+}
+
+/// The stacked experts of a layer, served one matrix at a time as a store that fetches
+/// the chosen experts on demand serves them.
+struct Stacks(Vec<(String, Weight)>);
+
+impl ExpertSource for Stacks {
+    fn expert(&self, role: &str, index: usize) -> ballast_runtime::Result<Weight> {
+        let (_, stack) = self.0.iter().find(|(r, _)| r == role).expect("a stack");
+        stack.stacked(index)
+    }
+}
+
+/// A store whose layers come without their stacked experts, which an [`ExpertFetch`]
+/// gives on demand (as tier-stream's expert streaming does on the CPU).
+struct FetchingStore {
+    globals: GlobalWeights,
+    layers: Vec<Arc<LayerWeights>>,
+}
+
+impl WeightStore for FetchingStore {
+    fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+    fn globals(&self) -> &GlobalWeights {
+        &self.globals
+    }
+    fn layer(&self, _pass: PassId, index: usize) -> ballast_runtime::Result<Arc<LayerWeights>> {
+        let mut layer = (*self.layers[index]).clone();
+        let (stacks, rest) = layer
+            .matrices
+            .into_iter()
+            .partition(|(_, w)| w.dims.len() == 3);
+        layer.matrices = rest;
+        layer.experts = Some(ExpertFetch(Arc::new(Stacks(stacks))));
+        Ok(Arc::new(layer))
+    }
+    fn held_bytes(&self) -> TierBytes {
+        TierBytes::default()
+    }
+}
+
+/// Layers without their stacked experts (fetched on demand) cannot be routed on the
+/// device: the device pass computes their mixture at a host sync point (one more
+/// submission per layer) and gives the logits of the same MLP on the host path.
+#[test]
+fn experts_fetched_on_demand_run_at_a_host_sync_point() {
+    let Some(ctx) = ballast_runtime::testing::gpu_for_tests() else {
+        return;
+    };
+    let spec = reference_spec("qwen2moe").unwrap();
+    let want = all_logits(&mut load(&spec, Arc::new(CpuBackend::new(2))), &IDS);
+    let file = Arc::new(GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap());
+    let config = ModelConfig::from_gguf(&file).unwrap();
+    let (globals, layers) = load_weights(&file, &config).unwrap();
+    let n_layers = layers.len();
+    let store = FetchingStore {
+        globals,
+        layers: layers.into_iter().map(Arc::new).collect(),
+    };
+    let backend = Arc::new(WgpuBackend::new(ctx));
+    let ffn = ballast_runtime::ffn::for_config(&config);
+    let mut model = Model::from_parts(config, Box::new(store), backend.clone(), ffn);
+    let got = all_logits(&mut model, &IDS);
+    let d = max_rel_diff(&got, &want);
+    assert!(
+        d < 2e-3,
+        "fetched experts on wgpu differ from the CPU by {d}"
+    );
+    let report = backend.last_pass().unwrap();
+    assert_eq!(
+        report.submissions,
+        1 + n_layers,
+        "one more per layer's sync"
+    );
 }
