@@ -9,7 +9,8 @@ use crate::weights::LayerWeights;
 
 /// The MLP block. An implementation emits its part of the pass
 /// ([`FeedForward::emit_ops`]): the dense MLP emits ops that every backend runs (a
-/// device backend inside its one submission); the default emits a host sync point that
+/// device backend inside its one submission), the mixture of experts one
+/// [`Op::Moe`] (likewise); the default emits a host sync point that
 /// calls [`FeedForward::forward`] with the MLP input. [`FeedForward::prepare`] sees a
 /// layer's attention input before attention runs (so a sparse implementation can
 /// predict the active neurons and fetch them meanwhile), unless

@@ -29,6 +29,7 @@
 use std::sync::Arc;
 
 use crate::backend::{AttentionShape, Backend, LayerSource, MatmulJob, Rope};
+use crate::config::MoeSpec;
 use crate::error::{Error, Result};
 use crate::ffn::FeedForward;
 use crate::kv::{KvCache, KvPolicy};
@@ -281,6 +282,24 @@ pub enum Op {
         /// Its output.
         out: TensorId,
     },
+    /// The mixture-of-experts MLP of `layer` ([`crate::moe::MoeFfn`]) from `x` into
+    /// `out`: router, softmax, top-k, the chosen experts' SwiGLU MLPs weighted and
+    /// summed in the order of the choice, and the shared expert if `weights` has one.
+    /// The host executor calls [`FeedForward::forward`] as for [`Op::FeedForward`]; a
+    /// device routes on the device and multiplies only the chosen experts' rows, with no
+    /// read-back, so it is not a host sync point.
+    Moe {
+        /// The layer.
+        layer: usize,
+        /// The MLP input, `n_tokens × d_model`.
+        x: TensorId,
+        /// Its output, same shape.
+        out: TensorId,
+        /// The tensors, by role.
+        weights: MoeWeights,
+        /// Expert counts, widths and how the chosen experts are weighted.
+        spec: MoeSpec,
+    },
     /// Copies the rows `rows` of `x`, in that order, into `out` (a batched pass's last
     /// row of each sequence, for the head).
     Gather {
@@ -300,6 +319,35 @@ pub enum Op {
         /// Destination; its row count says how many rows.
         out: TensorId,
     },
+}
+
+/// The tensors of an [`Op::Moe`], by role.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeWeights {
+    /// The router, `[d_model, n_expert]`: one logit per expert.
+    pub router: WeightRef,
+    /// The experts' gate projections stacked, `[d_model, n_ff_expert, n_expert]`.
+    pub gate: WeightRef,
+    /// The experts' up projections stacked, as `gate`.
+    pub up: WeightRef,
+    /// The experts' down projections stacked, `[n_ff_expert, d_model, n_expert]`.
+    pub down: WeightRef,
+    /// qwen2moe's shared expert.
+    pub shared: Option<SharedExpertWeights>,
+}
+
+/// qwen2moe's shared expert: a SwiGLU MLP every token runs, times the sigmoid of a
+/// per-token gate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedExpertWeights {
+    /// The gate's weights, a vector of `d_model`.
+    pub gate_inp: WeightRef,
+    /// Gate projection, `[d_model, n_ff_shared]`.
+    pub gate: WeightRef,
+    /// Up projection, as `gate`.
+    pub up: WeightRef,
+    /// Down projection, `[n_ff_shared, d_model]`.
+    pub down: WeightRef,
 }
 
 impl Op {
@@ -471,6 +519,35 @@ impl std::fmt::Display for Graph {
                 Op::FfnPrepare { layer, x } => format!("host sync: mlp prepare {layer} ({})", t(x)),
                 Op::FeedForward { layer, x, out } => {
                     format!("host sync: {} = mlp {layer}({})", t(out), t(x))
+                }
+                Op::Moe {
+                    x,
+                    out,
+                    weights,
+                    spec,
+                    ..
+                } => {
+                    let shared = match &weights.shared {
+                        Some(s) => format!(
+                            " + shared({}, {}, {}) * sigmoid({})",
+                            w(&s.gate),
+                            w(&s.up),
+                            w(&s.down),
+                            w(&s.gate_inp)
+                        ),
+                        None => String::new(),
+                    };
+                    format!(
+                        "{} = {} of {} experts({}) by {}({}, {}, {}){shared}",
+                        t(out),
+                        spec.n_expert_used,
+                        spec.n_expert,
+                        t(x),
+                        w(&weights.router),
+                        w(&weights.gate),
+                        w(&weights.up),
+                        w(&weights.down),
+                    )
                 }
                 Op::Rows { x, first, out } => format!("{} = rows of {} from {first}", t(out), t(x)),
                 Op::Gather { x, rows, out } => format!("{} = rows {rows:?} of {}", t(out), t(x)),
@@ -713,7 +790,11 @@ pub fn run_on_host(
             }
             Op::Scale { x, factor } => backend.scale(&mut buffers[x.0], *factor)?,
             Op::FfnPrepare { layer: l, x } => ffn.prepare(*l, &buffers[x.0], n)?,
-            Op::FeedForward { layer: l, x, out } => {
+            // The same call for a mixture of experts: the host path is the MLP's own.
+            Op::FeedForward { layer: l, x, out }
+            | Op::Moe {
+                layer: l, x, out, ..
+            } => {
                 let w = lw.ok_or_else(|| Error::InvalidArgument {
                     what: format!("FeedForward of layer {l} outside BeginLayer/EndLayer"),
                 })?;

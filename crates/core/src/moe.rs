@@ -9,6 +9,11 @@
 //! chosen expert's three matrices (one matrix of each stacked tensor, see
 //! [`Weight::stacked`]) multiply the rows of its tokens at once.
 //!
+//! In a pass it is one op, [`Op::Moe`]: the host executor calls
+//! [`FeedForward::forward`] (the above); a device backend records the router, the
+//! routing, the chosen experts' rows of the stacked tensors and the weighted sum inside
+//! its one submission, without reading anything back.
+//!
 //! ```
 //! use ballast_core::config::MoeSpec;
 //! use ballast_core::moe::route;
@@ -35,6 +40,7 @@ use crate::blocks::{
 use crate::config::MoeSpec;
 use crate::error::{Error, Result};
 use crate::ffn::{gated_mlp, FeedForward, MlpScratch};
+use crate::graph::{Graph, MoeWeights, Op, SharedExpertWeights, TensorId, WeightRef};
 use crate::weights::{LayerWeights, Weight};
 
 /// The smallest sum of the chosen probabilities llama.cpp divides by (2^-14, the
@@ -73,10 +79,9 @@ pub fn route(spec: &MoeSpec, logits: &[f32]) -> Vec<(usize, f32)> {
     chosen
 }
 
-/// The mixture-of-experts MLP (see the module doc). It is a host sync point of the
-/// pass ([`crate::graph::Op::FeedForward`]): on a device backend the MLP input is read
-/// back, and the chosen experts' matrices are multiplied on the device one call at a
-/// time.
+/// The mixture-of-experts MLP (see the module doc). It emits one [`Op::Moe`]: the
+/// host executor calls [`FeedForward::forward`]; a device backend computes it inside
+/// its pass (routing on the device, only the chosen experts' rows multiplied).
 #[derive(Debug)]
 pub struct MoeFfn {
     spec: MoeSpec,
@@ -173,6 +178,31 @@ impl MoeFfn {
 }
 
 impl FeedForward for MoeFfn {
+    fn emit_ops(&self, graph: &mut Graph, layer: usize, x: TensorId, n_ff: usize, out: TensorId) {
+        // The experts' width is the spec's, not the dense MLP's.
+        let _ = n_ff;
+        let l = WeightRef::layer;
+        let shared = self.spec.shared_ff.map(|_| SharedExpertWeights {
+            gate_inp: l(FFN_GATE_INP_SHEXP),
+            gate: l(FFN_GATE_SHEXP),
+            up: l(FFN_UP_SHEXP),
+            down: l(FFN_DOWN_SHEXP),
+        });
+        graph.push(Op::Moe {
+            layer,
+            x,
+            out,
+            weights: MoeWeights {
+                router: l(FFN_GATE_INP),
+                gate: l(FFN_GATE_EXPS),
+                up: l(FFN_UP_EXPS),
+                down: l(FFN_DOWN_EXPS),
+                shared,
+            },
+            spec: self.spec,
+        });
+    }
+
     fn needs_prepare(&self) -> bool {
         false
     }

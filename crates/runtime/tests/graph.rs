@@ -88,6 +88,41 @@ fn the_builder_emits_one_layer_sequence_with_host_syncs_only_for_levers() {
     }
 }
 
+/// A mixture of experts is one op per layer, not a host sync point: the router, the
+/// stacked experts and qwen2moe's shared expert named by role, the expert counts from
+/// the file.
+#[test]
+fn a_mixture_of_experts_is_one_op_per_layer_without_a_host_sync() {
+    for name in ["qwen3moe", "mixtral", "qwen2moe"] {
+        let spec = ballast_runtime::testing::reference_spec(name).unwrap();
+        let file = Arc::new(GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap());
+        let model = Model::load(file, Arc::new(CpuBackend::new(1)), false).unwrap();
+        let c = model.config();
+        let g = model.pass_graph(3, Logits::Last, None);
+        assert_eq!(g.host_syncs(), 0, "{name}");
+        let moe: Vec<&Op> = g
+            .ops()
+            .iter()
+            .filter(|op| matches!(op, Op::Moe { .. }))
+            .collect();
+        assert_eq!(moe.len(), c.n_layers, "{name}");
+        let Op::Moe { weights, spec, .. } = moe[0] else {
+            unreachable!()
+        };
+        assert_eq!(Some(*spec), c.moe, "{name}");
+        assert_eq!(weights.router, WeightRef::layer("ffn_gate_inp.weight"));
+        assert_eq!(weights.down, WeightRef::layer("ffn_down_exps.weight"));
+        assert_eq!(weights.shared.is_some(), name == "qwen2moe", "{name}");
+        // Attention's q/k/v batch and output per layer, plus the head: no dense MLP.
+        assert_eq!(
+            count(&g, |op| matches!(op, Op::Matmul { .. })),
+            2 * c.n_layers + 1,
+            "{name}"
+        );
+        assert!(g.to_string().contains("2 of"), "{name}: {g}");
+    }
+}
+
 #[test]
 fn the_host_executor_names_what_a_graph_asks_for_and_is_not_there() {
     let model = tiny("llama");

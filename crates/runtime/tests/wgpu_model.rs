@@ -18,7 +18,7 @@ use ballast_runtime::kv::KvPolicy;
 use ballast_runtime::kv::{DenseKv, KvCache, KvElement};
 use ballast_runtime::model::{load_weights, Logits};
 use ballast_runtime::store::PassId;
-use ballast_runtime::testing::{TinyModelSpec, TINY_VOCAB};
+use ballast_runtime::testing::{reference_spec, TinyModelSpec, TINY_VOCAB};
 use ballast_runtime::weights::{ByteSource, GlobalWeights, LayerWeights, WeightBytes};
 use ballast_runtime::{
     Backend, CpuBackend, DenseFfn, Model, ModelConfig, Session, TierBytes, WeightStore, WgpuBackend,
@@ -458,7 +458,9 @@ fn lending_model(
         lent,
         live: live.clone(),
     };
-    let model = Model::from_parts(config, Box::new(store), backend, Box::new(DenseFfn::new()));
+    // The MLP the file describes: dense, or a mixture of experts.
+    let ffn = ballast_runtime::ffn::for_config(&config);
+    let model = Model::from_parts(config, Box::new(store), backend, ffn);
     (model, live)
 }
 
@@ -707,4 +709,30 @@ fn decode_passes_reuse_their_bind_groups() {
         [0, 0],
         "bind groups made per decode pass: {made:?}"
     );
+}
+
+/// A mixture of experts whose layers stream (their bytes may not be cached on the
+/// device): every expert of a layer goes up with it into the stream slot, and the
+/// logits equal the resident device pass's bit for bit, with no read-back but the
+/// logits.
+#[test]
+fn streamed_experts_go_up_with_their_layer() {
+    let Some(ctx) = gpu() else { return };
+    let spec = TinyModelSpec {
+        weight_type: GgmlType::Q8_0,
+        ..reference_spec("qwen2moe").unwrap()
+    };
+    let want = all_logits(
+        &mut load(&spec, Arc::new(WgpuBackend::new(ctx.clone()))),
+        &IDS,
+    );
+    let backend = Arc::new(WgpuBackend::new(ctx));
+    backend.set_stream_slots(1);
+    let n_layers = spec.n_layers;
+    let (mut model, live) = lending_model(&spec, backend.clone(), vec![true; n_layers]);
+    let got = all_logits(&mut model, &IDS);
+    assert!(got == want, "streamed experts: logits differ");
+    let report = backend.last_pass().unwrap();
+    assert_eq!(report.submissions, n_layers, "one per turn of the one slot");
+    assert_eq!(live.now.load(Ordering::SeqCst), 0);
 }

@@ -132,38 +132,75 @@ fn dot_k(o: u32, t: u32, b: u32) -> f32 {
     return wf16(o) * dy * f32(si) - wf16(o + 2u) * dy * f32(sm);
 }
 
-fn finish(lid: u32, row: u32, t: u32, acc: f32) {
+// Sums the 8 lanes of each row of the workgroup; the first lane writes `out[at]` if
+// `keep`. Every invocation calls it (it holds a barrier).
+fn finish(lid: u32, keep: bool, at: u32, acc: f32) {
     partial[lid] = acc;
     workgroupBarrier();
-    if ((lid & 7u) == 0u && row < p.a.x) {
+    if ((lid & 7u) == 0u && keep) {
         var s = 0.0;
         for (var i = 0u; i < 8u; i++) {
             s += partial[lid + i];
         }
-        out[t * p.a.w + p.b.x + row] = s;
+        out[at] = s;
     }
+}
+
+// This lane's share of the dot product of the weight row at byte `base` with
+// activation row t: blocks lane, lane + 8, ...
+fn row_dot(base: u32, t: u32, lane: u32) -> f32 {
+    let bl = block_len();
+    let bb = block_bytes();
+    let nb = p.a.y / bl;
+    var acc = 0.0;
+    for (var b = lane; b < nb; b += 8u) {
+        if (bl == 256u) {
+            acc += dot_k(base + b * bb, t, b);
+        } else {
+            acc += dot_q32(base + b * bb, t, b);
+        }
+    }
+    return acc;
 }
 
 @compute @workgroup_size(64)
 fn matmul_q(@builtin(local_invocation_id) lid: vec3<u32>,
             @builtin(workgroup_id) wid: vec3<u32>,
             @builtin(num_workgroups) nwg: vec3<u32>) {
-    let lane = lid.x & 7u;
     let row = (wid.x + wid.y * nwg.x) * 8u + lid.x / 8u;
     let t = wid.z;
     var acc = 0.0;
     if (row < p.a.x) {
-        let bl = block_len();
-        let bb = block_bytes();
-        let nb = p.a.y / bl;
-        let base = row * p.b.y;
-        for (var b = lane; b < nb; b += 8u) {
-            if (bl == 256u) {
-                acc += dot_k(base + b * bb, t, b);
-            } else {
-                acc += dot_q32(base + b * bb, t, b);
-            }
-        }
+        acc = row_dot(row * p.b.y, t, lid.x & 7u);
     }
-    finish(lid.x, row, t, acc);
+    finish(lid.x, row < p.a.x, t * p.a.w + p.b.x + row, acc);
+}
+
+// ggml's mul_mat_id: output row i (a token's choice) multiplies the rows of the expert
+// `ids[i]` of a stack of experts' matrices with activation row i / b.z. Only the chosen
+// experts' rows are read. A weight chunk holds some rows of the stack; a workgroup whose
+// rows lie outside it writes nothing (another chunk's dispatch computes them).
+// a: (rows in this weight chunk, k, output rows, rows per expert = output row stride);
+// b: (first stack row of the chunk, row bytes, output rows per activation row, 0).
+@group(0) @binding(5) var<storage, read> ids: array<u32>;
+
+// Whether expert row `row` of output row `i` lies in this chunk, and its stack row.
+fn id_row(row: u32, i: u32) -> vec2<u32> {
+    let g = ids[i] * p.a.w + row;
+    let inside = row < p.a.w && g >= p.b.x && g - p.b.x < p.a.x;
+    return vec2<u32>(select(0u, 1u, inside), g - p.b.x);
+}
+
+@compute @workgroup_size(64)
+fn matmul_q_id(@builtin(local_invocation_id) lid: vec3<u32>,
+               @builtin(workgroup_id) wid: vec3<u32>,
+               @builtin(num_workgroups) nwg: vec3<u32>) {
+    let row = (wid.x + wid.y * nwg.x) * 8u + lid.x / 8u;
+    let i = wid.z;
+    let r = id_row(row, i);
+    var acc = 0.0;
+    if (r.x == 1u) {
+        acc = row_dot(r.y * p.b.y, i / p.b.z, lid.x & 7u);
+    }
+    finish(lid.x, r.x == 1u, i * p.a.w + row, acc);
 }

@@ -26,13 +26,14 @@
 //! The module is split by idea: `weights` (device copies of weights and vectors),
 //! `stream` (the stream-slot ring), `device_kv` (the device-resident KV cache), `kv`
 //! (device mirrors of host caches), `ops` (one encoder per
-//! op), `record` (the command encoder, traffic counts, timestamps), `pass` (a `Graph`
+//! op), `moe` (a mixture of experts inside the pass: routing and expert-id products), `record` (the command encoder, traffic counts, timestamps), `pass` (a `Graph`
 //! recorded whole), `host` (the `Backend` ops on host slices). Every kernel takes the
 //! parameter block of `params.wgsl`, prepended to its source.
 
 mod device_kv;
 mod host;
 mod kv;
+mod moe;
 mod ops;
 mod pass;
 mod record;

@@ -6,6 +6,20 @@
 use super::*;
 use crate::kv::Q8_BLOCK;
 
+/// The expert indirection of a product over stacked experts' matrices
+/// ([`WgpuBackend::record_matmul_with`]).
+pub(super) struct ExpertRows<'a> {
+    /// One expert id (u32) per output row.
+    pub(super) ids: &'a wgpu::Buffer,
+    /// Experts in the stack: each one's matrix is `rows / n_expert` rows of it.
+    pub(super) n_expert: usize,
+    /// Output rows: (token, choice) pairs.
+    pub(super) n_out: usize,
+    /// Output rows per activation row: the choices per token when every choice reads
+    /// the token's row, 1 when each choice has its own row.
+    pub(super) per_input: usize,
+}
+
 /// Floats of activation scales per block for an activation type.
 pub(super) fn scales_per_block(act: GgmlType) -> usize {
     match act {
@@ -43,6 +57,22 @@ impl WgpuBackend {
         n: usize,
         k: usize,
         jobs: &[(&DeviceWeight, &wgpu::Buffer)],
+    ) -> Result<()> {
+        self.record_matmul_with(rec, x, n, k, jobs, None)
+    }
+
+    /// [`Self::record_matmul`], or with `experts` the product of each job's stack of
+    /// experts' matrices by the expert each output row names (ggml's `mul_mat_id`):
+    /// output row `i` is expert `ids[i]`'s rows times activation row
+    /// `i / experts.per_input`, `w.rows / experts.n_expert` values wide.
+    pub(super) fn record_matmul_with(
+        &self,
+        rec: &mut Recorder<'_>,
+        x: &wgpu::Buffer,
+        n: usize,
+        k: usize,
+        jobs: &[(&DeviceWeight, &wgpu::Buffer)],
+        experts: Option<&ExpertRows<'_>>,
     ) -> Result<()> {
         let mut acts: Vec<(GgmlType, wgpu::Buffer, wgpu::Buffer)> = Vec::new();
         for &(w, out) in jobs {
@@ -89,20 +119,60 @@ impl WgpuBackend {
             }
             let rows_total = w.rows as u32;
             for chunk in &w.chunks {
-                let params = Params::new(
-                    [chunk.rows as u32, k as u32, n as u32, rows_total],
-                    [chunk.first_row as u32, w.row_bytes as u32, 0, 0],
-                    [0.0; 4],
-                );
-                let groups = [chunk.rows.div_ceil(8) as u32, 1, n as u32];
-                let wbytes = (chunk.rows * w.row_bytes * n) as u64;
-                let written = (chunk.rows * n * 4) as u64;
+                // Without experts: all the chunk's rows for each of the n tokens. With
+                // them: each output row's expert rows, for the rows in this chunk.
+                let (params, groups, wbytes, written) = match experts {
+                    None => (
+                        Params::new(
+                            [chunk.rows as u32, k as u32, n as u32, rows_total],
+                            [chunk.first_row as u32, w.row_bytes as u32, 0, 0],
+                            [0.0; 4],
+                        ),
+                        [chunk.rows.div_ceil(8) as u32, 1, n as u32],
+                        (chunk.rows * w.row_bytes * n) as u64,
+                        (chunk.rows * n * 4) as u64,
+                    ),
+                    Some(e) => {
+                        let per_expert = w.rows / e.n_expert.max(1);
+                        // This chunk's share of the chosen rows (all of them when whole).
+                        let share = |bytes: usize| (bytes * chunk.rows / w.rows.max(1)) as u64;
+                        (
+                            Params::new(
+                                [
+                                    chunk.rows as u32,
+                                    k as u32,
+                                    e.n_out as u32,
+                                    per_expert as u32,
+                                ],
+                                [
+                                    chunk.first_row as u32,
+                                    w.row_bytes as u32,
+                                    e.per_input as u32,
+                                    0,
+                                ],
+                                [0.0; 4],
+                            ),
+                            [per_expert.div_ceil(8) as u32, 1, e.n_out as u32],
+                            share(e.n_out * per_expert * w.row_bytes),
+                            share(e.n_out * per_expert * 4),
+                        )
+                    }
+                };
+                let entry = match (float, experts.is_some()) {
+                    (true, false) => "matmul_f",
+                    (true, true) => "matmul_f_id",
+                    (false, false) => "matmul_q",
+                    (false, true) => "matmul_q_id",
+                };
+                let ids = experts.map(|e| e.ids);
                 if float {
+                    let mut bindings = vec![chunk.buffer.raw(), x, out];
+                    bindings.extend(ids);
                     rec.dispatch(
                         &MATMUL_F,
-                        "matmul_f",
+                        entry,
                         &[("WTYPE", w.ty.id() as f64)],
-                        &[chunk.buffer.raw(), x, out],
+                        &bindings,
                         params,
                         groups,
                         "matmul",
@@ -112,11 +182,13 @@ impl WgpuBackend {
                     );
                 } else {
                     let (_, aq, asc) = acts.iter().find(|a| a.0 == at).expect("quantized above");
+                    let mut bindings = vec![chunk.buffer.raw(), aq, asc, out];
+                    bindings.extend(ids);
                     rec.dispatch(
                         &MATMUL,
-                        "matmul_q",
+                        entry,
                         &[("WTYPE", w.ty.id() as f64)],
-                        &[chunk.buffer.raw(), aq, asc, out],
+                        &bindings,
                         params,
                         groups,
                         "matmul",

@@ -66,6 +66,36 @@ impl WgpuBackend {
     }
 }
 
+impl WgpuBackend {
+    /// The MLP lever's host sync point for layer `l`: reads `x` back (its buffer of
+    /// `bufs`, one per tensor), runs `ffn` on the host (its matrix products through this
+    /// backend's ops) and uploads its result to `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn host_ffn(
+        &self,
+        rec: &mut Recorder<'_>,
+        graph: &Graph,
+        bufs: &[wgpu::Buffer],
+        l: usize,
+        host_layer: Option<&LayerWeights>,
+        ffn: &mut dyn FeedForward,
+        x: TensorId,
+        out: TensorId,
+    ) -> Result<()> {
+        let host = self.read_tensor(rec, graph, x, &bufs[x.index()])?;
+        let w = host_layer.ok_or_else(|| Error::InvalidArgument {
+            what: format!("FeedForward of layer {l} outside BeginLayer/EndLayer"),
+        })?;
+        let mut result = vec![0f32; graph.desc(out).len()];
+        ffn.forward(self, w, &host, graph.n_tokens(), &mut result)?;
+        // Lands before the commands recorded next (read_now submitted the rest).
+        self.ctx
+            .queue()
+            .write_buffer(&bufs[out.index()], 0, bytemuck::cast_slice(&result));
+        Ok(())
+    }
+}
+
 impl DeviceForward for WgpuBackend {
     fn forward(
         &self,
@@ -372,7 +402,6 @@ impl WgpuBackend {
         let (ids, positions) = (input.ids, input.positions);
         let n = graph.n_tokens();
         let n_layers = seqs[0].kv.layers.len();
-        let queue = self.ctx.queue();
         let idb = rec.upload("token ids", bytemuck::cast_slice(ids))?;
         let qpos = rec.upload("positions", bytemuck::cast_slice(positions))?;
         let bufs = graph
@@ -635,15 +664,38 @@ impl WgpuBackend {
                     let host = self.read_tensor(&mut rec, graph, *x, buf(*x))?;
                     ffn.prepare(*l, &host, n)?;
                 }
-                Op::FeedForward { layer: l, x, out } => {
-                    let host = self.read_tensor(&mut rec, graph, *x, buf(*x))?;
-                    let w = host_layer.ok_or_else(|| Error::InvalidArgument {
-                        what: format!("FeedForward of layer {l} outside BeginLayer/EndLayer"),
+                Op::Moe {
+                    layer: l,
+                    x,
+                    out,
+                    weights,
+                    spec,
+                } => {
+                    let cur = layer.as_ref().ok_or_else(|| Error::InvalidArgument {
+                        what: format!("the experts of layer {l} outside BeginLayer/EndLayer"),
                     })?;
-                    let mut result = vec![0f32; graph.desc(*out).len()];
-                    ffn.forward(self, w, &host, n, &mut result)?;
-                    // Lands before the commands recorded next (read_now submitted the rest).
-                    queue.write_buffer(buf(*out), 0, bytemuck::cast_slice(&result));
+                    let matrix = |r| self.device_matrix(r, input, Some(cur));
+                    match self.moe_device(weights, input.globals, &cur.host, matrix)? {
+                        Some(experts) => {
+                            let d = graph.desc(*x);
+                            self.record_moe(
+                                &mut rec,
+                                buf(*x),
+                                d.rows,
+                                d.width,
+                                &experts,
+                                spec,
+                                buf(*out),
+                            )?;
+                        }
+                        // Experts fetched on demand: the MLP runs as a lever's does.
+                        None => {
+                            self.host_ffn(&mut rec, graph, &bufs, *l, host_layer, ffn, *x, *out)?
+                        }
+                    }
+                }
+                Op::FeedForward { layer: l, x, out } => {
+                    self.host_ffn(&mut rec, graph, &bufs, *l, host_layer, ffn, *x, *out)?;
                 }
                 Op::KvPolicy { .. } => unreachable!("refused above"),
             }
