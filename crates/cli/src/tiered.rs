@@ -263,6 +263,12 @@ pub fn build(
     let mut compressed = None;
     let beneath_pack = match &tiered_pack {
         Some(pack) => {
+            // The streamed layers' chunks come from disk as the plain file's layers do:
+            // read directly, not kept in the page cache (unless --no-direct-io).
+            if !args.no_direct_io {
+                pack.read_chunks_from_disk()
+                    .with_context(|| format!("opening {}", path.display()))?;
+            }
             let (store, decode_bytes_per_s) =
                 decoding_store(pack, globals.clone(), layers.clone(), mapped)
                     .with_context(|| format!("loading {}", path.display()))?;

@@ -124,6 +124,9 @@ impl Storage {
 pub struct PackFile {
     path: PathBuf,
     storage: Storage,
+    /// Set by [`PackFile::read_chunks_from_disk`]: chunks are read with `pread` and
+    /// their page-cache pages dropped after, instead of through the map.
+    chunk_reader: std::sync::OnceLock<std::fs::File>,
     gguf_header: std::ops::Range<usize>,
     gguf_len: u64,
     data_start: usize,
@@ -291,6 +294,7 @@ impl PackFile {
             data_start,
             tensors,
             storage,
+            chunk_reader: std::sync::OnceLock::new(),
         };
         pack.check_against_gguf()?;
         Ok(pack)
@@ -363,6 +367,51 @@ impl PackFile {
             })
     }
 
+    /// From now on, reads each chunk's stored bytes with `pread` and then tells the
+    /// kernel to drop them from the page cache (`POSIX_FADV_DONTNEED`), instead of
+    /// reading them through the memory map. For a pack streamed from disk under a
+    /// memory limit: through the map, readahead and the page cache's own choices
+    /// under the limit made a token read about twice the stored bytes.
+    pub fn read_chunks_from_disk(&self) -> Result<()> {
+        if self.chunk_reader.get().is_some() || matches!(self.storage, Storage::Owned(_)) {
+            return Ok(());
+        }
+        let file = std::fs::File::open(&self.path).map_err(|source| Error::Io {
+            path: self.path.clone(),
+            source,
+        })?;
+        let _ = self.chunk_reader.set(file);
+        Ok(())
+    }
+
+    /// The stored bytes of `chunk`: borrowed from the map or memory, or read from the
+    /// file (see [`PackFile::read_chunks_from_disk`]).
+    fn stored_bytes(&self, chunk: &Chunk) -> Result<std::borrow::Cow<'_, [u8]>> {
+        let Some(file) = self.chunk_reader.get() else {
+            return Ok(std::borrow::Cow::Borrowed(self.stored(chunk)));
+        };
+        use std::os::unix::fs::FileExt;
+        use std::os::unix::io::AsRawFd;
+        let at = (self.data_start as u64) + chunk.offset;
+        let mut buf = vec![0u8; chunk.stored_len as usize];
+        file.read_exact_at(&mut buf, at)
+            .map_err(|source| Error::Io {
+                path: self.path.clone(),
+                source,
+            })?;
+        // SAFETY: `posix_fadvise` only reads its integer arguments; the descriptor is
+        // open for the call's duration. A failure is harmless (the pages stay cached).
+        unsafe {
+            libc::posix_fadvise(
+                file.as_raw_fd(),
+                at as libc::off_t,
+                buf.len() as libc::off_t,
+                libc::POSIX_FADV_DONTNEED,
+            );
+        }
+        Ok(std::borrow::Cow::Owned(buf))
+    }
+
     /// The stored bytes of `chunk` (its range was checked when the pack was opened).
     pub fn stored(&self, chunk: &Chunk) -> &[u8] {
         let start = self.data_start + chunk.offset as usize;
@@ -390,7 +439,8 @@ impl PackFile {
                 got: out.len(),
             }));
         }
-        let stored = self.stored(c);
+        let stored = self.stored_bytes(c)?;
+        let stored = &stored[..];
         let found = crc32fast::hash(stored);
         if found != c.stored_crc {
             return Err(corrupt(Corruption::StoredChecksum {

@@ -100,3 +100,37 @@ fn a_gguf_file_is_not_a_pack() {
     let (_, gguf) = sample_pack();
     assert!(matches!(decode(gguf), Err(Error::NotAPack { .. })));
 }
+
+// Chunks read from the file (`read_chunks_from_disk`, as tiered streaming does) decode to
+// the same bytes as through the map, and a chunk corrupted on disk after the pack was
+// opened is still caught by its checksum, naming tensor and chunk.
+#[test]
+fn chunks_read_from_disk_decode_alike_and_are_checked() {
+    let (pack_bytes, gguf) = sample_pack();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.pack");
+    std::fs::write(&path, &pack_bytes).unwrap();
+    let pack = PackFile::open(&path, true).unwrap();
+    pack.read_chunks_from_disk().unwrap();
+    assert_eq!(pack.to_gguf(1).unwrap().as_bytes(), &gguf[..]);
+    // Flip a byte of the first chunk of "blk.0.b" in the file itself.
+    let tensor = pack.tensor("blk.0.b").unwrap().clone();
+    let first = &tensor.chunks[0];
+    let stored_at = data_offset(&pack_bytes, pack.stored(first));
+    let mut bad = pack_bytes.clone();
+    bad[stored_at] ^= 0x5a;
+    std::fs::write(&path, &bad).unwrap();
+    let mut out = vec![0u8; first.raw_len as usize];
+    let err = pack
+        .decode_chunk(&tensor, 0, &mut out)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("blk.0.b") && err.contains("chunk 0"), "{err}");
+}
+
+/// Where `stored` (a slice of the pack's bytes as opened) starts in `pack`.
+fn data_offset(pack: &[u8], stored: &[u8]) -> usize {
+    pack.windows(stored.len())
+        .position(|w| w == stored)
+        .expect("the chunk's bytes are in the pack")
+}
