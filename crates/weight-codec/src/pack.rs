@@ -380,6 +380,19 @@ impl PackFile {
             path: self.path.clone(),
             source,
         })?;
+        // Chunks are read whole, each once per use: readahead past a chunk's end would
+        // only fill the page cache with the next layer's bytes, which the limit then
+        // evicts before they are used.
+        // SAFETY: `posix_fadvise` only reads its integer arguments on an open descriptor;
+        // a failure leaves the default readahead, which is harmless.
+        unsafe {
+            libc::posix_fadvise(
+                std::os::unix::io::AsRawFd::as_raw_fd(&file),
+                0,
+                0,
+                libc::POSIX_FADV_RANDOM,
+            );
+        }
         let _ = self.chunk_reader.set(file);
         Ok(())
     }
