@@ -7,8 +7,12 @@
 
 #![cfg(feature = "gpu")]
 
+mod common;
+
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+
+use common::tiny::{all_logits, load, max_rel_diff, IDS};
 
 use ballast_runtime::backend::DeviceMemory;
 use ballast_runtime::ggml_type::GgmlType;
@@ -31,32 +35,6 @@ fn gpu() -> Option<Arc<GpuContext>> {
     ctx.set_poison(true);
     Some(ctx)
 }
-
-fn load(spec: &TinyModelSpec, backend: Arc<dyn Backend>) -> Model {
-    let file = Arc::new(GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap());
-    Model::load(file, backend, false).unwrap()
-}
-
-fn all_logits(model: &mut Model, ids: &[u32]) -> Vec<f32> {
-    let mut kv = DenseKv::new(model.kv_shape(), 64);
-    let positions: Vec<u32> = (0..ids.len() as u32).collect();
-    model
-        .forward(ids, &positions, &mut kv, None, Logits::All)
-        .unwrap()
-        .to_vec()
-}
-
-/// Largest difference relative to the row's largest logit.
-fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
-    let scale = b.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-        / scale
-}
-
-const IDS: [u32; 10] = [72, 101, 108, 108, 111, 44, 32, 119, 256, 3];
 
 /// Both backends quantize the activations to the same integers; only float summation
 /// order differs, which can flip an 8-bit rounding now and then (a jump of one step in

@@ -1,5 +1,8 @@
-//! Shared helpers of the integration tests: the default model's tokenizer metadata.
+//! Shared helpers of the integration tests: the default model's tokenizer metadata, and
+//! tiny models run whole (`tiny`).
 #![allow(dead_code)]
+
+pub mod tiny;
 
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::model_cache;
