@@ -1,9 +1,9 @@
 // out[t][row] = dot(weight row, activation row t), reading the GGUF blocks directly.
 //
-// Quantized weights (`matmul_q`) take activations quantized the way llama.cpp's CPU path
+// Quantized weights (this file) take activations quantized the way llama.cpp's CPU path
 // pairs them (quantize.wgsl): Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1, Q8_K for the
 // K-quants, and sum exact integer block dots in f32 as quant::scalar does. Float weights
-// (`matmul_f`) take the f32 activations. A workgroup computes 8 rows of one token, 8
+// (matmul_f.wgsl) take the f32 activations. A workgroup computes 8 rows of one token, 8
 // invocations per row striding over the blocks.
 
 // a: (rows in this weight chunk, k, n_tokens, output row stride);
@@ -132,20 +132,6 @@ fn dot_k(o: u32, t: u32, b: u32) -> f32 {
     return wf16(o) * dy * f32(si) - wf16(o + 2u) * dy * f32(sm);
 }
 
-// Sums the 8 lanes of each row of the workgroup; the first lane writes `out[at]` if
-// `keep`. Every invocation calls it (it holds a barrier).
-fn finish(lid: u32, keep: bool, at: u32, acc: f32) {
-    partial[lid] = acc;
-    workgroupBarrier();
-    if ((lid & 7u) == 0u && keep) {
-        var s = 0.0;
-        for (var i = 0u; i < 8u; i++) {
-            s += partial[lid + i];
-        }
-        out[at] = s;
-    }
-}
-
 // This lane's share of the dot product of the weight row at byte `base` with
 // activation row t: blocks lane, lane + 8, ...
 fn row_dot(base: u32, t: u32, lane: u32) -> f32 {
@@ -163,44 +149,6 @@ fn row_dot(base: u32, t: u32, lane: u32) -> f32 {
     return acc;
 }
 
-@compute @workgroup_size(64)
-fn matmul_q(@builtin(local_invocation_id) lid: vec3<u32>,
-            @builtin(workgroup_id) wid: vec3<u32>,
-            @builtin(num_workgroups) nwg: vec3<u32>) {
-    let row = (wid.x + wid.y * nwg.x) * 8u + lid.x / 8u;
-    let t = wid.z;
-    var acc = 0.0;
-    if (row < p.a.x) {
-        acc = row_dot(row * p.b.y, t, lid.x & 7u);
-    }
-    finish(lid.x, row < p.a.x, t * p.a.w + p.b.x + row, acc);
-}
 
-// ggml's mul_mat_id: output row i (a token's choice) multiplies the rows of the expert
-// `ids[i]` of a stack of experts' matrices with activation row i / b.z. Only the chosen
-// experts' rows are read. A weight chunk holds some rows of the stack; a workgroup whose
-// rows lie outside it writes nothing (another chunk's dispatch computes them).
-// a: (rows in this weight chunk, k, output rows, rows per expert = output row stride);
-// b: (first stack row of the chunk, row bytes, output rows per activation row, 0).
+// The expert ids of `matmul_rows_id` (matmul_rows.wgsl).
 @group(0) @binding(5) var<storage, read> ids: array<u32>;
-
-// Whether expert row `row` of output row `i` lies in this chunk, and its stack row.
-fn id_row(row: u32, i: u32) -> vec2<u32> {
-    let g = ids[i] * p.a.w + row;
-    let inside = row < p.a.w && g >= p.b.x && g - p.b.x < p.a.x;
-    return vec2<u32>(select(0u, 1u, inside), g - p.b.x);
-}
-
-@compute @workgroup_size(64)
-fn matmul_q_id(@builtin(local_invocation_id) lid: vec3<u32>,
-               @builtin(workgroup_id) wid: vec3<u32>,
-               @builtin(num_workgroups) nwg: vec3<u32>) {
-    let row = (wid.x + wid.y * nwg.x) * 8u + lid.x / 8u;
-    let i = wid.z;
-    let r = id_row(row, i);
-    var acc = 0.0;
-    if (r.x == 1u) {
-        acc = row_dot(r.y * p.b.y, i / p.b.z, lid.x & 7u);
-    }
-    finish(lid.x, r.x == 1u, i * p.a.w + row, acc);
-}

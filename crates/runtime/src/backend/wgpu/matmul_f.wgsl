@@ -11,19 +11,6 @@ override WTYPE: u32;
 
 var<workgroup> partial: array<f32, 64>;
 
-// As matmul.wgsl's.
-fn finish(lid: u32, keep: bool, at: u32, acc: f32) {
-    partial[lid] = acc;
-    workgroupBarrier();
-    if ((lid & 7u) == 0u && keep) {
-        var s = 0.0;
-        for (var i = 0u; i < 8u; i++) {
-            s += partial[lid + i];
-        }
-        out[at] = s;
-    }
-}
-
 // This lane's share of the dot product of the weight row at byte `base` with x[t].
 fn row_dot(base: u32, t: u32, lane: u32) -> f32 {
     let k = p.a.y;
@@ -35,39 +22,6 @@ fn row_dot(base: u32, t: u32, lane: u32) -> f32 {
     return acc;
 }
 
-@compute @workgroup_size(64)
-fn matmul_f(@builtin(local_invocation_id) lid: vec3<u32>,
-            @builtin(workgroup_id) wid: vec3<u32>,
-            @builtin(num_workgroups) nwg: vec3<u32>) {
-    let row = (wid.x + wid.y * nwg.x) * 8u + lid.x / 8u;
-    let t = wid.z;
-    var acc = 0.0;
-    if (row < p.a.x) {
-        acc = row_dot(row * p.b.y, t, lid.x & 7u);
-    }
-    finish(lid.x, row < p.a.x, t * p.a.w + p.b.x + row, acc);
-}
 
-// The expert-id product of matmul.wgsl's matmul_q_id for float weights; same
-// parameters.
+// The expert ids of `matmul_rows_id` (matmul_rows.wgsl).
 @group(0) @binding(4) var<storage, read> ids: array<u32>;
-
-fn id_row(row: u32, i: u32) -> vec2<u32> {
-    let g = ids[i] * p.a.w + row;
-    let inside = row < p.a.w && g >= p.b.x && g - p.b.x < p.a.x;
-    return vec2<u32>(select(0u, 1u, inside), g - p.b.x);
-}
-
-@compute @workgroup_size(64)
-fn matmul_f_id(@builtin(local_invocation_id) lid: vec3<u32>,
-               @builtin(workgroup_id) wid: vec3<u32>,
-               @builtin(num_workgroups) nwg: vec3<u32>) {
-    let row = (wid.x + wid.y * nwg.x) * 8u + lid.x / 8u;
-    let i = wid.z;
-    let r = id_row(row, i);
-    var acc = 0.0;
-    if (r.x == 1u) {
-        acc = row_dot(r.y * p.b.y, i / p.b.z, lid.x & 7u);
-    }
-    finish(lid.x, r.x == 1u, i * p.a.w + row, acc);
-}

@@ -77,6 +77,7 @@ pub(crate) const MATMUL: Shader = Shader {
     source: concat!(
         include_str!("params.wgsl"),
         include_str!("matmul.wgsl"),
+        include_str!("matmul_rows.wgsl"),
         include_str!("blocks.wgsl")
     ),
 };
@@ -85,6 +86,7 @@ pub(crate) const MATMUL_F: Shader = Shader {
     source: concat!(
         include_str!("params.wgsl"),
         include_str!("matmul_f.wgsl"),
+        include_str!("matmul_rows.wgsl"),
         include_str!("blocks.wgsl")
     ),
 };

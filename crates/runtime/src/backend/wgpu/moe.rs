@@ -2,7 +2,7 @@
 //! router as a plain matrix product, routing on the device (`moe_route.wgsl`: softmax,
 //! top-k, renormalization and scale per token row, into an id buffer and a weight
 //! buffer), the chosen experts' gate and up rows read through those ids
-//! (`matmul_q_id`/`matmul_f_id`), SwiGLU, their down rows likewise, and the weighted sum
+//! (`matmul_rows_id`), SwiGLU, their down rows likewise, and the weighted sum
 //! in the order of the choice plus qwen2moe's shared expert (`moe_combine.wgsl`).
 //! Nothing is read back: the whole MLP is commands of the pass's one submission.
 //!

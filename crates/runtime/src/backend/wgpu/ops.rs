@@ -158,11 +158,10 @@ impl WgpuBackend {
                         )
                     }
                 };
-                let entry = match (float, experts.is_some()) {
-                    (true, false) => "matmul_f",
-                    (true, true) => "matmul_f_id",
-                    (false, false) => "matmul_q",
-                    (false, true) => "matmul_q_id",
+                // Both shaders share their entry points (matmul_rows.wgsl).
+                let entry = match experts {
+                    Some(_) => "matmul_rows_id",
+                    None => "matmul_rows",
                 };
                 let ids = experts.map(|e| e.ids);
                 if float {
