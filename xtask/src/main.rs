@@ -39,9 +39,11 @@ const USAGE: &str =
                 (also of ballast-runtime without its gpu feature), every test of the workspace, and
                 ballast serve driven by the openai Python package (crates/server/tests/python)
   bench         ballast bench on the default model and on qwen2.5-coder-0.5b (K-quants; fetched
-                on first use) at 1 and 2 threads (-p 128 -n 128 -r 5),
-                then the criterion kernel benches (skipped with --quick).
-                Set LLAMA_BENCH=/path/to/llama-bench to measure llama.cpp in the same run.
+                on first use) at 1 and 2 threads (-p 128 -n 128 -r 5, two rounds; --quick: -r 3,
+                one round), side by side with llama-bench of the same flags when
+                LLAMA_BENCH=/path/to/llama-bench is set (alternated, same run), with each decode's
+                weight bytes per second against the measured memory read bandwidth (the
+                roofline); then the KV update modes and the criterion kernel benches (not with --quick).
   bench-tiered  tiered streaming vs plain mmap under a memory limit smaller than the default
                 model (a cgroup it creates when it may: root and a writable memory controller),
                 a synthetic 2 GB model (written to the temp folder) under a 1 GiB limit, and
@@ -296,26 +298,133 @@ fn bench_tiered(quick: bool) -> Result<()> {
     tier_bench::run(&ballast, &model, quick)
 }
 
+/// Tokens per second per (threads, test) of each round, for one side of the table.
+type Speeds = std::collections::BTreeMap<(usize, String), Vec<f64>>;
+
 fn bench(quick: bool) -> Result<()> {
     let ballast = release_ballast()?;
-    let flags = ["-p", "128", "-n", "128", "-r", "5", "-t", "1,2"];
+    let llama = std::env::var_os("LLAMA_BENCH");
+    let reps = if quick { "3" } else { "5" };
+    let rounds = if quick { 1 } else { 2 };
+    let flags = ["-p", "128", "-n", "128", "-r", reps, "-t", "1,2"];
+    let mut table = Vec::new();
     // The default model (Q4_1) and a real K-quant one (Q5_0, Q8_0, Q4_K, Q6_K).
     for name in ["smollm2-135m", "qwen2.5-coder-0.5b"] {
         let model = fetch_named(name)?;
-        if let Some(llama) = std::env::var_os("LLAMA_BENCH") {
-            step(
-                &format!("llama-bench {name} (llama.cpp, same machine, same run)"),
-                Command::new(llama).arg("-m").arg(&model).args(flags),
-            )?;
+        let (mut ours, mut theirs) = (Speeds::new(), Speeds::new());
+        let mut roof = std::collections::BTreeMap::new();
+        for round in 0..rounds {
+            // Alternate which goes first, so neither always meets a warm or a hot machine.
+            for side in [round % 2, 1 - round % 2] {
+                if side == 0 {
+                    eprintln!("==> ballast bench {name} (round {})", round + 1);
+                    let out = Command::new(&ballast)
+                        .args(["bench", "--json", "-m"])
+                        .arg(&model)
+                        .args(flags)
+                        .output()
+                        .context("running ballast bench")?;
+                    if !out.status.success() {
+                        bail!(
+                            "ballast bench failed: {}",
+                            String::from_utf8_lossy(&out.stderr)
+                        );
+                    }
+                    for line in String::from_utf8_lossy(&out.stdout).lines() {
+                        let v: serde_json::Value = serde_json::from_str(line)?;
+                        let (Some(test), Some(t)) = (v["test"].as_str(), v["threads"].as_u64())
+                        else {
+                            continue;
+                        };
+                        let key = (t as usize, test.to_string());
+                        let tps = v["tokens_per_s_median"].as_f64().unwrap_or(0.0);
+                        ours.entry(key.clone()).or_default().push(tps);
+                        if let (Some(w), Some(bw)) = (
+                            v["weight_bytes_per_token"].as_f64(),
+                            v["read_bandwidth_bytes_per_s"].as_f64(),
+                        ) {
+                            roof.insert(key, (w, bw));
+                        }
+                    }
+                } else if let Some(llama) = &llama {
+                    eprintln!("==> llama-bench {name} (round {})", round + 1);
+                    let out = Command::new(llama)
+                        .arg("-m")
+                        .arg(&model)
+                        .args(flags)
+                        .args(["-o", "json"])
+                        .output()
+                        .context("running llama-bench (LLAMA_BENCH)")?;
+                    if !out.status.success() {
+                        bail!(
+                            "llama-bench failed: {}",
+                            String::from_utf8_lossy(&out.stderr)
+                        );
+                    }
+                    let runs: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)
+                        .context("reading llama-bench's JSON")?;
+                    for r in runs {
+                        let (p, n) = (r["n_prompt"].as_u64(), r["n_gen"].as_u64());
+                        let test = match (p, n) {
+                            (_, Some(n)) if n > 0 => format!("tg{n}"),
+                            (Some(p), _) => format!("pp{p}"),
+                            _ => continue,
+                        };
+                        let t = r["n_threads"].as_u64().unwrap_or(0) as usize;
+                        let tps = r["avg_ts"].as_f64().unwrap_or(0.0);
+                        theirs.entry((t, test)).or_default().push(tps);
+                    }
+                }
+            }
         }
-        step(
-            &format!("ballast bench {name}"),
-            Command::new(&ballast)
-                .arg("bench")
-                .arg("-m")
-                .arg(&model)
-                .args(flags),
-        )?;
+        for (key, speeds) in &ours {
+            table.push((
+                name,
+                key.clone(),
+                speeds.clone(),
+                theirs.get(key).cloned(),
+                roof.get(key).copied(),
+            ));
+        }
+    }
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        match v.len() {
+            0 => f64::NAN,
+            n if n % 2 == 0 => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+            n => v[n / 2],
+        }
+    };
+    let rounds_of = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.1}"))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    };
+    println!("\n== Ballast and llama.cpp, same machine, same run ({rounds} round(s), alternated; t/s per round, ratio of the medians)");
+    println!("| model | threads | test | Ballast t/s | llama.cpp t/s | ratio | weights read per second | memory read bandwidth | of the roofline |");
+    println!("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for (name, (t, test), ours, theirs, roof) in table {
+        let (theirs_s, ratio) = match &theirs {
+            Some(v) => (rounds_of(v), format!("{:.2}", median(&ours) / median(v))),
+            None => ("(set LLAMA_BENCH)".to_string(), "-".to_string()),
+        };
+        let (achieved, bw, pct) = match roof {
+            Some((w, bw)) => {
+                let a = w * median(&ours);
+                (
+                    format!("{:.2} GB/s", a / 1e9),
+                    format!("{:.2} GB/s", bw / 1e9),
+                    format!("{:.0}%", 100.0 * a / bw),
+                )
+            }
+            None => ("-".into(), "-".into(), "-".into()),
+        };
+        println!(
+            "| {name} | {t} | {test} | {} | {theirs_s} | {ratio} | {achieved} | {bw} | {pct} |",
+            rounds_of(&ours)
+        );
     }
     bench_kv()?;
     if !quick {

@@ -396,6 +396,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     // whole context) per precision; a host cache's sliding-window layers keep only
     // their window, a fixed amount however long the context.
     let config = ballast_runtime::ModelConfig::from_gguf(&file)?;
+    // Before the roofline's buffer raises it.
+    let peak_rss = peak_rss_kib();
+    let roofline = roofline(&file, &results, backend_name.starts_with("cpu"));
     let kv_dim = config.n_kv_heads * config.head_dim;
     let windows: Vec<usize> = config
         .layer_attention
@@ -422,8 +425,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 "tokens_per_s_median": median(&r.tokens_per_s),
                 "tokens_per_s_min": spread.0, "tokens_per_s_max": spread.1,
                 "samples": r.tokens_per_s,
-                "peak_rss_kib": peak_rss_kib(),
+                "peak_rss_kib": peak_rss,
             });
+            if let Some(rf) = roofline.iter().find(|f| f.threads == r.threads) {
+                if r.test.starts_with("tg") {
+                    obj["weight_bytes_per_token"] = json!(rf.weight_bytes_per_token);
+                    obj["weight_bytes_per_s"] =
+                        json!(rf.weight_bytes_per_token as f64 * median(&r.tokens_per_s));
+                    obj["read_bandwidth_bytes_per_s"] = json!(rf.read_bytes_per_s);
+                }
+            }
             if let Some(pt) = r.per_token {
                 obj["per_token_ms"] = json!({
                     "matmul": pt.matmul.as_secs_f64() * 1e3,
@@ -547,6 +558,24 @@ pub fn run(args: BenchArgs) -> Result<()> {
             100.0 * f.idle_down_blocks,
         );
     }
+    for rf in &roofline {
+        for r in results
+            .iter()
+            .filter(|r| r.threads == rf.threads && r.test.starts_with("tg"))
+        {
+            let achieved = rf.weight_bytes_per_token as f64 * median(&r.tokens_per_s);
+            println!(
+                "roofline, {} threads: {} reads {} of weights per token, {}/s achieved; this machine reads memory at {}/s with {} threads: {:.0}% of it",
+                r.threads,
+                r.test,
+                human_bytes(rf.weight_bytes_per_token),
+                tiered::human_rate(achieved),
+                tiered::human_rate(rf.read_bytes_per_s),
+                r.threads,
+                100.0 * achieved / rf.read_bytes_per_s.max(1.0),
+            );
+        }
+    }
     println!("\nwhere a generated token's time goes (mean per token):");
     for r in &results {
         if let Some(pt) = r.per_token {
@@ -614,7 +643,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(text) = &plan_text {
         println!("plan used:\n{text}");
     }
-    if let Some(kib) = peak_rss_kib() {
+    if let Some(kib) = peak_rss {
         println!("peak resident memory: {}", human_bytes(kib * 1024));
     }
     if let Some(report) = &device_report {
@@ -705,4 +734,47 @@ fn print_device_report(report: &DeviceReport, context: usize) {
             100.0 * k.nanos / total.max(1.0)
         );
     }
+}
+
+/// The memory roofline of one thread count: what a decode step reads and how fast the
+/// machine reads memory with that many threads.
+struct Roofline {
+    threads: usize,
+    weight_bytes_per_token: u64,
+    read_bytes_per_s: f64,
+}
+
+/// Bytes of weights a decode step of a dense model reads (every tensor once; the
+/// embedding table only for its one row, unless it is also the output head), and the
+/// machine's read bandwidth at each thread count a decode test ran with, measured after
+/// the tests. Empty off the CPU: a device's bandwidth is not the host's.
+fn roofline(
+    file: &ballast_runtime::gguf::GgufFile,
+    results: &[TestResult],
+    on_cpu: bool,
+) -> Vec<Roofline> {
+    if !on_cpu {
+        return Vec::new();
+    }
+    let tensors = file.tensors();
+    let separate_head = tensors.iter().any(|t| t.name == "output.weight");
+    let weight_bytes_per_token = tensors
+        .iter()
+        .filter(|t| !(separate_head && t.name == "token_embd.weight"))
+        .map(|t| t.n_bytes)
+        .sum();
+    let mut threads: Vec<usize> = results
+        .iter()
+        .filter(|r| r.test.starts_with("tg"))
+        .map(|r| r.threads)
+        .collect();
+    threads.dedup();
+    threads
+        .into_iter()
+        .map(|t| Roofline {
+            threads: t,
+            weight_bytes_per_token,
+            read_bytes_per_s: ballast_runtime::memory::read_bandwidth(256 << 20, t),
+        })
+        .collect()
 }
