@@ -213,8 +213,10 @@ fn make_case(ty: GgmlType, seed: u64) -> Case {
     let mut r = Rng(seed);
     let bl = ty.block_len().max(32);
     let k = bl * (1 + r.below(if bl == 256 { 3 } else { 7 }));
-    let rows = 1 + r.below(5);
-    let n_tokens = 1 + r.below(9);
+    // Up to 11 rows and 19 tokens: whole prefill tiles (4 x 8 on AVX-512) and tails of
+    // rows and tokens not divisible by the tile.
+    let rows = 1 + r.below(11);
+    let n_tokens = 1 + r.below(19);
     let w = rand_blocks(ty, rows * k / ty.block_len(), &mut r);
     let scale = [0.0, 1e-3, 1.0, 100.0][r.below(4)];
     let x: Vec<f32> = (0..n_tokens * k).map(|_| r.unit() * scale).collect();

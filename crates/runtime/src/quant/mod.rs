@@ -232,6 +232,9 @@ pub struct QuantizedActivations {
     bytes: Vec<u8>,
     /// f32 copies of each block's stored scales: `d` per block (and `s` after it for Q8_1).
     scales: Vec<f32>,
+    /// Q8_0 only: each whole group of [`PACK_TOKENS`] tokens repacked block by block for
+    /// the AVX-512 prefill kernel (see [`QuantizedActivations::packed_group`]).
+    packed: Vec<u8>,
     f32s: Vec<f32>,
 }
 
@@ -251,6 +254,7 @@ impl QuantizedActivations {
             row_bytes: 0,
             bytes: Vec::new(),
             scales: Vec::new(),
+            packed: Vec::new(),
             f32s: Vec::new(),
         }
     }
@@ -305,7 +309,21 @@ impl QuantizedActivations {
         }
     }
 
+    /// Tokens `8 * g .. 8 * g + 8` (a whole group) repacked: per block `b`, at byte
+    /// `b * PACKED_BLOCK`, the 8 tokens' 32 quants (256 bytes), then per token the negated
+    /// sums of its 8 groups of four quants as i32 (256 bytes; the offset correction of the
+    /// unsigned-weight kernels, computed once per batch instead of once per weight tile),
+    /// then the 8 tokens' f32 scales. One pointer and constant offsets serve the whole
+    /// tile. Empty unless Q8_0 with at least 8 tokens; `g` must be a whole group.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[inline]
+    pub(crate) fn packed_group(&self, g: usize) -> &[u8] {
+        let len = self.k / 32 * PACKED_BLOCK;
+        &self.packed[g * len..(g + 1) * len]
+    }
+
     /// Parts of token `t`: (bytes, scales, f32s). `t` must be in range.
+    #[inline]
     pub(crate) fn parts(&self, t: usize) -> (&[u8], &[f32], &[f32]) {
         let spr = self.scales_per_row();
         let b = &self.bytes[t * self.row_bytes..(t + 1) * self.row_bytes];
@@ -362,6 +380,7 @@ pub fn quantize_activations(
     out.row_bytes = rb;
     out.bytes.clear();
     out.scales.clear();
+    out.packed.clear();
     out.f32s.clear();
     if ty == GgmlType::F32 {
         out.f32s.extend_from_slice(x);
@@ -380,6 +399,7 @@ pub fn quantize_activations(
                     x86::quantize_q8_avx2::<false>(x, &mut out.bytes, &mut out.scales);
                 }
             }
+            out.fill_packed();
             return Ok(());
         }
     }
@@ -395,7 +415,43 @@ pub fn quantize_activations(
             _ => out.scales.push(blocks::f32_at(b, 0)),
         }
     }
+    out.fill_packed();
     Ok(())
+}
+
+/// Tokens per group of [`QuantizedActivations::packed_group`].
+pub(crate) const PACK_TOKENS: usize = 8;
+/// Bytes per block of a packed group: quants, negated group sums, scales.
+pub(crate) const PACKED_BLOCK: usize = PACK_TOKENS * (32 + 32 + 4);
+
+impl QuantizedActivations {
+    /// Builds `packed` from the quantized bytes and scales (Q8_0 only).
+    fn fill_packed(&mut self) {
+        if self.ty != GgmlType::Q8_0 || self.n_tokens < PACK_TOKENS {
+            return;
+        }
+        let nb = self.k / 32;
+        let groups = self.n_tokens / PACK_TOKENS;
+        self.packed.resize(groups * nb * PACKED_BLOCK, 0);
+        for (g, dst) in self.packed.chunks_exact_mut(nb * PACKED_BLOCK).enumerate() {
+            for (b, blk) in dst.chunks_exact_mut(PACKED_BLOCK).enumerate() {
+                let (qs, rest) = blk.split_at_mut(PACK_TOKENS * 32);
+                let (sums, scales) = rest.split_at_mut(PACK_TOKENS * 32);
+                for j in 0..PACK_TOKENS {
+                    let t = g * PACK_TOKENS + j;
+                    let src = &self.bytes[t * self.row_bytes + b * 34 + 2..][..32];
+                    qs[32 * j..32 * j + 32].copy_from_slice(src);
+                    for (i, four) in src.chunks_exact(4).enumerate() {
+                        let s: i32 = four.iter().map(|&q| q as i8 as i32).sum();
+                        sums[32 * j + 4 * i..32 * j + 4 * i + 4]
+                            .copy_from_slice(&(-s).to_le_bytes());
+                    }
+                    let sc = self.scales[t * nb + b];
+                    scales[4 * j..4 * j + 4].copy_from_slice(&sc.to_le_bytes());
+                }
+            }
+        }
+    }
 }
 
 fn check_matmul(
@@ -522,21 +578,19 @@ pub fn matmul_at(
     };
     let kernel = tile_kernel(level, ty);
     let rows = weights.len() / rb;
-    // Decode (one token): 4 rows share each activation block load and the final
-    // reductions. Prefill: each decoded weight block is reused for 4 tokens (2 rows x 4
-    // tokens on AVX-512).
-    let rr_pref = match (n, level) {
-        (1, _) => 4,
-        (_, SimdLevel::Avx512) => 2,
-        _ => 1,
-    };
+    let (rr_pref, nt_pref) = tile_shape(level, ty, n);
     let mut r = 0;
     while r < rows {
         let rr = if rows - r >= rr_pref { rr_pref } else { 1 };
         let w = &weights[r * rb..(r + rr) * rb];
         let mut t0 = 0;
         while t0 < n {
-            let nt = (n - t0).min(4);
+            // Full tiles, then tails of at most 4 tokens (every kernel has those shapes).
+            let nt = if n - t0 >= nt_pref {
+                nt_pref
+            } else {
+                (n - t0).min(4)
+            };
             let dst = &mut out[r * n + t0..];
             match kernel {
                 // SAFETY: the kernel was selected for a level this CPU supports, and the
@@ -549,6 +603,19 @@ pub fn matmul_at(
         r += rr;
     }
     Ok(())
+}
+
+/// The (rows, tokens) tile `matmul_at` hands a kernel. Decode (one token): 4 rows share
+/// each activation block load and the final reductions. Prefill reuses each decoded
+/// weight block for several tokens: on AVX-512 the Q8_0-activation formats take 4 rows x
+/// 8 tokens (two 512-bit row pairs, sixteen accumulators), the others 2 rows x 4 tokens.
+fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
+    match (n, level) {
+        (1, _) => (4, 1),
+        (_, SimdLevel::Avx512) if activation_type(ty) == GgmlType::Q8_0 => (4, 8),
+        (_, SimdLevel::Avx512) => (2, 4),
+        _ => (1, 4),
+    }
 }
 
 /// Scalar dot product of one weight row (`row_bytes(ty, acts.k())` bytes) with activation

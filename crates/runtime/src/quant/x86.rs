@@ -4,7 +4,7 @@
 //! activations produced by [`super::quantize_activations`], whose quants lie in
 //! -127..=127) and differ from the scalar path only in the order of f32 accumulation.
 
-use super::{QuantizedActivations, TileFn};
+use super::{QuantizedActivations, TileFn, PACKED_BLOCK, PACK_TOKENS};
 use crate::ggml_type::GgmlType;
 use half::f16;
 use std::arch::x86_64::*;
@@ -142,14 +142,56 @@ tile_fn!(tile_q5_1_avx2, q5_1_avx2, 24);
 tile_fn!(tile_q4_k_avx2, q4_k_avx2, 144);
 tile_fn!(tile_q5_k_avx2, q5_k_avx2, 176);
 tile_fn!(tile_q6_k_avx2, q6_k_avx2, 210);
-tile_fn!(tile_q4_0_avx512, q4_0_avx512, 18);
+tile_fn!(tile_q4_0_avx512_narrow, q4_0_avx512, 18);
 tile_fn!(tile_q4_1_avx512, q4_1_avx512, 20);
-tile_fn!(tile_q8_0_avx512, q8_0_avx512, 34);
-tile_fn!(tile_q5_0_avx512, q5_0_avx512, 22);
+tile_fn!(tile_q8_0_avx512_narrow, q8_0_avx512, 34);
+tile_fn!(tile_q5_0_avx512_narrow, q5_0_avx512, 22);
 tile_fn!(tile_q5_1_avx512, q5_1_avx512, 24);
 tile_fn!(tile_q4_k_avx512, q4_k_avx512, 144);
 tile_fn!(tile_q5_k_avx512, q5_k_avx512, 176);
 tile_fn!(tile_q6_k_avx512, q6_k_avx512, 210);
+
+/// Expands the prefill tile of a Q8_0-activation format: 4 rows x 8 tokens through
+/// [`q8_0_like_wide_avx512`], any other shape through the narrow kernel (tokens split
+/// into groups of at most 4).
+macro_rules! tile_wide_fn {
+    ($name:ident, $narrow:ident, $kind:expr, $bb:expr) => {
+        /// # Safety
+        /// The CPU must support AVX-512 VNNI; `w` and `acts` must be validated.
+        unsafe fn $name(
+            w: &[u8],
+            rb: usize,
+            acts: &QuantizedActivations,
+            t0: usize,
+            nt: usize,
+            out: &mut [f32],
+            stride: usize,
+        ) {
+            let rr = w.len() / rb;
+            if rr == 4 && nt == PACK_TOKENS && t0 % PACK_TOKENS == 0 {
+                let wp: Rows<4> = std::array::from_fn(|i| w[i * rb..].as_ptr());
+                let y = acts.packed_group(t0 / PACK_TOKENS).as_ptr();
+                // SAFETY: forwarded from the caller; the packed group holds every block.
+                let res = unsafe { q8_0_like_wide_avx512::<$kind>(wp, rb / $bb, y) };
+                for (i, row) in res.iter().enumerate() {
+                    out[i * stride..i * stride + PACK_TOKENS].copy_from_slice(row);
+                }
+                return;
+            }
+            let mut j = 0;
+            while j < nt {
+                let m = (nt - j).min(4);
+                // SAFETY: forwarded from the caller.
+                unsafe { $narrow(w, rb, acts, t0 + j, m, &mut out[j..], stride) };
+                j += m;
+            }
+        }
+    };
+}
+
+tile_wide_fn!(tile_q8_0_avx512, tile_q8_0_avx512_narrow, 0, 34);
+tile_wide_fn!(tile_q4_0_avx512, tile_q4_0_avx512_narrow, 1, 18);
+tile_wide_fn!(tile_q5_0_avx512, tile_q5_0_avx512_narrow, 2, 22);
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -876,6 +918,101 @@ unsafe fn q8_0_like_avx512<const RR: usize, const NT: usize, const KIND: u8>(
     res
 }
 
+/// The prefill form of [`q8_0_like_avx512`]: rows 0..4 (two 512-bit pairs) against 8
+/// tokens, each decoded weight block used for all 8 tokens and each activation block
+/// for both pairs; the same per-row f32 operations in the same order (one `d_w * d_a`
+/// product and one FMA per block and lane, then ggml's horizontal sum), so the same bits.
+/// The activations come packed (`QuantizedActivations::packed_group`: one pointer,
+/// constant offsets); the offset correction is their precomputed negated group sums
+/// shifted by log2 of the offset (128, 8 and 16 are powers of two), not recomputed per
+/// tile.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_0_like_wide_avx512<const KIND: u8>(
+    w: Rows<4>,
+    nb: usize,
+    y: *const u8,
+) -> [[f32; PACK_TOKENS]; 4] {
+    const NT: usize = PACK_TOKENS;
+    let bb = [34, 18, 22][KIND as usize];
+    let offset = _mm512_set1_epi8([-128i8, 8, 16][KIND as usize]);
+    // Lanes 0 / 2 (d of rows 0 / 2) and 1 / 3 (rows 1 / 3) in the two 256-bit halves.
+    let idx = [
+        _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+        _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),
+    ];
+    let mut acc = [[_mm512_setzero_ps(); NT]; 2];
+    for b in 0..nb {
+        // SAFETY: block b of each row and of the packed activations is in bounds.
+        unsafe {
+            let yb = y.add(b * PACKED_BLOCK);
+            let wb: [*const u8; 4] = std::array::from_fn(|r| w[r].add(b * bb));
+            for p in wb {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH) as *const i8);
+            }
+            let h = _mm_set_epi16(
+                0,
+                0,
+                0,
+                0,
+                (wb[3] as *const i16).read_unaligned(),
+                (wb[2] as *const i16).read_unaligned(),
+                (wb[1] as *const i16).read_unaligned(),
+                (wb[0] as *const i16).read_unaligned(),
+            );
+            let d4 = _mm512_castps128_ps512(_mm_cvtph_ps(h));
+            let d = [
+                _mm512_permutexvar_ps(idx[0], d4),
+                _mm512_permutexvar_ps(idx[1], d4),
+            ];
+            // The weights plus the offset, as unsigned bytes.
+            let x: [__m512i; 2] = std::array::from_fn(|p| {
+                let (wa, wb) = (wb[2 * p], wb[2 * p + 1]);
+                match KIND {
+                    1 => nibbles_pair(wa.add(2), wb.add(2)),
+                    2 => {
+                        let qa = (wa.add(2) as *const u32).read_unaligned();
+                        let qb = (wb.add(2) as *const u32).read_unaligned();
+                        let q = nibbles_pair(wa.add(6), wb.add(6));
+                        _mm512_or_si512(q, high_bits_pair(qa, qb))
+                    }
+                    _ => _mm512_xor_si512(
+                        _mm512_inserti64x4::<1>(
+                            _mm512_castsi256_si512(_mm256_loadu_si256(wa.add(2) as *const __m256i)),
+                            _mm256_loadu_si256(wb.add(2) as *const __m256i),
+                        ),
+                        offset,
+                    ),
+                }
+            });
+            // `t` also gives the byte offsets of the token in the packed block.
+            #[allow(clippy::needless_range_loop)]
+            for t in 0..NT {
+                let y = broadcast32(yb.add(32 * t));
+                let sums = broadcast32(yb.add(32 * NT + 32 * t));
+                // -offset * (sum of each group of four activations).
+                let corr = match KIND {
+                    1 => _mm512_slli_epi32::<3>(sums),
+                    2 => _mm512_slli_epi32::<4>(sums),
+                    _ => _mm512_slli_epi32::<7>(sums),
+                };
+                let sy = _mm512_set1_ps((yb.add(64 * NT + 4 * t) as *const f32).read_unaligned());
+                for p in 0..2 {
+                    let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, x[p], y));
+                    acc[p][t] = _mm512_fmadd_ps(_mm512_mul_ps(d[p], sy), xy, acc[p][t]);
+                }
+            }
+        }
+    }
+    let mut res = [[0f32; NT]; 4];
+    for (p, acc) in acc.iter().enumerate() {
+        for t in 0..NT {
+            res[2 * p + 1][t] = hsum256(_mm512_extractf32x8_ps::<1>(acc[t]));
+            res[2 * p][t] = hsum256(_mm512_castps512_ps256(acc[t]));
+        }
+    }
+    res
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn q8_0_avx512<const RR: usize, const NT: usize>(
     w: Rows<RR>,
@@ -1347,10 +1484,17 @@ mod tests {
 
     fn check_kernel(ty: GgmlType, kernel: TileFn, level: &str) {
         let bl = ty.block_len();
+        // The Q8_0-activation formats also have the 4 x 8 prefill tile on AVX-512 (and
+        // its wrapper splits other shapes into groups of at most 4 tokens).
+        let wide = level == "avx512" && super::super::activation_type(ty) == GgmlType::Q8_0;
+        let mut shapes = vec![(4, 1), (2, 4), (1, 4), (1, 3), (1, 2), (1, 1), (3, 2)];
+        if wide {
+            shapes.extend([(4, 8), (1, 8), (4, 5), (2, 7)]);
+        }
         for nb in [1, 2, 3, 7] {
             let k = bl * nb;
             let rb = ty.block_bytes() * nb;
-            for n in 1..6 {
+            for n in 1..10 {
                 let rows = 5;
                 let wq = random_rows(ty, rows * rb, (nb * 31 + n) as u64);
                 let x: Vec<f32> = (0..n * k)
@@ -1358,7 +1502,7 @@ mod tests {
                     .collect();
                 let mut acts = QuantizedActivations::new();
                 quantize_activations(ty, &x, n, k, &mut acts).unwrap();
-                for (rr, nt) in [(4, 1), (2, 4), (1, 4), (1, 3), (1, 2), (1, 1), (3, 2)] {
+                for &(rr, nt) in &shapes {
                     if nt > n {
                         continue;
                     }
