@@ -350,6 +350,36 @@ proptest! {
         }
     }
 
+    /// The token-major product (the CPU backend's batch path) holds the same bits as
+    /// `matmul`, transposed, and writes nothing outside its rows.
+    #[test]
+    fn token_major_matmul_is_the_transpose(seed in any::<u64>()) {
+        for ty in WEIGHT_TYPES {
+            let c = make_case(ty, seed.rotate_left(11) ^ ty.id() as u64);
+            let want = run(&c, quant::current_simd_level());
+            // Two padding columns on each side of the rows.
+            let ld = c.rows + 4;
+            let mut out = vec![f32::NAN; c.n_tokens * ld];
+            // SAFETY: every (t, r) lands at t * ld + 2 + r < out.len(), written by this
+            // thread alone.
+            unsafe {
+                quant::matmul_token_major(c.ty, &c.w, c.k, &c.acts, out.as_mut_ptr().add(2), ld)
+                    .unwrap()
+            };
+            for t in 0..c.n_tokens {
+                for j in 0..ld {
+                    let got = out[t * ld + j];
+                    if (2..2 + c.rows).contains(&j) {
+                        let w = want[(j - 2) * c.n_tokens + t];
+                        prop_assert_eq!(got.to_bits(), w.to_bits(), "{:?} t={} r={}", ty, t, j - 2);
+                    } else {
+                        prop_assert!(got.is_nan(), "{:?} wrote padding at t={} j={}", ty, t, j);
+                    }
+                }
+            }
+        }
+    }
+
     /// `quantize_activations` (SIMD when available) gives exactly the bytes of the rule
     /// llama.cpp's x86 activation quantizers follow (see `x86_activation_reference`),
     /// including on ties (multiples of d / 2).

@@ -461,6 +461,17 @@ fn check_matmul(
     acts: &QuantizedActivations,
     out: &[f32],
 ) -> Result<usize> {
+    check_matmul_sizes(ty, weights, k, acts, out.len())
+}
+
+/// [`check_matmul`] for an output of `out_len` values.
+fn check_matmul_sizes(
+    ty: GgmlType,
+    weights: &[u8],
+    k: usize,
+    acts: &QuantizedActivations,
+    out_len: usize,
+) -> Result<usize> {
     if !is_weight_type(ty) {
         return Err(Error::QuantUnsupported { ty, op: "matmul" });
     }
@@ -488,11 +499,11 @@ fn check_matmul(
     }
     let rows = weights.len() / rb;
     let n = rows.saturating_mul(acts.n_tokens);
-    if out.len() != n {
+    if out_len != n {
         return Err(Error::QuantValueCount {
             what: "matmul output",
             expected: n,
-            got: out.len(),
+            got: out_len,
         });
     }
     Ok(rb)
@@ -597,6 +608,69 @@ pub fn matmul_at(
                 // lengths of `w` and the activation rows were validated above.
                 Some(f) => unsafe { f(w, rb, acts, t0, nt, dst, n) },
                 None => scalar_tile(ty, w, rb, acts, t0, nt, dst, n),
+            }
+            t0 += nt;
+        }
+        r += rr;
+    }
+    Ok(())
+}
+
+/// [`matmul`] writing token-major output: `out[t * ld + r]` for weight row `r` and
+/// token `t` (the layout of a batch of activations, `ld` values per token), so a thread
+/// computing some rows of a matrix writes its share of the batch's output directly.
+/// Each tile is computed into a small buffer, then stored.
+///
+/// # Safety
+/// For every row `r` of `weights` and token `t` of `acts`, `out + t * ld + r` must be
+/// valid for a write of an f32, and no other thread may access those elements during
+/// the call.
+pub unsafe fn matmul_token_major(
+    ty: GgmlType,
+    weights: &[u8],
+    k: usize,
+    acts: &QuantizedActivations,
+    out: *mut f32,
+    ld: usize,
+) -> Result<()> {
+    let rb = row_bytes(ty, k)?;
+    let rows = weights.len() / rb;
+    let n = acts.n_tokens;
+    // The shapes are checked against an output of the row-major size.
+    check_matmul_sizes(ty, weights, k, acts, rows.saturating_mul(n))?;
+    if n == 0 || rows == 0 {
+        return Ok(());
+    }
+    let level = current_simd_level();
+    let kernel = tile_kernel(level, ty);
+    let (rr_pref, nt_pref) = tile_shape(level, ty, n);
+    const TILE: usize = 32;
+    debug_assert!(rr_pref * nt_pref <= TILE && nt_pref <= 8 && rr_pref <= 4);
+    let mut buf = [0f32; TILE];
+    let mut r = 0;
+    while r < rows {
+        let rr = if rows - r >= rr_pref { rr_pref } else { 1 };
+        let w = &weights[r * rb..(r + rr) * rb];
+        let mut t0 = 0;
+        while t0 < n {
+            let nt = if n - t0 >= nt_pref {
+                nt_pref
+            } else {
+                (n - t0).min(4)
+            };
+            // The tile's rows at stride 8 in `buf` (rr <= 4, nt <= 8).
+            match kernel {
+                // SAFETY: the kernel was selected for a level this CPU supports, and the
+                // lengths of `w` and the activation rows were validated above.
+                Some(f) => unsafe { f(w, rb, acts, t0, nt, &mut buf, 8) },
+                None => scalar_tile(ty, w, rb, acts, t0, nt, &mut buf, 8),
+            }
+            for j in 0..nt {
+                for i in 0..rr {
+                    // SAFETY: row r + i < rows and token t0 + j < n: in the caller's
+                    // region by the contract.
+                    unsafe { *out.add((t0 + j) * ld + r + i) = buf[i * 8 + j] };
+                }
             }
             t0 += nt;
         }
