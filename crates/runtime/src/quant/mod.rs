@@ -22,7 +22,7 @@
 //! bits: the 32-element formats in llama.cpp's x86 order (eight lanes of FMAs per row, then
 //! its horizontal sum), the K-quants one `+=` per superblock. Only the float types (F32,
 //! F16, BF16) differ between levels in the order of f32 accumulation (see the tests for the
-//! bound). Activation quantization to Q8_0/Q8_1 also has an AVX2 path, bit-identical to the
+//! bound). Activation quantization to Q8_0/Q8_1/Q8_K also has an AVX2 path, bit-identical to the
 //! scalar reference.
 //!
 //! [`matmul`] writes `out[r * n_tokens + t]`, so callers can split weight rows across
@@ -232,8 +232,8 @@ pub struct QuantizedActivations {
     bytes: Vec<u8>,
     /// f32 copies of each block's stored scales: `d` per block (and `s` after it for Q8_1).
     scales: Vec<f32>,
-    /// Q8_0 only: each whole group of [`PACK_TOKENS`] tokens repacked block by block for
-    /// the AVX-512 prefill kernel (see [`QuantizedActivations::packed_group`]).
+    /// Q8_0 and Q8_1: each whole group of [`PACK_TOKENS`] tokens repacked block by block
+    /// for the AVX-512 prefill kernels (see [`QuantizedActivations::packed_group`]).
     packed: Vec<u8>,
     f32s: Vec<f32>,
 }
@@ -310,15 +310,22 @@ impl QuantizedActivations {
     }
 
     /// Tokens `8 * g .. 8 * g + 8` (a whole group) repacked: per block `b`, at byte
-    /// `b * PACKED_BLOCK`, the 8 tokens' 32 quants (256 bytes), then per token the negated
-    /// sums of its 8 groups of four quants as i32 (256 bytes; the offset correction of the
-    /// unsigned-weight kernels, computed once per batch instead of once per weight tile),
-    /// then the 8 tokens' f32 scales. One pointer and constant offsets serve the whole
-    /// tile. Empty unless Q8_0 with at least 8 tokens; `g` must be a whole group.
+    /// `b * packed_block`, the 8 tokens' 32 quants (256 bytes); then for Q8_0
+    /// ([`PACKED_BLOCK`] bytes a block) per token the negated sums of its 8 groups of four
+    /// quants as i32 (256 bytes; the offset correction of the unsigned-weight kernels,
+    /// computed once per batch instead of once per weight tile) and the 8 tokens' f32
+    /// scales; for Q8_1 ([`PACKED_BLOCK_Q8_1`] bytes) the 8 tokens' f32 `d` and `s`
+    /// pairs. One pointer and constant offsets serve the whole tile. Empty unless Q8_0 or
+    /// Q8_1 with at least 8 tokens; `g` must be a whole group.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     #[inline]
     pub(crate) fn packed_group(&self, g: usize) -> &[u8] {
-        let len = self.k / 32 * PACKED_BLOCK;
+        let block = if self.ty == GgmlType::Q8_1 {
+            PACKED_BLOCK_Q8_1
+        } else {
+            PACKED_BLOCK
+        };
+        let len = self.k / 32 * block;
         &self.packed[g * len..(g + 1) * len]
     }
 
@@ -402,6 +409,11 @@ pub fn quantize_activations(
             out.fill_packed();
             return Ok(());
         }
+        if simd && ty == GgmlType::Q8_K {
+            // SAFETY: the level guarantees AVX2/FMA/F16C; the sizes were validated above.
+            unsafe { x86::quantize_q8_k_avx2(x, &mut out.bytes, &mut out.scales) };
+            return Ok(());
+        }
     }
     blocks::quantize_activation_blocks(ty, x, &mut out.bytes);
     let bb = ty.block_bytes();
@@ -423,10 +435,15 @@ pub fn quantize_activations(
 pub(crate) const PACK_TOKENS: usize = 8;
 /// Bytes per block of a packed group: quants, negated group sums, scales.
 pub(crate) const PACKED_BLOCK: usize = PACK_TOKENS * (32 + 32 + 4);
+/// Bytes per block of a packed Q8_1 group: quants, then `d` and `s` of each token.
+pub(crate) const PACKED_BLOCK_Q8_1: usize = PACK_TOKENS * (32 + 8);
 
 impl QuantizedActivations {
     /// Builds `packed` from the quantized bytes and scales (Q8_0 only).
     fn fill_packed(&mut self) {
+        if self.ty == GgmlType::Q8_1 && self.n_tokens >= PACK_TOKENS {
+            return self.fill_packed_q8_1();
+        }
         if self.ty != GgmlType::Q8_0 || self.n_tokens < PACK_TOKENS {
             return;
         }
@@ -448,6 +465,33 @@ impl QuantizedActivations {
                     }
                     let sc = self.scales[t * nb + b];
                     scales[4 * j..4 * j + 4].copy_from_slice(&sc.to_le_bytes());
+                }
+            }
+        }
+    }
+
+    /// [`Self::fill_packed`] for Q8_1.
+    fn fill_packed_q8_1(&mut self) {
+        let nb = self.k / 32;
+        let groups = self.n_tokens / PACK_TOKENS;
+        self.packed.resize(groups * nb * PACKED_BLOCK_Q8_1, 0);
+        for (g, dst) in self
+            .packed
+            .chunks_exact_mut(nb * PACKED_BLOCK_Q8_1)
+            .enumerate()
+        {
+            for (b, blk) in dst.chunks_exact_mut(PACKED_BLOCK_Q8_1).enumerate() {
+                let (qs, scales) = blk.split_at_mut(PACK_TOKENS * 32);
+                for j in 0..PACK_TOKENS {
+                    let t = g * PACK_TOKENS + j;
+                    let src = &self.bytes[t * self.row_bytes + b * 36 + 4..][..32];
+                    qs[32 * j..32 * j + 32].copy_from_slice(src);
+                    let (d, s) = (
+                        self.scales[2 * (t * nb + b)],
+                        self.scales[2 * (t * nb + b) + 1],
+                    );
+                    scales[8 * j..8 * j + 4].copy_from_slice(&d.to_le_bytes());
+                    scales[8 * j + 4..8 * j + 8].copy_from_slice(&s.to_le_bytes());
                 }
             }
         }
@@ -681,12 +725,16 @@ pub unsafe fn matmul_token_major(
 
 /// The (rows, tokens) tile `matmul_at` hands a kernel. Decode (one token): 4 rows share
 /// each activation block load and the final reductions. Prefill reuses each decoded
-/// weight block for several tokens: on AVX-512 the Q8_0-activation formats take 4 rows x
-/// 8 tokens (two 512-bit row pairs, sixteen accumulators), the others 2 rows x 4 tokens.
+/// weight block for several tokens: on AVX-512 the 32-element formats take 4 rows x 8
+/// tokens (two 512-bit row pairs, sixteen accumulators), the K-quants 2 rows x 4 tokens.
 fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
     match (n, level) {
         (1, _) => (4, 1),
-        (_, SimdLevel::Avx512) if activation_type(ty) == GgmlType::Q8_0 => (4, 8),
+        (_, SimdLevel::Avx512)
+            if matches!(activation_type(ty), GgmlType::Q8_0 | GgmlType::Q8_1) =>
+        {
+            (4, 8)
+        }
         (_, SimdLevel::Avx512) => (2, 4),
         _ => (1, 4),
     }
