@@ -26,9 +26,12 @@
 //! scalar reference.
 //!
 //! [`matmul`] writes `out[r * n_tokens + t]`, so callers can split weight rows across
-//! threads (each thread passes whole rows and gets a contiguous output chunk). Decode
-//! (one token) processes 4 rows at a time; prefill reuses each decoded weight block for 4
-//! tokens (2 rows x 4 tokens on AVX-512).
+//! threads (each thread passes whole rows and gets a contiguous output chunk);
+//! [`matmul_token_major`] writes `out[t * ld + r]` (a batch's layout) through a pointer,
+//! for threads sharing one output. Decode (one token) processes 4 rows at a time; prefill
+//! reuses each decoded weight block for several tokens: on AVX-512 the 32-element formats
+//! take 4 rows x 8 tokens against activations repacked once per batch (8 tokens' blocks
+//! side by side), the K-quants 2 rows x 4 tokens; AVX2 1 row x 4 tokens.
 //!
 //! # Example
 //!
