@@ -171,8 +171,10 @@ fn table() {
                 let t = Instant::now();
                 run();
                 let once = t.elapsed().as_secs_f64().max(1e-6);
-                let iters = ((0.02 / once) as u64).clamp(1, 10_000);
-                let reps = if once > 0.2 { 2 } else { 7 };
+                // Runs of at least 0.1 s: on some machines the thread CPU time advances
+                // by scheduler ticks (4 ms), which would quantize shorter runs.
+                let iters = ((0.1 / once) as u64).clamp(1, 10_000);
+                let reps = if once > 0.2 { 2 } else { 5 };
                 let best = (0..reps)
                     .map(|_| cpu_time(iters, &mut run).as_secs_f64() / iters as f64)
                     .fold(f64::MAX, f64::min);

@@ -213,8 +213,10 @@ fn make_case(ty: GgmlType, seed: u64) -> Case {
     let mut r = Rng(seed);
     let bl = ty.block_len().max(32);
     let k = bl * (1 + r.below(if bl == 256 { 3 } else { 7 }));
-    let rows = 1 + r.below(5);
-    let n_tokens = 1 + r.below(9);
+    // Up to 11 rows and 19 tokens: whole prefill tiles (4 x 8 on AVX-512) and tails of
+    // rows and tokens not divisible by the tile.
+    let rows = 1 + r.below(11);
+    let n_tokens = 1 + r.below(19);
     let w = rand_blocks(ty, rows * k / ty.block_len(), &mut r);
     let scale = [0.0, 1e-3, 1.0, 100.0][r.below(4)];
     let x: Vec<f32> = (0..n_tokens * k).map(|_| r.unit() * scale).collect();
@@ -343,6 +345,36 @@ proptest! {
                 for (i, ((g, s), (_, tol))) in got.iter().zip(&scalar).zip(&want).enumerate() {
                     prop_assert!((*g as f64 - *s as f64).abs() <= *tol,
                         "{:?} {:?} out[{}]: {} vs scalar {}", ty, level, i, g, s);
+                }
+            }
+        }
+    }
+
+    /// The token-major product (the CPU backend's batch path) holds the same bits as
+    /// `matmul`, transposed, and writes nothing outside its rows.
+    #[test]
+    fn token_major_matmul_is_the_transpose(seed in any::<u64>()) {
+        for ty in WEIGHT_TYPES {
+            let c = make_case(ty, seed.rotate_left(11) ^ ty.id() as u64);
+            let want = run(&c, quant::current_simd_level());
+            // Two padding columns on each side of the rows.
+            let ld = c.rows + 4;
+            let mut out = vec![f32::NAN; c.n_tokens * ld];
+            // SAFETY: every (t, r) lands at t * ld + 2 + r < out.len(), written by this
+            // thread alone.
+            unsafe {
+                quant::matmul_token_major(c.ty, &c.w, c.k, &c.acts, out.as_mut_ptr().add(2), ld)
+                    .unwrap()
+            };
+            for t in 0..c.n_tokens {
+                for j in 0..ld {
+                    let got = out[t * ld + j];
+                    if (2..2 + c.rows).contains(&j) {
+                        let w = want[(j - 2) * c.n_tokens + t];
+                        prop_assert_eq!(got.to_bits(), w.to_bits(), "{:?} t={} r={}", ty, t, j - 2);
+                    } else {
+                        prop_assert!(got.is_nan(), "{:?} wrote padding at t={} j={}", ty, t, j);
+                    }
                 }
             }
         }

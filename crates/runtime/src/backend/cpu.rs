@@ -82,18 +82,18 @@ impl CpuBackend {
                         unsafe { std::slice::from_raw_parts_mut(part.out.get().add(r0), r1 - r0) };
                     quant::matmul(part.weight.ty, w, part.weight.cols(), act, out)
                 } else {
-                    SCRATCH.with(|s| {
-                        let mut s = s.borrow_mut();
-                        s.resize((r1 - r0) * n_tokens, 0.0);
-                        let r = quant::matmul(part.weight.ty, w, part.weight.cols(), act, &mut s);
-                        for (ri, row) in s.chunks_exact(n_tokens).enumerate() {
-                            for (t, &v) in row.iter().enumerate() {
-                                // SAFETY: element (t, r0 + ri) is in this thread's rows.
-                                unsafe { *part.out.get().add(t * rows + r0 + ri) = v };
-                            }
-                        }
-                        r
-                    })
+                    // SAFETY: the output is a row-major `n_tokens x rows` matrix; elements
+                    // (t, r0..r1) of every token belong to this thread alone.
+                    unsafe {
+                        quant::matmul_token_major(
+                            part.weight.ty,
+                            w,
+                            part.weight.cols(),
+                            act,
+                            part.out.get().add(r0),
+                            rows,
+                        )
+                    }
                 };
                 if let Err(e) = result {
                     *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);

@@ -22,13 +22,16 @@
 //! bits: the 32-element formats in llama.cpp's x86 order (eight lanes of FMAs per row, then
 //! its horizontal sum), the K-quants one `+=` per superblock. Only the float types (F32,
 //! F16, BF16) differ between levels in the order of f32 accumulation (see the tests for the
-//! bound). Activation quantization to Q8_0/Q8_1 also has an AVX2 path, bit-identical to the
+//! bound). Activation quantization to Q8_0/Q8_1/Q8_K also has an AVX2 path, bit-identical to the
 //! scalar reference.
 //!
 //! [`matmul`] writes `out[r * n_tokens + t]`, so callers can split weight rows across
-//! threads (each thread passes whole rows and gets a contiguous output chunk). Decode
-//! (one token) processes 4 rows at a time; prefill reuses each decoded weight block for 4
-//! tokens (2 rows x 4 tokens on AVX-512).
+//! threads (each thread passes whole rows and gets a contiguous output chunk);
+//! [`matmul_token_major`] writes `out[t * ld + r]` (a batch's layout) through a pointer,
+//! for threads sharing one output. Decode (one token) processes 4 rows at a time; prefill
+//! reuses each decoded weight block for several tokens: on AVX-512 the 32-element formats
+//! take 4 rows x 8 tokens against activations repacked once per batch (8 tokens' blocks
+//! side by side), the K-quants 2 rows x 4 tokens; AVX2 1 row x 4 tokens.
 //!
 //! # Example
 //!
@@ -232,6 +235,9 @@ pub struct QuantizedActivations {
     bytes: Vec<u8>,
     /// f32 copies of each block's stored scales: `d` per block (and `s` after it for Q8_1).
     scales: Vec<f32>,
+    /// Q8_0 and Q8_1: each whole group of [`PACK_TOKENS`] tokens repacked block by block
+    /// for the AVX-512 prefill kernels (see [`QuantizedActivations::packed_group`]).
+    packed: Vec<u8>,
     f32s: Vec<f32>,
 }
 
@@ -251,6 +257,7 @@ impl QuantizedActivations {
             row_bytes: 0,
             bytes: Vec::new(),
             scales: Vec::new(),
+            packed: Vec::new(),
             f32s: Vec::new(),
         }
     }
@@ -305,7 +312,28 @@ impl QuantizedActivations {
         }
     }
 
+    /// Tokens `8 * g .. 8 * g + 8` (a whole group) repacked: per block `b`, at byte
+    /// `b * packed_block`, the 8 tokens' 32 quants (256 bytes); then for Q8_0
+    /// ([`PACKED_BLOCK`] bytes a block) per token the negated sums of its 8 groups of four
+    /// quants as i32 (256 bytes; the offset correction of the unsigned-weight kernels,
+    /// computed once per batch instead of once per weight tile) and the 8 tokens' f32
+    /// scales; for Q8_1 ([`PACKED_BLOCK_Q8_1`] bytes) the 8 tokens' f32 `d` and `s`
+    /// pairs. One pointer and constant offsets serve the whole tile. Empty unless Q8_0 or
+    /// Q8_1 with at least 8 tokens; `g` must be a whole group.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[inline]
+    pub(crate) fn packed_group(&self, g: usize) -> &[u8] {
+        let block = if self.ty == GgmlType::Q8_1 {
+            PACKED_BLOCK_Q8_1
+        } else {
+            PACKED_BLOCK
+        };
+        let len = self.k / 32 * block;
+        &self.packed[g * len..(g + 1) * len]
+    }
+
     /// Parts of token `t`: (bytes, scales, f32s). `t` must be in range.
+    #[inline]
     pub(crate) fn parts(&self, t: usize) -> (&[u8], &[f32], &[f32]) {
         let spr = self.scales_per_row();
         let b = &self.bytes[t * self.row_bytes..(t + 1) * self.row_bytes];
@@ -362,6 +390,7 @@ pub fn quantize_activations(
     out.row_bytes = rb;
     out.bytes.clear();
     out.scales.clear();
+    out.packed.clear();
     out.f32s.clear();
     if ty == GgmlType::F32 {
         out.f32s.extend_from_slice(x);
@@ -380,6 +409,12 @@ pub fn quantize_activations(
                     x86::quantize_q8_avx2::<false>(x, &mut out.bytes, &mut out.scales);
                 }
             }
+            out.fill_packed();
+            return Ok(());
+        }
+        if simd && ty == GgmlType::Q8_K {
+            // SAFETY: the level guarantees AVX2/FMA/F16C; the sizes were validated above.
+            unsafe { x86::quantize_q8_k_avx2(x, &mut out.bytes, &mut out.scales) };
             return Ok(());
         }
     }
@@ -395,7 +430,75 @@ pub fn quantize_activations(
             _ => out.scales.push(blocks::f32_at(b, 0)),
         }
     }
+    out.fill_packed();
     Ok(())
+}
+
+/// Tokens per group of [`QuantizedActivations::packed_group`].
+pub(crate) const PACK_TOKENS: usize = 8;
+/// Bytes per block of a packed group: quants, negated group sums, scales.
+pub(crate) const PACKED_BLOCK: usize = PACK_TOKENS * (32 + 32 + 4);
+/// Bytes per block of a packed Q8_1 group: quants, then `d` and `s` of each token.
+pub(crate) const PACKED_BLOCK_Q8_1: usize = PACK_TOKENS * (32 + 8);
+
+impl QuantizedActivations {
+    /// Builds `packed` from the quantized bytes and scales (Q8_0 only).
+    fn fill_packed(&mut self) {
+        if self.ty == GgmlType::Q8_1 && self.n_tokens >= PACK_TOKENS {
+            return self.fill_packed_q8_1();
+        }
+        if self.ty != GgmlType::Q8_0 || self.n_tokens < PACK_TOKENS {
+            return;
+        }
+        let nb = self.k / 32;
+        let groups = self.n_tokens / PACK_TOKENS;
+        self.packed.resize(groups * nb * PACKED_BLOCK, 0);
+        for (g, dst) in self.packed.chunks_exact_mut(nb * PACKED_BLOCK).enumerate() {
+            for (b, blk) in dst.chunks_exact_mut(PACKED_BLOCK).enumerate() {
+                let (qs, rest) = blk.split_at_mut(PACK_TOKENS * 32);
+                let (sums, scales) = rest.split_at_mut(PACK_TOKENS * 32);
+                for j in 0..PACK_TOKENS {
+                    let t = g * PACK_TOKENS + j;
+                    let src = &self.bytes[t * self.row_bytes + b * 34 + 2..][..32];
+                    qs[32 * j..32 * j + 32].copy_from_slice(src);
+                    for (i, four) in src.chunks_exact(4).enumerate() {
+                        let s: i32 = four.iter().map(|&q| q as i8 as i32).sum();
+                        sums[32 * j + 4 * i..32 * j + 4 * i + 4]
+                            .copy_from_slice(&(-s).to_le_bytes());
+                    }
+                    let sc = self.scales[t * nb + b];
+                    scales[4 * j..4 * j + 4].copy_from_slice(&sc.to_le_bytes());
+                }
+            }
+        }
+    }
+
+    /// [`Self::fill_packed`] for Q8_1.
+    fn fill_packed_q8_1(&mut self) {
+        let nb = self.k / 32;
+        let groups = self.n_tokens / PACK_TOKENS;
+        self.packed.resize(groups * nb * PACKED_BLOCK_Q8_1, 0);
+        for (g, dst) in self
+            .packed
+            .chunks_exact_mut(nb * PACKED_BLOCK_Q8_1)
+            .enumerate()
+        {
+            for (b, blk) in dst.chunks_exact_mut(PACKED_BLOCK_Q8_1).enumerate() {
+                let (qs, scales) = blk.split_at_mut(PACK_TOKENS * 32);
+                for j in 0..PACK_TOKENS {
+                    let t = g * PACK_TOKENS + j;
+                    let src = &self.bytes[t * self.row_bytes + b * 36 + 4..][..32];
+                    qs[32 * j..32 * j + 32].copy_from_slice(src);
+                    let (d, s) = (
+                        self.scales[2 * (t * nb + b)],
+                        self.scales[2 * (t * nb + b) + 1],
+                    );
+                    scales[8 * j..8 * j + 4].copy_from_slice(&d.to_le_bytes());
+                    scales[8 * j + 4..8 * j + 8].copy_from_slice(&s.to_le_bytes());
+                }
+            }
+        }
+    }
 }
 
 fn check_matmul(
@@ -404,6 +507,17 @@ fn check_matmul(
     k: usize,
     acts: &QuantizedActivations,
     out: &[f32],
+) -> Result<usize> {
+    check_matmul_sizes(ty, weights, k, acts, out.len())
+}
+
+/// [`check_matmul`] for an output of `out_len` values.
+fn check_matmul_sizes(
+    ty: GgmlType,
+    weights: &[u8],
+    k: usize,
+    acts: &QuantizedActivations,
+    out_len: usize,
 ) -> Result<usize> {
     if !is_weight_type(ty) {
         return Err(Error::QuantUnsupported { ty, op: "matmul" });
@@ -432,11 +546,11 @@ fn check_matmul(
     }
     let rows = weights.len() / rb;
     let n = rows.saturating_mul(acts.n_tokens);
-    if out.len() != n {
+    if out_len != n {
         return Err(Error::QuantValueCount {
             what: "matmul output",
             expected: n,
-            got: out.len(),
+            got: out_len,
         });
     }
     Ok(rb)
@@ -522,21 +636,19 @@ pub fn matmul_at(
     };
     let kernel = tile_kernel(level, ty);
     let rows = weights.len() / rb;
-    // Decode (one token): 4 rows share each activation block load and the final
-    // reductions. Prefill: each decoded weight block is reused for 4 tokens (2 rows x 4
-    // tokens on AVX-512).
-    let rr_pref = match (n, level) {
-        (1, _) => 4,
-        (_, SimdLevel::Avx512) => 2,
-        _ => 1,
-    };
+    let (rr_pref, nt_pref) = tile_shape(level, ty, n);
     let mut r = 0;
     while r < rows {
         let rr = if rows - r >= rr_pref { rr_pref } else { 1 };
         let w = &weights[r * rb..(r + rr) * rb];
         let mut t0 = 0;
         while t0 < n {
-            let nt = (n - t0).min(4);
+            // Full tiles, then tails of at most 4 tokens (every kernel has those shapes).
+            let nt = if n - t0 >= nt_pref {
+                nt_pref
+            } else {
+                (n - t0).min(4)
+            };
             let dst = &mut out[r * n + t0..];
             match kernel {
                 // SAFETY: the kernel was selected for a level this CPU supports, and the
@@ -549,6 +661,86 @@ pub fn matmul_at(
         r += rr;
     }
     Ok(())
+}
+
+/// [`matmul`] writing token-major output: `out[t * ld + r]` for weight row `r` and
+/// token `t` (the layout of a batch of activations, `ld` values per token), so a thread
+/// computing some rows of a matrix writes its share of the batch's output directly.
+/// Each tile is computed into a small buffer, then stored.
+///
+/// # Safety
+/// For every row `r` of `weights` and token `t` of `acts`, `out + t * ld + r` must be
+/// valid for a write of an f32, and no other thread may access those elements during
+/// the call.
+pub unsafe fn matmul_token_major(
+    ty: GgmlType,
+    weights: &[u8],
+    k: usize,
+    acts: &QuantizedActivations,
+    out: *mut f32,
+    ld: usize,
+) -> Result<()> {
+    let rb = row_bytes(ty, k)?;
+    let rows = weights.len() / rb;
+    let n = acts.n_tokens;
+    // The shapes are checked against an output of the row-major size.
+    check_matmul_sizes(ty, weights, k, acts, rows.saturating_mul(n))?;
+    if n == 0 || rows == 0 {
+        return Ok(());
+    }
+    let level = current_simd_level();
+    let kernel = tile_kernel(level, ty);
+    let (rr_pref, nt_pref) = tile_shape(level, ty, n);
+    const TILE: usize = 32;
+    debug_assert!(rr_pref * nt_pref <= TILE && nt_pref <= 8 && rr_pref <= 4);
+    let mut buf = [0f32; TILE];
+    let mut r = 0;
+    while r < rows {
+        let rr = if rows - r >= rr_pref { rr_pref } else { 1 };
+        let w = &weights[r * rb..(r + rr) * rb];
+        let mut t0 = 0;
+        while t0 < n {
+            let nt = if n - t0 >= nt_pref {
+                nt_pref
+            } else {
+                (n - t0).min(4)
+            };
+            // The tile's rows at stride 8 in `buf` (rr <= 4, nt <= 8).
+            match kernel {
+                // SAFETY: the kernel was selected for a level this CPU supports, and the
+                // lengths of `w` and the activation rows were validated above.
+                Some(f) => unsafe { f(w, rb, acts, t0, nt, &mut buf, 8) },
+                None => scalar_tile(ty, w, rb, acts, t0, nt, &mut buf, 8),
+            }
+            for j in 0..nt {
+                for i in 0..rr {
+                    // SAFETY: row r + i < rows and token t0 + j < n: in the caller's
+                    // region by the contract.
+                    unsafe { *out.add((t0 + j) * ld + r + i) = buf[i * 8 + j] };
+                }
+            }
+            t0 += nt;
+        }
+        r += rr;
+    }
+    Ok(())
+}
+
+/// The (rows, tokens) tile `matmul_at` hands a kernel. Decode (one token): 4 rows share
+/// each activation block load and the final reductions. Prefill reuses each decoded
+/// weight block for several tokens: on AVX-512 the 32-element formats take 4 rows x 8
+/// tokens (two 512-bit row pairs, sixteen accumulators), the K-quants 2 rows x 4 tokens.
+fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
+    match (n, level) {
+        (1, _) => (4, 1),
+        (_, SimdLevel::Avx512)
+            if matches!(activation_type(ty), GgmlType::Q8_0 | GgmlType::Q8_1) =>
+        {
+            (4, 8)
+        }
+        (_, SimdLevel::Avx512) => (2, 4),
+        _ => (1, 4),
+    }
 }
 
 /// Scalar dot product of one weight row (`row_bytes(ty, acts.k())` bytes) with activation

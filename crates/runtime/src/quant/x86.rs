@@ -4,7 +4,7 @@
 //! activations produced by [`super::quantize_activations`], whose quants lie in
 //! -127..=127) and differ from the scalar path only in the order of f32 accumulation.
 
-use super::{QuantizedActivations, TileFn};
+use super::{QuantizedActivations, TileFn, PACKED_BLOCK, PACKED_BLOCK_Q8_1, PACK_TOKENS};
 use crate::ggml_type::GgmlType;
 use half::f16;
 use std::arch::x86_64::*;
@@ -142,14 +142,83 @@ tile_fn!(tile_q5_1_avx2, q5_1_avx2, 24);
 tile_fn!(tile_q4_k_avx2, q4_k_avx2, 144);
 tile_fn!(tile_q5_k_avx2, q5_k_avx2, 176);
 tile_fn!(tile_q6_k_avx2, q6_k_avx2, 210);
-tile_fn!(tile_q4_0_avx512, q4_0_avx512, 18);
-tile_fn!(tile_q4_1_avx512, q4_1_avx512, 20);
-tile_fn!(tile_q8_0_avx512, q8_0_avx512, 34);
-tile_fn!(tile_q5_0_avx512, q5_0_avx512, 22);
-tile_fn!(tile_q5_1_avx512, q5_1_avx512, 24);
+tile_fn!(tile_q4_0_avx512_narrow, q4_0_avx512, 18);
+tile_fn!(tile_q4_1_avx512_narrow, q4_1_avx512, 20);
+tile_fn!(tile_q8_0_avx512_narrow, q8_0_avx512, 34);
+tile_fn!(tile_q5_0_avx512_narrow, q5_0_avx512, 22);
+tile_fn!(tile_q5_1_avx512_narrow, q5_1_avx512, 24);
 tile_fn!(tile_q4_k_avx512, q4_k_avx512, 144);
 tile_fn!(tile_q5_k_avx512, q5_k_avx512, 176);
 tile_fn!(tile_q6_k_avx512, q6_k_avx512, 210);
+
+/// Expands the prefill tile of a 32-element format: 4 rows x 8 tokens through its wide
+/// kernel ([`q8_0_like_wide_avx512`], [`q41_like_wide_avx512`]), any other shape through the narrow kernel (tokens split
+/// into groups of at most 4).
+macro_rules! tile_wide_fn {
+    ($name:ident, $narrow:ident, $wide:expr, $bb:expr) => {
+        /// # Safety
+        /// The CPU must support AVX-512 VNNI; `w` and `acts` must be validated.
+        unsafe fn $name(
+            w: &[u8],
+            rb: usize,
+            acts: &QuantizedActivations,
+            t0: usize,
+            nt: usize,
+            out: &mut [f32],
+            stride: usize,
+        ) {
+            let rr = w.len() / rb;
+            if rr == 4 && nt == PACK_TOKENS && t0 % PACK_TOKENS == 0 {
+                let wp: Rows<4> = std::array::from_fn(|i| w[i * rb..].as_ptr());
+                let y = acts.packed_group(t0 / PACK_TOKENS).as_ptr();
+                // SAFETY: forwarded from the caller; the packed group holds every block.
+                let res = unsafe { $wide(wp, rb / $bb, y) };
+                for (i, row) in res.iter().enumerate() {
+                    out[i * stride..i * stride + PACK_TOKENS].copy_from_slice(row);
+                }
+                return;
+            }
+            let mut j = 0;
+            while j < nt {
+                let m = (nt - j).min(4);
+                // SAFETY: forwarded from the caller.
+                unsafe { $narrow(w, rb, acts, t0 + j, m, &mut out[j..], stride) };
+                j += m;
+            }
+        }
+    };
+}
+
+tile_wide_fn!(
+    tile_q8_0_avx512,
+    tile_q8_0_avx512_narrow,
+    q8_0_like_wide_avx512::<0>,
+    34
+);
+tile_wide_fn!(
+    tile_q4_0_avx512,
+    tile_q4_0_avx512_narrow,
+    q8_0_like_wide_avx512::<1>,
+    18
+);
+tile_wide_fn!(
+    tile_q5_0_avx512,
+    tile_q5_0_avx512_narrow,
+    q8_0_like_wide_avx512::<2>,
+    22
+);
+tile_wide_fn!(
+    tile_q4_1_avx512,
+    tile_q4_1_avx512_narrow,
+    q41_like_wide_avx512::<false>,
+    20
+);
+tile_wide_fn!(
+    tile_q5_1_avx512,
+    tile_q5_1_avx512_narrow,
+    q41_like_wide_avx512::<true>,
+    24
+);
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -801,6 +870,96 @@ unsafe fn q41_like_avx512<const RR: usize, const NT: usize, const FIVE: bool>(
     res
 }
 
+/// The prefill form of [`q41_like_avx512`]: rows 0..4 (two 512-bit pairs) against 8
+/// tokens of packed Q8_1 activations (`QuantizedActivations::packed_group`), with the
+/// same per-row f32 operations in the same order, so the same bits. The `m_w * s_a`
+/// terms of all four rows and two tokens share one vector: lanes 2i and 2i + 1 of each
+/// half hold `d` and `m` of row i, the low half token 2u, the high half token 2u + 1.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q41_like_wide_avx512<const FIVE: bool>(
+    w: Rows<4>,
+    nb: usize,
+    y: *const u8,
+) -> [[f32; PACK_TOKENS]; 4] {
+    const NT: usize = PACK_TOKENS;
+    let bb = if FIVE { 24 } else { 20 };
+    // d of rows 0 / 1 (lanes 0 / 2 of [d0, m0, d1, m1, d2, m2, d3, m3]) and rows 2 / 3.
+    let idx = [
+        _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0),
+        _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4),
+    ];
+    // [d_a, s_a] of token 2u four times, then of token 2u + 1, from [d, s, d', s'].
+    let ds_idx = _mm512_set_epi32(3, 2, 3, 2, 3, 2, 3, 2, 1, 0, 1, 0, 1, 0, 1, 0);
+    let zero = _mm512_setzero_si512();
+    let mut acc = [[_mm512_setzero_ps(); NT]; 2];
+    let mut accm = [_mm512_setzero_ps(); NT / 2];
+    for b in 0..nb {
+        // SAFETY: block b of each row and of the packed activations is in bounds.
+        unsafe {
+            let yb = y.add(b * PACKED_BLOCK_Q8_1);
+            let wb: [*const u8; 4] = std::array::from_fn(|r| w[r].add(b * bb));
+            for p in wb {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH) as *const i8);
+            }
+            let h = _mm_set_epi32(
+                (wb[3] as *const i32).read_unaligned(),
+                (wb[2] as *const i32).read_unaligned(),
+                (wb[1] as *const i32).read_unaligned(),
+                (wb[0] as *const i32).read_unaligned(),
+            );
+            let dm8 = _mm256_cvtph_ps(h);
+            let dm = _mm512_broadcast_f32x8(dm8);
+            let d = [
+                _mm512_permutexvar_ps(idx[0], dm),
+                _mm512_permutexvar_ps(idx[1], dm),
+            ];
+            let x: [__m512i; 2] = std::array::from_fn(|p| {
+                let (wa, wb) = (wb[2 * p], wb[2 * p + 1]);
+                if FIVE {
+                    let qa = (wa.add(4) as *const u32).read_unaligned();
+                    let qb = (wb.add(4) as *const u32).read_unaligned();
+                    _mm512_or_si512(nibbles_pair(wa.add(8), wb.add(8)), high_bits_pair(qa, qb))
+                } else {
+                    nibbles_pair(wa.add(4), wb.add(4))
+                }
+            });
+            let sc = yb.add(32 * NT) as *const f32;
+            for (u, accm) in accm.iter_mut().enumerate() {
+                let ds = _mm512_permutexvar_ps(
+                    ds_idx,
+                    _mm512_castps128_ps512(_mm_loadu_ps(sc.add(4 * u))),
+                );
+                // Lane 2i + 1: m_i * s_a, fused as gcc contracts llama.cpp's `summs += m * s`.
+                *accm = _mm512_fmadd_ps(dm, ds, *accm);
+            }
+            // `t` also gives the byte offsets of the token in the packed block.
+            #[allow(clippy::needless_range_loop)]
+            for t in 0..NT {
+                let yv = broadcast32(yb.add(32 * t));
+                let da = _mm512_set1_ps(*sc.add(2 * t));
+                for p in 0..2 {
+                    let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, x[p], yv));
+                    acc[p][t] = _mm512_fmadd_ps(_mm512_mul_ps(d[p], da), xy, acc[p][t]);
+                }
+            }
+        }
+    }
+    let mut lanes = [[0f32; 16]; NT / 2];
+    for (l, v) in lanes.iter_mut().zip(accm) {
+        // SAFETY: 16 f32 of room.
+        unsafe { _mm512_storeu_ps(l.as_mut_ptr(), v) };
+    }
+    let mut res = [[0f32; NT]; 4];
+    for (p, acc) in acc.iter().enumerate() {
+        for t in 0..NT {
+            let m = |r: usize| lanes[t / 2][8 * (t % 2) + 2 * r + 1];
+            res[2 * p + 1][t] = hsum256(_mm512_extractf32x8_ps::<1>(acc[t])) + m(2 * p + 1);
+            res[2 * p][t] = hsum256(_mm512_castps512_ps256(acc[t])) + m(2 * p);
+        }
+    }
+    res
+}
+
 /// Q8_0 / Q4_0 / Q5_0 (`KIND` 0, 1, 2) x Q8_0 in llama.cpp's summation order
 /// (`ggml_vec_dot_q8_0_q8_0`, AVX2 path): eight f32 lanes per row and token, one FMA per
 /// block, ggml's horizontal sum. One 512-bit vector carries two rows.
@@ -871,6 +1030,101 @@ unsafe fn q8_0_like_avx512<const RR: usize, const NT: usize, const KIND: u8>(
         for t in 0..NT {
             res[r1][t] = hsum256(_mm512_extractf32x8_ps::<1>(acc[t]));
             res[r0][t] = hsum256(_mm512_castps512_ps256(acc[t]));
+        }
+    }
+    res
+}
+
+/// The prefill form of [`q8_0_like_avx512`]: rows 0..4 (two 512-bit pairs) against 8
+/// tokens, each decoded weight block used for all 8 tokens and each activation block
+/// for both pairs; the same per-row f32 operations in the same order (one `d_w * d_a`
+/// product and one FMA per block and lane, then ggml's horizontal sum), so the same bits.
+/// The activations come packed (`QuantizedActivations::packed_group`: one pointer,
+/// constant offsets); the offset correction is their precomputed negated group sums
+/// shifted by log2 of the offset (128, 8 and 16 are powers of two), not recomputed per
+/// tile.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_0_like_wide_avx512<const KIND: u8>(
+    w: Rows<4>,
+    nb: usize,
+    y: *const u8,
+) -> [[f32; PACK_TOKENS]; 4] {
+    const NT: usize = PACK_TOKENS;
+    let bb = [34, 18, 22][KIND as usize];
+    let offset = _mm512_set1_epi8([-128i8, 8, 16][KIND as usize]);
+    // Lanes 0 / 2 (d of rows 0 / 2) and 1 / 3 (rows 1 / 3) in the two 256-bit halves.
+    let idx = [
+        _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+        _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),
+    ];
+    let mut acc = [[_mm512_setzero_ps(); NT]; 2];
+    for b in 0..nb {
+        // SAFETY: block b of each row and of the packed activations is in bounds.
+        unsafe {
+            let yb = y.add(b * PACKED_BLOCK);
+            let wb: [*const u8; 4] = std::array::from_fn(|r| w[r].add(b * bb));
+            for p in wb {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH) as *const i8);
+            }
+            let h = _mm_set_epi16(
+                0,
+                0,
+                0,
+                0,
+                (wb[3] as *const i16).read_unaligned(),
+                (wb[2] as *const i16).read_unaligned(),
+                (wb[1] as *const i16).read_unaligned(),
+                (wb[0] as *const i16).read_unaligned(),
+            );
+            let d4 = _mm512_castps128_ps512(_mm_cvtph_ps(h));
+            let d = [
+                _mm512_permutexvar_ps(idx[0], d4),
+                _mm512_permutexvar_ps(idx[1], d4),
+            ];
+            // The weights plus the offset, as unsigned bytes.
+            let x: [__m512i; 2] = std::array::from_fn(|p| {
+                let (wa, wb) = (wb[2 * p], wb[2 * p + 1]);
+                match KIND {
+                    1 => nibbles_pair(wa.add(2), wb.add(2)),
+                    2 => {
+                        let qa = (wa.add(2) as *const u32).read_unaligned();
+                        let qb = (wb.add(2) as *const u32).read_unaligned();
+                        let q = nibbles_pair(wa.add(6), wb.add(6));
+                        _mm512_or_si512(q, high_bits_pair(qa, qb))
+                    }
+                    _ => _mm512_xor_si512(
+                        _mm512_inserti64x4::<1>(
+                            _mm512_castsi256_si512(_mm256_loadu_si256(wa.add(2) as *const __m256i)),
+                            _mm256_loadu_si256(wb.add(2) as *const __m256i),
+                        ),
+                        offset,
+                    ),
+                }
+            });
+            // `t` also gives the byte offsets of the token in the packed block.
+            #[allow(clippy::needless_range_loop)]
+            for t in 0..NT {
+                let y = broadcast32(yb.add(32 * t));
+                let sums = broadcast32(yb.add(32 * NT + 32 * t));
+                // -offset * (sum of each group of four activations).
+                let corr = match KIND {
+                    1 => _mm512_slli_epi32::<3>(sums),
+                    2 => _mm512_slli_epi32::<4>(sums),
+                    _ => _mm512_slli_epi32::<7>(sums),
+                };
+                let sy = _mm512_set1_ps((yb.add(64 * NT + 4 * t) as *const f32).read_unaligned());
+                for p in 0..2 {
+                    let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, x[p], y));
+                    acc[p][t] = _mm512_fmadd_ps(_mm512_mul_ps(d[p], sy), xy, acc[p][t]);
+                }
+            }
+        }
+    }
+    let mut res = [[0f32; NT]; 4];
+    for (p, acc) in acc.iter().enumerate() {
+        for t in 0..NT {
+            res[2 * p + 1][t] = hsum256(_mm512_extractf32x8_ps::<1>(acc[t]));
+            res[2 * p][t] = hsum256(_mm512_castps512_ps256(acc[t]));
         }
     }
     res
@@ -1289,6 +1543,65 @@ pub(crate) unsafe fn quantize_q8_avx2<const Q8_1: bool>(
     }
 }
 
+/// Quantizes rows to Q8_K exactly like `blocks::quantize_blocks` (llama.cpp's
+/// `quantize_row_q8_K_ref`: scale `-127 / max` by the signed value of largest magnitude,
+/// first one on ties; round half to even; clamp at 127; sums of each 16 quants),
+/// appending each block's f32 scale to `scales`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `x.len()` must be a multiple of 256 and `out`
+/// exactly the quantized size.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn quantize_q8_k_avx2(x: &[f32], out: &mut [u8], scales: &mut Vec<f32>) {
+    let sign = _mm256_set1_ps(-0.0);
+    let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    let top = _mm256_set1_epi32(127);
+    for (xb, ob) in x.chunks_exact(256).zip(out.chunks_exact_mut(292)) {
+        let p = xb.as_ptr();
+        let mut m = _mm256_setzero_ps();
+        for i in 0..32 {
+            // SAFETY: 256 values at p.
+            let v = unsafe { _mm256_loadu_ps(p.add(8 * i)) };
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));
+        }
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        if amax == 0.0 {
+            ob.fill(0);
+            scales.push(0.0);
+            continue;
+        }
+        // The scalar scan keeps the first value reaching the largest magnitude.
+        let max = xb.iter().copied().find(|v| v.abs() == amax).unwrap_or(amax);
+        let iscale = -127.0f32 / max;
+        let vs = _mm256_set1_ps(iscale);
+        for c in 0..8 {
+            let mut q = [_mm256_setzero_si256(); 4];
+            for (j, qj) in q.iter_mut().enumerate() {
+                // SAFETY: 256 values at p.
+                let v = unsafe { _mm256_loadu_ps(p.add(32 * c + 8 * j)) };
+                // Round half to even (the default MXCSR mode), as ggml's `nearest_int`
+                // for magnitudes below 2^22 (these are at most about 127).
+                *qj = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v, vs)), top);
+            }
+            let q01 = _mm256_packs_epi32(q[0], q[1]);
+            let q23 = _mm256_packs_epi32(q[2], q[3]);
+            let q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q01, q23), perm);
+            // SAFETY: bytes 4 + 32c .. 36 + 32c of the 292-byte block.
+            unsafe { _mm256_storeu_si256(ob.as_mut_ptr().add(4 + 32 * c) as *mut __m256i, q8) };
+            for h in 0..2 {
+                let sum = hsum_epi32(_mm256_add_epi32(q[2 * h], q[2 * h + 1])) as i16;
+                let g = 2 * c + h;
+                ob[260 + 2 * g..262 + 2 * g].copy_from_slice(&sum.to_le_bytes());
+            }
+        }
+        let d = 1.0 / iscale;
+        ob[0..4].copy_from_slice(&d.to_le_bytes());
+        scales.push(d);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1347,10 +1660,21 @@ mod tests {
 
     fn check_kernel(ty: GgmlType, kernel: TileFn, level: &str) {
         let bl = ty.block_len();
+        // The 32-element formats also have the 4 x 8 prefill tile on AVX-512 (and
+        // its wrapper splits other shapes into groups of at most 4 tokens).
+        let wide = level == "avx512"
+            && matches!(
+                super::super::activation_type(ty),
+                GgmlType::Q8_0 | GgmlType::Q8_1
+            );
+        let mut shapes = vec![(4, 1), (2, 4), (1, 4), (1, 3), (1, 2), (1, 1), (3, 2)];
+        if wide {
+            shapes.extend([(4, 8), (1, 8), (4, 5), (2, 7)]);
+        }
         for nb in [1, 2, 3, 7] {
             let k = bl * nb;
             let rb = ty.block_bytes() * nb;
-            for n in 1..6 {
+            for n in 1..10 {
                 let rows = 5;
                 let wq = random_rows(ty, rows * rb, (nb * 31 + n) as u64);
                 let x: Vec<f32> = (0..n * k)
@@ -1358,7 +1682,7 @@ mod tests {
                     .collect();
                 let mut acts = QuantizedActivations::new();
                 quantize_activations(ty, &x, n, k, &mut acts).unwrap();
-                for (rr, nt) in [(4, 1), (2, 4), (1, 4), (1, 3), (1, 2), (1, 1), (3, 2)] {
+                for &(rr, nt) in &shapes {
                     if nt > n {
                         continue;
                     }
