@@ -636,31 +636,44 @@ pub fn matmul_at(
     };
     let kernel = tile_kernel(level, ty);
     let rows = weights.len() / rb;
-    let (rr_pref, nt_pref) = tile_shape(level, ty, n);
+    for_each_tile(rows, n, tile_shape(level, ty, n), |r, rr, t0, nt| {
+        let w = &weights[r * rb..(r + rr) * rb];
+        let dst = &mut out[r * n + t0..];
+        match kernel {
+            // SAFETY: the kernel was selected for a level this CPU supports, and the
+            // lengths of `w` and the activation rows were validated above.
+            Some(f) => unsafe { f(w, rb, acts, t0, nt, dst, n) },
+            None => scalar_tile(ty, w, rb, acts, t0, nt, dst, n),
+        }
+    });
+    Ok(())
+}
+
+/// Walks `rows` x `n` outputs in tiles of `(rows, tokens)` = `shape` where they fit:
+/// whole tiles of rows, then single rows; whole tiles of tokens, then tails of at most
+/// 4 tokens (every kernel has those shapes). Calls `tile(first row, rows, first token,
+/// tokens)` for each.
+fn for_each_tile(
+    rows: usize,
+    n: usize,
+    (rr_pref, nt_pref): (usize, usize),
+    mut tile: impl FnMut(usize, usize, usize, usize),
+) {
     let mut r = 0;
     while r < rows {
         let rr = if rows - r >= rr_pref { rr_pref } else { 1 };
-        let w = &weights[r * rb..(r + rr) * rb];
         let mut t0 = 0;
         while t0 < n {
-            // Full tiles, then tails of at most 4 tokens (every kernel has those shapes).
             let nt = if n - t0 >= nt_pref {
                 nt_pref
             } else {
                 (n - t0).min(4)
             };
-            let dst = &mut out[r * n + t0..];
-            match kernel {
-                // SAFETY: the kernel was selected for a level this CPU supports, and the
-                // lengths of `w` and the activation rows were validated above.
-                Some(f) => unsafe { f(w, rb, acts, t0, nt, dst, n) },
-                None => scalar_tile(ty, w, rb, acts, t0, nt, dst, n),
-            }
+            tile(r, rr, t0, nt);
             t0 += nt;
         }
         r += rr;
     }
-    Ok(())
 }
 
 /// [`matmul`] writing token-major output: `out[t * ld + r]` for weight row `r` and
@@ -690,39 +703,27 @@ pub unsafe fn matmul_token_major(
     }
     let level = current_simd_level();
     let kernel = tile_kernel(level, ty);
-    let (rr_pref, nt_pref) = tile_shape(level, ty, n);
+    let shape = tile_shape(level, ty, n);
     const TILE: usize = 32;
-    debug_assert!(rr_pref * nt_pref <= TILE && nt_pref <= 8 && rr_pref <= 4);
+    debug_assert!(shape.0 * shape.1 <= TILE && shape.1 <= 8 && shape.0 <= 4);
     let mut buf = [0f32; TILE];
-    let mut r = 0;
-    while r < rows {
-        let rr = if rows - r >= rr_pref { rr_pref } else { 1 };
+    for_each_tile(rows, n, shape, |r, rr, t0, nt| {
         let w = &weights[r * rb..(r + rr) * rb];
-        let mut t0 = 0;
-        while t0 < n {
-            let nt = if n - t0 >= nt_pref {
-                nt_pref
-            } else {
-                (n - t0).min(4)
-            };
-            // The tile's rows at stride 8 in `buf` (rr <= 4, nt <= 8).
-            match kernel {
-                // SAFETY: the kernel was selected for a level this CPU supports, and the
-                // lengths of `w` and the activation rows were validated above.
-                Some(f) => unsafe { f(w, rb, acts, t0, nt, &mut buf, 8) },
-                None => scalar_tile(ty, w, rb, acts, t0, nt, &mut buf, 8),
-            }
-            for j in 0..nt {
-                for i in 0..rr {
-                    // SAFETY: row r + i < rows and token t0 + j < n: in the caller's
-                    // region by the contract.
-                    unsafe { *out.add((t0 + j) * ld + r + i) = buf[i * 8 + j] };
-                }
-            }
-            t0 += nt;
+        // The tile's rows at stride 8 in `buf` (rr <= 4, nt <= 8).
+        match kernel {
+            // SAFETY: the kernel was selected for a level this CPU supports, and the
+            // lengths of `w` and the activation rows were validated above.
+            Some(f) => unsafe { f(w, rb, acts, t0, nt, &mut buf, 8) },
+            None => scalar_tile(ty, w, rb, acts, t0, nt, &mut buf, 8),
         }
-        r += rr;
-    }
+        for j in 0..nt {
+            for i in 0..rr {
+                // SAFETY: row r + i < rows and token t0 + j < n: in the caller's
+                // region by the contract.
+                unsafe { *out.add((t0 + j) * ld + r + i) = buf[i * 8 + j] };
+            }
+        }
+    });
     Ok(())
 }
 
