@@ -43,6 +43,56 @@ use crate::kv::{KvCache, KvElement, KvShape, KvView, MASKED_POSITION};
 use crate::kv_payload::{self, LayerRows};
 use crate::store::TierBytes;
 
+/// Whether a key at position `p` is past what a layer with a `window` keeps for queries
+/// at `q0` or later (`q - p >= window` for every such query `q`).
+pub fn outside_window(p: u32, window: usize, q0: u64) -> bool {
+    u64::from(p) + window as u64 <= q0
+}
+
+/// How far back a layer of `window` that released its first `dropped` tokens can
+/// rewind exactly ([`KvCache::exact_rewind_floor`]): after a rewind to `n` the next
+/// query sits at `n` and sees keys from `n - window + 1` on.
+pub fn rewind_floor(dropped: usize, window: usize) -> usize {
+    if dropped == 0 {
+        0
+    } else {
+        dropped + window - 1
+    }
+}
+
+/// A range of cache indices (counted from the first token ever kept) against a layer
+/// that released its first `dropped`: how many of the range it had already released,
+/// and the rest as indices into what it holds.
+pub fn split_released(range: Range<usize>, dropped: usize) -> (usize, Range<usize>) {
+    let already = range.start.min(dropped)..range.end.min(dropped);
+    (
+        already.len(),
+        range.start.max(dropped) - dropped..range.end.max(dropped) - dropped,
+    )
+}
+
+/// The position after the newest of a saved payload's `layers`: where its next query
+/// sits.
+pub fn next_position(layers: &[LayerRows]) -> u64 {
+    layers
+        .iter()
+        .flat_map(|l| l.positions.iter().copied())
+        .max()
+        .map_or(0, |p| u64::from(p) + 1)
+}
+
+/// Drops from a saved layer (rows of `row_bytes` per key and per value) the tokens a
+/// layer of `window` no longer keeps for a query at `next`.
+pub fn keep_window(layer: &mut LayerRows, window: usize, next: u64, row_bytes: usize) {
+    let cut = layer
+        .positions
+        .iter()
+        .take_while(|&&p| outside_window(p, window, next))
+        .count();
+    layer.positions.drain(..cut);
+    layer.rows.drain(..cut * 2 * row_bytes);
+}
+
 /// Where a layer of the model lives: its index in the global or the windowed cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Part {
@@ -151,15 +201,14 @@ impl WindowedKv {
     /// Evicts from every windowed layer the oldest tokens no query at `q0` or later
     /// sees.
     fn trim(&mut self, layer: usize, q0: u32) {
-        let window = self.window as u64;
         let mut out = 0;
-        for seg in self.windowed.view(layer).segments {
+        'scan: for seg in self.windowed.view(layer).segments {
             for &p in seg.positions {
                 if p == MASKED_POSITION {
                     continue;
                 }
-                if u64::from(p) + window > u64::from(q0) {
-                    break;
+                if !outside_window(p, self.window, u64::from(q0)) {
+                    break 'scan;
                 }
                 out += 1;
             }
@@ -296,26 +345,18 @@ impl KvCache for WindowedKv {
         if let Some(global) = &mut self.global {
             global.rewind(n_tokens);
         }
-        if n_tokens >= self.dropped {
-            self.windowed.rewind(n_tokens - self.dropped);
-        } else {
-            // Below what was dropped: not exact (see `exact_rewind_floor`); the windowed
-            // layers start over from here.
-            self.windowed.clear();
-            self.dropped = n_tokens;
-        }
+        // Below what was dropped a rewind is not exact (see `exact_rewind_floor`): the
+        // windowed layers then start over from here.
+        let (already, kept) = split_released(n_tokens..usize::MAX, self.dropped);
+        self.dropped -= already;
+        self.windowed.rewind(kept.start);
     }
 
     fn exact_rewind_floor(&self) -> usize {
         let inner = self.global.as_ref().map_or(0, |g| g.exact_rewind_floor());
         // After a rewind to n the next query sits at n and sees keys from n - w + 1 on;
         // the windowed layers hold from `dropped` on.
-        let windowed = if self.dropped == 0 {
-            0
-        } else {
-            self.dropped + self.window - 1
-        };
-        inner.max(windowed)
+        inner.max(rewind_floor(self.dropped, self.window))
     }
 
     fn pass_limit(&self) -> usize {
@@ -327,11 +368,9 @@ impl KvCache for WindowedKv {
             global.evict(range.clone());
         }
         // Evicted tokens the windowed layers had already dropped just lower the count.
-        let d = self.dropped;
-        let already = range.start.min(d)..range.end.min(d);
-        self.windowed
-            .evict(range.start.max(d) - d..range.end.max(d) - d);
-        self.dropped -= already.len();
+        let (already, held) = split_released(range, self.dropped);
+        self.windowed.evict(held);
+        self.dropped -= already;
     }
 
     fn rewrite_keys(
@@ -407,21 +446,10 @@ impl KvCache for WindowedKv {
         let total = layers.iter().map(|l| l.positions.len()).max().unwrap_or(0);
         let (global, mut windowed) = self.split_layers(layers);
         let row = self.element().row_bytes(self.shape.kv_dim());
-        // The next query comes after the newest saved position.
-        let next = windowed
-            .iter()
-            .flat_map(|l| l.positions.iter().copied())
-            .max()
-            .map_or(0, |p| u64::from(p) + 1);
+        let next = next_position(&windowed);
         let mut kept = None;
         for l in &mut windowed {
-            let cut = l
-                .positions
-                .iter()
-                .take_while(|&&p| u64::from(p) + self.window as u64 <= next)
-                .count();
-            l.positions.drain(..cut);
-            l.rows.drain(..cut * 2 * row);
+            keep_window(l, self.window, next, row);
             kept.get_or_insert(l.positions.len());
         }
         let element = self.element();

@@ -25,6 +25,9 @@ use crate::gpu::{GpuBuffer, GpuContext};
 use crate::kv::{KvCache, KvElement, KvRows, KvSegment, KvShape, KvView, MASKED_POSITION};
 use crate::kv_payload::{self, LayerRows};
 use crate::store::TierBytes;
+use ballast_core::kv_window::{
+    keep_window, next_position, outside_window, rewind_floor, split_released,
+};
 use ballast_core::Q8_BLOCK;
 
 /// One layer's rows on the device and its slot bookkeeping on the host.
@@ -245,7 +248,7 @@ impl DeviceKv {
                     .order
                     .iter()
                     .take_while(|&&s| {
-                        u64::from(l.slot_positions[s as usize]) + w as u64 <= u64::from(q0)
+                        outside_window(l.slot_positions[s as usize], w, u64::from(q0))
                     })
                     .count();
                 if out > 0 {
@@ -303,12 +306,11 @@ impl DeviceKv {
     /// Masks the live tokens at cache indices `range` of `layer` (counted from the
     /// first token ever kept: a windowed layer holds indices `dropped..`).
     fn release_layer(&mut self, layer: usize, range: Range<usize>) {
-        let d = self.layers[layer].dropped;
         // Tokens the window already released only lower the count (a rewind below
         // them cannot bring them back: see `exact_rewind_floor`).
-        let already = range.start.min(d)..range.end.min(d);
-        self.layers[layer].dropped -= already.len();
-        self.mask_layer(layer, range.start.max(d) - d..range.end.max(d) - d);
+        let (already, held) = split_released(range, self.layers[layer].dropped);
+        self.layers[layer].dropped -= already;
+        self.mask_layer(layer, held);
     }
 
     /// Masks the live tokens at positions `range` of `layer`'s slot order.
@@ -580,13 +582,9 @@ impl KvCache for DeviceKv {
     }
 
     fn exact_rewind_floor(&self) -> usize {
-        // After a rewind to n the next query sits at n and sees from n - w + 1 on.
         self.layers
             .iter()
-            .filter_map(|l| match l.window {
-                Some(w) if l.dropped > 0 => Some(l.dropped + w - 1),
-                _ => None,
-            })
+            .filter_map(|l| l.window.map(|w| rewind_floor(l.dropped, w)))
             .max()
             .unwrap_or(0)
     }
@@ -669,22 +667,11 @@ impl KvCache for DeviceKv {
     fn load(&mut self, input: &mut dyn Read) -> Result<()> {
         let mut layers = kv_payload::read(input, self.element, self.shape, self.capacity)?;
         let total = layers.iter().map(|l| l.positions.len()).max().unwrap_or(0);
-        // The next query comes after the newest saved position.
-        let next = layers
-            .iter()
-            .flat_map(|l| l.positions.iter().copied())
-            .max()
-            .map_or(0, |p| u64::from(p) + 1);
+        let next = next_position(&layers);
         let row = self.element.row_bytes(self.shape.kv_dim());
         for (l, rows) in self.layers.iter().zip(&mut layers) {
             if let Some(w) = l.window {
-                let cut = rows
-                    .positions
-                    .iter()
-                    .take_while(|&&p| u64::from(p) + w as u64 <= next)
-                    .count();
-                rows.positions.drain(..cut);
-                rows.rows.drain(..cut * 2 * row);
+                keep_window(rows, w, next, row);
             }
         }
         self.release(0..usize::MAX);
