@@ -557,7 +557,8 @@ fn check_matmul_sizes(
 }
 
 /// Signature of a tile kernel: weight rows `w` (1..=4 rows of `rb` bytes) against tokens
-/// `t0..t0 + nt` (`nt` in 1..=4), writing `out[i * stride + j]` for row `i`, token `t0 + j`.
+/// `t0..t0 + nt` (`nt` in 1..=4, or 8 for the tile shapes `tile_shape` gives), writing
+/// `out[i * stride + j]` for row `i`, token `t0 + j`.
 pub(crate) type TileFn = unsafe fn(
     w: &[u8],
     rb: usize,
