@@ -22,13 +22,8 @@ pub struct BenchArgs {
     /// GGUF model file. Default: the default model, fetched on first use.
     #[arg(short = 'm', long)]
     pub model: Option<std::path::PathBuf>,
-    /// Skip this fraction of MLP neurons (see `ballast run --help`; alone, 0.15); needs
-    /// the model's sparsity profile (`ballast sparsify`).
-    #[arg(long, num_args = 0..=1, default_missing_value = "0.15")]
-    pub sparsity: Option<f32>,
-    /// The sparsity profile for --sparsity. Default: MODEL.sparsity beside the model.
-    #[arg(long)]
-    pub sparsity_profile: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub sparse: crate::common::SparsityArgs,
     /// Prompt tokens to process per repetition (0 to skip).
     #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
     pub n_prompt: usize,
@@ -74,6 +69,10 @@ struct SparseFigures {
     /// MLP weight bytes read per decoded token, and a dense MLP's.
     mlp_bytes_per_token: f64,
     dense_mlp_bytes: u64,
+    /// Fraction of the gate rows computed (1 without a predictor).
+    gate_rows_computed: f64,
+    /// The predictor's recall while decoding, when measured.
+    recall: Option<f64>,
     /// Fraction of the down projection's input blocks whose neurons were all skipped.
     idle_down_blocks: f64,
 }
@@ -182,13 +181,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             args.n_prompt.max(1),
             true,
         )?;
-        let (model, sparse) = common::apply_sparsity(
-            args.sparsity,
-            args.sparsity_profile.as_deref(),
-            &path,
-            &file,
-            built.model,
-        )?;
+        let (model, sparse) = common::apply_sparsity(&args.sparse, &path, &file, built.model)?;
         // Dense MLP weight bytes a decoded token reads, for the sparse MLP's figures.
         let dense_mlp_bytes: u64 = file
             .tensors()
@@ -277,12 +270,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
             ) {
                 sparse_figures.push(SparseFigures {
                     threads: t,
-                    sparsity: args.sparsity.unwrap_or(0.0),
+                    sparsity: args.sparse.sparsity.unwrap_or(0.0),
                     skipped: 1.0
                         - (now.active - before.active) as f64
                             / (now.neurons - before.neurons).max(1) as f64,
                     mlp_bytes_per_token: dense_mlp_bytes as f64
-                        - (now.up_bytes_skipped - before.up_bytes_skipped) as f64 / n as f64,
+                        - (now.bytes_saved() - before.bytes_saved()) as f64 / n as f64,
+                    gate_rows_computed: (now.gate_rows_computed - before.gate_rows_computed) as f64
+                        / (now.gate_rows - before.gate_rows).max(1) as f64,
+                    recall: (now.truly_active > before.truly_active).then(|| {
+                        1.0 - (now.missed - before.missed) as f64
+                            / (now.truly_active - before.truly_active) as f64
+                    }),
                     dense_mlp_bytes,
                     idle_down_blocks: (now.down_blocks_idle - before.down_blocks_idle) as f64
                         / (now.down_blocks - before.down_blocks).max(1) as f64,
@@ -557,6 +556,19 @@ pub fn run(args: BenchArgs) -> Result<()> {
             100.0 * f.mlp_bytes_per_token / f.dense_mlp_bytes.max(1) as f64,
             100.0 * f.idle_down_blocks,
         );
+        if f.gate_rows_computed < 1.0 || f.recall.is_some() {
+            println!(
+                "predictor ({} threads): {:.1}% of gate rows computed while decoding{}",
+                f.threads,
+                100.0 * f.gate_rows_computed,
+                f.recall
+                    .map(|r| format!(
+                        "; recall {:.2}% of the neurons the dense gate keeps",
+                        100.0 * r
+                    ))
+                    .unwrap_or_default()
+            );
+        }
     }
     for rf in &roofline {
         for r in results

@@ -35,18 +35,38 @@ pub struct ModelArgs {
     pub device: DeviceChoice,
     #[command(flatten)]
     pub store: crate::tiered::StoreArgs,
+    #[command(flatten)]
+    pub sparse: SparsityArgs,
+}
+
+/// The sparse MLP's flags, shared by every command that runs a model.
+#[derive(Args, Debug, Clone, Default)]
+pub struct SparsityArgs {
     /// Skip this fraction of MLP neurons (0 to below 1), those whose gate activation is
     /// smallest (CATS thresholds per layer; approximate: see `ballast perplexity`).
     /// `--sparsity` alone means 0.15, the most that kept SmolLM2's perplexity on GPL-3
     /// within 3% of dense (+1.2%; 0.2 gave +3.1%). Needs the model's sparsity profile,
-    /// which `ballast sparsify` makes. Today it reads fewer MLP bytes (the up rows of
-    /// skipped neurons) but decodes slower than dense when the weights are resident:
-    /// it computes gate and up apart, on the host side of the pass.
+    /// which `ballast sparsify` makes; if the profile has a predictor (`sparsify
+    /// --rank`), only the gate rows of the neurons it predicts are computed. Today it
+    /// reads fewer MLP bytes but decodes slower than dense when the weights are
+    /// resident: it computes the MLP's parts apart, on the host side of the pass.
     #[arg(long, num_args = 0..=1, default_missing_value = "0.15")]
     pub sparsity: Option<f32>,
     /// The sparsity profile for --sparsity. Default: MODEL.sparsity beside the model.
     #[arg(long)]
     pub sparsity_profile: Option<PathBuf>,
+    /// With a predictor: compute a neuron's gate row when a gate value within this many
+    /// of its error scales (standard deviations on the calibration text) of the
+    /// prediction would pass the threshold. Larger loses fewer neurons and reads more.
+    #[arg(long, default_value_t = 1.0)]
+    pub predictor_margin: f32,
+    /// Ignore the profile's predictor: compute every gate row.
+    #[arg(long)]
+    pub no_predictor: bool,
+    /// Also compute the whole gate, to count the neurons the predictor loses (its
+    /// recall, printed by `bench`). For measurement: it reads the gate twice.
+    #[arg(long)]
+    pub measure_recall: bool,
 }
 
 impl ModelArgs {
@@ -265,13 +285,7 @@ pub fn load(args: &ModelArgs, threads: usize, ctx: usize, batch: usize) -> Resul
         batch,
         false,
     )?;
-    let (model, _) = apply_sparsity(
-        args.sparsity,
-        args.sparsity_profile.as_deref(),
-        &path,
-        &file,
-        built.model,
-    )?;
+    let (model, _) = apply_sparsity(&args.sparse, &path, &file, built.model)?;
     Ok(Loaded {
         file,
         tokenizer,
@@ -281,28 +295,34 @@ pub fn load(args: &ModelArgs, threads: usize, ctx: usize, batch: usize) -> Resul
     })
 }
 
-/// `model` (read from `path`) with the sparse MLP at `sparsity` installed (the profile
-/// at `profile`, else beside the model, read and checked against the model) and its
-/// counters, or the model as it is without a sparsity.
+/// `model` (read from `path`) with the sparse MLP of `args` installed (the profile at
+/// `--sparsity-profile`, else beside the model, read and checked against the model;
+/// its predictor unless `--no-predictor`) and its counters, or the model as it is
+/// without a sparsity.
 pub fn apply_sparsity(
-    sparsity: Option<f32>,
-    profile: Option<&Path>,
+    args: &SparsityArgs,
     path: &Path,
     file: &GgufFile,
     model: Model,
 ) -> Result<(Model, Option<SparseCounters>)> {
-    let Some(sparsity) = sparsity else {
+    let Some(sparsity) = args.sparsity else {
         return Ok((model, None));
     };
     ensure_silu_mlp(&model, path)?;
-    let profile_path = profile
-        .map(Path::to_path_buf)
+    let profile_path = args
+        .sparsity_profile
+        .clone()
         .unwrap_or_else(|| SparsityProfile::path_for(path));
     anyhow::ensure!(
         profile_path.exists(),
         "--sparsity needs the model's sparsity profile, and {} does not exist: make it with `ballast sparsify -m {}`",
         profile_path.display(),
         path.display()
+    );
+    anyhow::ensure!(
+        args.predictor_margin.is_finite() && args.predictor_margin >= 0.0,
+        "--predictor-margin {}: it must be a number of at least 0",
+        args.predictor_margin
     );
     let config = model.config();
     let profile = SparsityProfile::load(
@@ -312,7 +332,20 @@ pub fn apply_sparsity(
         config.n_ff,
     )?;
     let thresholds = profile.thresholds(sparsity).context("--sparsity")?;
-    let ffn = SparseFfn::new(thresholds);
+    let mut ffn = SparseFfn::new(thresholds);
+    match profile.predictor {
+        Some(predictor) if !args.no_predictor => {
+            ffn = ffn.with_predictor(predictor, args.predictor_margin);
+            if args.measure_recall {
+                ffn = ffn.measure_recall();
+            }
+        }
+        _ => anyhow::ensure!(
+            !args.measure_recall,
+            "--measure-recall needs a predictor: {} has none (`ballast sparsify --rank`)",
+            profile_path.display()
+        ),
+    }
     let stats = ffn.stats();
     Ok((model.share_with_ffn(Box::new(ffn)), Some(stats)))
 }

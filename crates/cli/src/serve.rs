@@ -131,8 +131,7 @@ fn load(args: &ServeArgs) -> Result<Engine> {
     // The handle every step's pass runs on, for all slots: with --sparsity, the sparse
     // MLP (`Model::share` alone would give the dense one).
     let (model, _) = common::apply_sparsity(
-        args.model.sparsity,
-        args.model.sparsity_profile.as_deref(),
+        &args.model.sparse,
         &path,
         &loaded.file,
         loaded.model.share(),

@@ -30,11 +30,18 @@ pub struct SparsifyArgs {
     /// Where to save the profile. Default: MODEL.sparsity beside the model.
     #[arg(short = 'o', long)]
     pub output: Option<PathBuf>,
+    /// Also fit a predictor of this rank (0: none): per layer, the best rank-R
+    /// approximation of the gate projection on the text's MLP inputs, so that
+    /// --sparsity computes only the gate rows of the neurons it predicts. It reads
+    /// about R × (width + neurons) × 2 bytes per layer and token. At most the model
+    /// width.
+    #[arg(long, default_value_t = 0)]
+    pub rank: usize,
 }
 
 pub fn run(args: SparsifyArgs) -> Result<()> {
     anyhow::ensure!(
-        args.model.sparsity.is_none(),
+        args.model.sparse.sparsity.is_none(),
         "calibration runs the dense MLP: drop --sparsity"
     );
     anyhow::ensure!(args.ctx >= 2, "--ctx must be at least 2");
@@ -56,7 +63,18 @@ pub fn run(args: SparsifyArgs) -> Result<()> {
         text_path.display(),
         ids.len()
     );
-    let (ffn, calibration) = SparseFfn::calibrating();
+    let config = loaded.model.config().clone();
+    anyhow::ensure!(
+        args.rank <= config.d_model,
+        "--rank {}: at most the model width, {}",
+        args.rank,
+        config.d_model
+    );
+    let (ffn, calibration) = if args.rank > 0 {
+        SparseFfn::calibrating_with_moments()
+    } else {
+        SparseFfn::calibrating()
+    };
     let mut session = Session::with_batch(
         loaded.model.share_with_ffn(Box::new(ffn)),
         args.ctx,
@@ -72,7 +90,34 @@ pub fn run(args: SparsifyArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     let fingerprint = ballast_kv_cache::model_fingerprint(&loaded.file);
-    let profile = calibration.profile(fingerprint, n as u64);
+    let mut profile = calibration.profile(fingerprint, n as u64);
+    if args.rank > 0 {
+        let bar = indicatif::ProgressBar::new(config.n_layers as u64);
+        bar.set_message(format!("fitting rank-{} predictors", args.rank));
+        let mut layers = Vec::with_capacity(config.n_layers);
+        for l in 0..config.n_layers {
+            let weights = loaded
+                .model
+                .store()
+                .layer(ballast_runtime::store::PassId(u64::MAX), l)?;
+            let gate = weights.matrix(ballast_runtime::blocks::FFN_GATE)?;
+            layers.push(calibration.fit_predictor(
+                loaded.model.backend().as_ref(),
+                l,
+                gate,
+                args.rank,
+            )?);
+            bar.inc(1);
+        }
+        bar.finish_and_clear();
+        let bytes: usize = layers.iter().map(|l| l.bytes()).sum();
+        eprintln!(
+            "predictor of rank {}: {} read per token",
+            args.rank,
+            common::human_bytes(bytes as u64)
+        );
+        profile.predictor = Some(ballast_sparse_mlp::Predictor { layers });
+    }
     let out = args
         .output
         .clone()

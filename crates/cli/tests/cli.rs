@@ -791,15 +791,20 @@ fn sparsify_then_sparsity_runs_and_bad_profiles_are_named() {
         "{err}"
     );
 
-    let o = ballast(&[
-        "sparsify",
-        "-m",
-        m,
-        "--text",
-        text.to_str().unwrap(),
-        "-c",
-        "64",
-    ]);
+    let sparsify = |extra: &[&str]| {
+        let mut args = vec![
+            "sparsify",
+            "-m",
+            m,
+            "--text",
+            text.to_str().unwrap(),
+            "-c",
+            "64",
+        ];
+        args.extend_from_slice(extra);
+        ballast(&args)
+    };
+    let o = sparsify(&[]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("threshold at 25%"), "{}", stdout(&o));
     let profile = dir.path().join("tiny.gguf.sparsity");
@@ -814,6 +819,40 @@ fn sparsify_then_sparsity_runs_and_bad_profiles_are_named() {
     assert!(ok, "{err}");
     let (ok, _, err) = tokens(&["--sparsity", "1.5"]);
     assert!(!ok && err.contains("1.5"), "{err}");
+    let (ok, _, err) = tokens(&["--sparsity", "0.5", "--measure-recall"]);
+    assert!(!ok && err.contains("--rank"), "{err}");
+
+    // A profile with a predictor: used by --sparsity; its flags are checked.
+    let with_predictor = dir.path().join("r.sparsity");
+    let sparsify_rank =
+        |rank: &str| sparsify(&["--rank", rank, "-o", with_predictor.to_str().unwrap()]);
+    let o = sparsify_rank("100000");
+    assert!(
+        !o.status.success() && stderr(&o).contains("width"),
+        "{}",
+        stderr(&o)
+    );
+    let o = sparsify_rank("16");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("predictor of rank 16"),
+        "{}",
+        stderr(&o)
+    );
+    let p = with_predictor.to_str().unwrap();
+    let (ok, zero, err) = tokens(&["--sparsity", "0", "--sparsity-profile", p]);
+    assert!(ok, "{err}");
+    assert_eq!(zero, dense, "sparsity 0 is the dense MLP, predictor or not");
+    let (ok, _, err) = tokens(&["--sparsity", "0.5", "--sparsity-profile", p]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = tokens(&[
+        "--sparsity",
+        "0.5",
+        "--sparsity-profile",
+        p,
+        "--predictor-margin=-1",
+    ]);
+    assert!(!ok && err.contains("--predictor-margin"), "{err}");
 
     let mut bytes = std::fs::read(&profile).unwrap();
     let mid = bytes.len() / 2;

@@ -9,6 +9,7 @@ use ballast_core::blocks::{FFN_DOWN, FFN_GATE, FFN_UP};
 use ballast_core::weights::LayerWeights;
 use ballast_core::FeedForward;
 
+use crate::predictor::{self, silu, ActiveRegion, LayerPredictor, Predictor};
 use crate::profile::{MagnitudeHistogram, SparsityProfile};
 
 /// What the sparse MLP did, summed over the passes since it was made.
@@ -31,6 +32,20 @@ pub struct SparseStats {
     /// Of those, the blocks whose neurons were all skipped: only these could be skipped
     /// in the down projection, since a block's weights serve all its neurons together.
     pub down_blocks_idle: u64,
+    /// Gate-projection rows a dense MLP would compute (per pass).
+    pub gate_rows: u64,
+    /// Of those, the rows computed: all of them without a predictor, else the rows of
+    /// neurons the predictor chose for some token of the pass.
+    pub gate_rows_computed: u64,
+    /// Weight bytes of the gate rows skipped.
+    pub gate_bytes_skipped: u64,
+    /// Weight bytes the predictor read (its two thin matrices, once per pass).
+    pub predictor_bytes: u64,
+    /// With recall measured ([`SparseFfn::measure_recall`]): (token, neuron) pairs the
+    /// dense gate says pass the threshold.
+    pub truly_active: u64,
+    /// Of those, the ones whose gate row the predictor skipped (lost neurons).
+    pub missed: u64,
 }
 
 impl SparseStats {
@@ -38,13 +53,53 @@ impl SparseStats {
     pub fn sparsity(&self) -> f64 {
         1.0 - self.active as f64 / self.neurons.max(1) as f64
     }
+
+    /// The predictor's recall: of the neurons the threshold keeps on the dense gate, the
+    /// fraction whose rows it computed (1 without a predictor; measured only with
+    /// [`SparseFfn::measure_recall`]).
+    pub fn recall(&self) -> f64 {
+        1.0 - self.missed as f64 / self.truly_active.max(1) as f64
+    }
+
+    /// Adds another pass's counts.
+    fn add(&mut self, o: &SparseStats) {
+        self.neurons += o.neurons;
+        self.active += o.active;
+        self.up_rows += o.up_rows;
+        self.up_rows_computed += o.up_rows_computed;
+        self.up_bytes_skipped += o.up_bytes_skipped;
+        self.down_blocks += o.down_blocks;
+        self.down_blocks_idle += o.down_blocks_idle;
+        self.gate_rows += o.gate_rows;
+        self.gate_rows_computed += o.gate_rows_computed;
+        self.gate_bytes_skipped += o.gate_bytes_skipped;
+        self.predictor_bytes += o.predictor_bytes;
+        self.truly_active += o.truly_active;
+        self.missed += o.missed;
+    }
+
+    /// MLP weight bytes not read against a dense MLP (gate and up rows skipped, less
+    /// what the predictor read), over the passes counted.
+    pub fn bytes_saved(&self) -> i64 {
+        (self.gate_bytes_skipped + self.up_bytes_skipped) as i64 - self.predictor_bytes as i64
+    }
 }
 
-/// The activation magnitudes a calibration run collects, per layer.
+/// The activation magnitudes a calibration run collects, per layer, and, for a
+/// predictor, the second moment of each layer's MLP input.
 #[derive(Clone, Debug, Default)]
 pub struct Calibration {
     histograms: Arc<Mutex<Vec<MagnitudeHistogram>>>,
     n_ff: Arc<Mutex<usize>>,
+    /// Per layer, when collected.
+    moments: Option<Arc<Mutex<Vec<InputMoment>>>>,
+}
+
+/// `Σ x xᵀ` (`d × d`, row-major) over the MLP inputs of one layer, and how many.
+#[derive(Clone, Debug, Default)]
+struct InputMoment {
+    sum: Vec<f64>,
+    tokens: u64,
 }
 
 impl Calibration {
@@ -57,7 +112,88 @@ impl Calibration {
             n_ff: *self.n_ff.lock().unwrap_or_else(|p| p.into_inner()),
             tokens,
             layers: h.iter().map(MagnitudeHistogram::quantiles).collect(),
+            predictor: None,
         }
+    }
+
+    /// Records one pass of layer `layer`: its gate values, and `x`'s `Σ x xᵀ` when
+    /// moments are collected (computed on `backend` as an f32 product of `xᵀ` with
+    /// itself).
+    fn record(
+        &self,
+        backend: &dyn Backend,
+        layer: usize,
+        x: &[f32],
+        n_tokens: usize,
+        gate: &[f32],
+        n_ff: usize,
+    ) -> ballast_core::Result<()> {
+        {
+            let mut h = self.histograms.lock().unwrap_or_else(|p| p.into_inner());
+            if h.len() <= layer {
+                h.resize(layer + 1, MagnitudeHistogram::default());
+            }
+            h[layer].add(gate.iter().map(|&g| silu(g)));
+            *self.n_ff.lock().unwrap_or_else(|p| p.into_inner()) = n_ff;
+        }
+        let Some(moments) = &self.moments else {
+            return Ok(());
+        };
+        let d = x.len() / n_tokens.max(1);
+        let x_t: Vec<f32> = (0..d * n_tokens)
+            .map(|at| x[(at % n_tokens) * d + at / n_tokens])
+            .collect();
+        let outer = predictor::f32_matrix(&x_t, n_tokens, d);
+        let mut product = vec![0f32; d * d];
+        backend.matmul(
+            &x_t,
+            d,
+            &mut [MatmulJob {
+                weight: &outer,
+                out: &mut product,
+            }],
+        )?;
+        let mut m = moments.lock().unwrap_or_else(|p| p.into_inner());
+        if m.len() <= layer {
+            m.resize(layer + 1, InputMoment::default());
+        }
+        let moment = &mut m[layer];
+        moment.sum.resize(d * d, 0.0);
+        for (s, &p) in moment.sum.iter_mut().zip(&product) {
+            *s += f64::from(p);
+        }
+        moment.tokens += n_tokens as u64;
+        Ok(())
+    }
+
+    /// Fits layer `layer`'s predictor of rank `rank` for its gate projection `gate`
+    /// from the inputs seen ([`SparseFfn::calibrating_with_moments`]).
+    pub fn fit_predictor(
+        &self,
+        backend: &dyn Backend,
+        layer: usize,
+        gate: &ballast_core::weights::Weight,
+        rank: usize,
+    ) -> crate::Result<LayerPredictor> {
+        let moments = self
+            .moments
+            .as_ref()
+            .ok_or_else(|| crate::Error::InvalidArgument {
+                what: "the calibration did not collect input moments (calibrating_with_moments)"
+                    .into(),
+            })?;
+        let m = moments.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(moment) = m.get(layer).filter(|m| m.tokens > 0) else {
+            return Err(crate::Error::InvalidArgument {
+                what: format!("the calibration saw no input of layer {layer}"),
+            });
+        };
+        let mean: Vec<f64> = moment
+            .sum
+            .iter()
+            .map(|v| v / moment.tokens as f64)
+            .collect();
+        predictor::fit_layer(backend, layer, gate, &mean, rank)
     }
 }
 
@@ -83,11 +219,49 @@ pub struct SparseFfn {
     keep: Vec<bool>,
     token_keep: Vec<bool>,
     ranges: Vec<Range<usize>>,
+    predictor: Option<(Predictor, f32)>,
+    regions: Vec<Option<ActiveRegion>>,
+    measure_recall: bool,
+    predicted: Vec<f32>,
+    predictor_hidden: Vec<f32>,
+    dense_gate: Vec<f32>,
 }
 
-/// SiLU as the mask sees it (the product itself is the backend's `swiglu`).
-fn silu(g: f32) -> f32 {
-    g / (1.0 + (-g).exp())
+/// The runs of `true` in `keep`, as ranges, into `ranges`.
+fn runs_of(keep: &[bool], ranges: &mut Vec<Range<usize>>) {
+    ranges.clear();
+    let mut j = 0;
+    while j < keep.len() {
+        if keep[j] {
+            let start = j;
+            while j < keep.len() && keep[j] {
+                j += 1;
+            }
+            ranges.push(start..j);
+        } else {
+            j += 1;
+        }
+    }
+}
+
+/// `out` = `weight`'s rows in `ranges` for `n_tokens` rows of `x`, the other rows 0;
+/// one dense product when the ranges cover every row.
+fn rows_or_all(
+    backend: &dyn Backend,
+    x: &[f32],
+    n_tokens: usize,
+    weight: &ballast_core::weights::Weight,
+    ranges: &[Range<usize>],
+    out: &mut [f32],
+) -> ballast_core::Result<usize> {
+    let computed: usize = ranges.iter().map(Range::len).sum();
+    if computed == weight.rows() {
+        backend.matmul(x, n_tokens, &mut [MatmulJob { weight, out }])?;
+    } else {
+        out.fill(0.0);
+        backend.matmul_rows(x, n_tokens, weight, ranges, out)?;
+    }
+    Ok(computed)
 }
 
 impl SparseFfn {
@@ -104,6 +278,12 @@ impl SparseFfn {
             keep: Vec::new(),
             token_keep: Vec::new(),
             ranges: Vec::new(),
+            predictor: None,
+            regions: Vec::new(),
+            measure_recall: false,
+            predicted: Vec::new(),
+            predictor_hidden: Vec::new(),
+            dense_gate: Vec::new(),
         }
     }
 
@@ -114,6 +294,38 @@ impl SparseFfn {
         let mut ffn = SparseFfn::new(Vec::new());
         ffn.calibration = Some(calibration.clone());
         (ffn, calibration)
+    }
+
+    /// As [`SparseFfn::calibrating`], also summing each layer's `x xᵀ` so that a
+    /// predictor can be fitted ([`Calibration::fit_predictor`]): `d × d` values per
+    /// layer, in f64.
+    pub fn calibrating_with_moments() -> (SparseFfn, Calibration) {
+        let (mut ffn, mut calibration) = SparseFfn::calibrating();
+        calibration.moments = Some(Arc::default());
+        ffn.calibration = Some(calibration.clone());
+        (ffn, calibration)
+    }
+
+    /// Uses `predictor` to choose the gate rows to compute: a neuron's row is computed
+    /// when a gate value within `margin` of its error scale from the prediction would
+    /// pass the threshold. A layer whose threshold is negative (sparsity 0) ignores it
+    /// and stays exact.
+    pub fn with_predictor(mut self, predictor: Predictor, margin: f32) -> SparseFfn {
+        self.regions = self
+            .thresholds
+            .iter()
+            .map(|&t| (t >= 0.0).then(|| ActiveRegion::for_threshold(t)))
+            .collect();
+        self.predictor = Some((predictor, margin.max(0.0)));
+        self
+    }
+
+    /// Also computes the dense gate of every layer the predictor serves, to count the
+    /// neurons it loses ([`SparseStats::recall`]). For measurement: it reads the
+    /// whole gate again.
+    pub fn measure_recall(mut self) -> SparseFfn {
+        self.measure_recall = true;
+        self
     }
 
     /// The counters, shared: read them while the MLP is installed in a model.
@@ -146,27 +358,80 @@ impl FeedForward for SparseFfn {
         self.gate.resize(n_tokens * n_ff, 0.0);
         self.up.resize(n_tokens * n_ff, 0.0);
         self.hidden.resize(n_tokens * n_ff, 0.0);
-        backend.matmul(
-            x,
-            n_tokens,
-            &mut [MatmulJob {
-                weight: gate_w,
-                out: &mut self.gate,
-            }],
-        )?;
-        if let Some(c) = &self.calibration {
-            let mut h = c.histograms.lock().unwrap_or_else(|p| p.into_inner());
-            if h.len() <= layer {
-                h.resize(layer + 1, MagnitudeHistogram::default());
+        let mut stats = SparseStats::default();
+
+        // The gate rows to compute: every one, or the neurons the predictor chose for
+        // some token of the pass.
+        let region = self.regions.get(layer).copied().flatten();
+        let predictor = self
+            .predictor
+            .as_ref()
+            .and_then(|(p, margin)| Some((p.layers.get(layer)?, *margin, region?)));
+        let gate_rows_computed = if let Some((p, margin, region)) = predictor {
+            self.predicted.resize(n_tokens * n_ff, 0.0);
+            p.predict(
+                backend,
+                x,
+                n_tokens,
+                &mut self.predictor_hidden,
+                &mut self.predicted,
+            )?;
+            stats.predictor_bytes += p.bytes() as u64;
+            self.keep.clear();
+            self.keep.resize(n_ff, false);
+            for row in self.predicted.chunks_exact(n_ff) {
+                for ((k, &g), &sigma) in self.keep.iter_mut().zip(row).zip(&p.sigma) {
+                    *k |= region.meets(g - margin * sigma, g + margin * sigma);
+                }
             }
-            h[layer].add(self.gate.iter().map(|&g| silu(g)));
-            *c.n_ff.lock().unwrap_or_else(|p| p.into_inner()) = n_ff;
+            runs_of(&self.keep, &mut self.ranges);
+            let computed = rows_or_all(backend, x, n_tokens, gate_w, &self.ranges, &mut self.gate)?;
+            if self.measure_recall {
+                self.dense_gate.resize(n_tokens * n_ff, 0.0);
+                backend.matmul(
+                    x,
+                    n_tokens,
+                    &mut [MatmulJob {
+                        weight: gate_w,
+                        out: &mut self.dense_gate,
+                    }],
+                )?;
+                for row in self.dense_gate.chunks_exact(n_ff) {
+                    for (&g, &k) in row.iter().zip(&self.keep) {
+                        let active = silu(g).abs() > threshold;
+                        stats.truly_active += u64::from(active);
+                        stats.missed += u64::from(active && !k);
+                    }
+                }
+            }
+            computed
+        } else {
+            backend.matmul(
+                x,
+                n_tokens,
+                &mut [MatmulJob {
+                    weight: gate_w,
+                    out: &mut self.gate,
+                }],
+            )?;
+            n_ff
+        };
+        if let Some(c) = &self.calibration {
+            c.record(backend, layer, x, n_tokens, &self.gate, n_ff)?;
         }
-        // Which (token, neuron) pairs are kept, decided once; a neuron's up row is
+        // Which (token, neuron) pairs are kept, decided once on the gate rows computed
+        // (a row not computed holds 0, which no threshold keeps); a neuron's up row is
         // computed if any token keeps it.
         self.token_keep.clear();
         self.token_keep
             .extend(self.gate.iter().map(|&g| silu(g).abs() > threshold));
+        if gate_rows_computed < n_ff {
+            for row in self.token_keep.chunks_exact_mut(n_ff) {
+                for (t, &k) in row.iter_mut().zip(&self.keep) {
+                    *t &= k;
+                }
+            }
+        }
         let active = self.token_keep.iter().filter(|&&k| k).count() as u64;
         self.keep.clear();
         self.keep.resize(n_ff, false);
@@ -175,33 +440,8 @@ impl FeedForward for SparseFfn {
                 *k |= t;
             }
         }
-        self.ranges.clear();
-        let mut j = 0;
-        while j < n_ff {
-            if self.keep[j] {
-                let start = j;
-                while j < n_ff && self.keep[j] {
-                    j += 1;
-                }
-                self.ranges.push(start..j);
-            } else {
-                j += 1;
-            }
-        }
-        let computed: usize = self.ranges.iter().map(Range::len).sum();
-        if computed == n_ff {
-            backend.matmul(
-                x,
-                n_tokens,
-                &mut [MatmulJob {
-                    weight: up_w,
-                    out: &mut self.up,
-                }],
-            )?;
-        } else {
-            self.up.fill(0.0);
-            backend.matmul_rows(x, n_tokens, up_w, &self.ranges, &mut self.up)?;
-        }
+        runs_of(&self.keep, &mut self.ranges);
+        let computed = rows_or_all(backend, x, n_tokens, up_w, &self.ranges, &mut self.up)?;
         backend.swiglu(&self.gate, &self.up, &mut self.hidden)?;
         // Each token keeps only its own active neurons.
         let mut idle_blocks = 0u64;
@@ -229,14 +469,20 @@ impl FeedForward for SparseFfn {
                 out,
             }],
         )?;
-        let mut s = self.stats.lock().unwrap_or_else(|p| p.into_inner());
-        s.neurons += (n_tokens * n_ff) as u64;
-        s.active += active;
-        s.up_rows += n_ff as u64;
-        s.up_rows_computed += computed as u64;
-        s.up_bytes_skipped += ((n_ff - computed) * up_w.row_bytes()) as u64;
-        s.down_blocks += (n_tokens * n_ff.div_ceil(block)) as u64;
-        s.down_blocks_idle += idle_blocks;
+        stats.neurons = (n_tokens * n_ff) as u64;
+        stats.active = active;
+        stats.up_rows = n_ff as u64;
+        stats.up_rows_computed = computed as u64;
+        stats.up_bytes_skipped = ((n_ff - computed) * up_w.row_bytes()) as u64;
+        stats.gate_rows = n_ff as u64;
+        stats.gate_rows_computed = gate_rows_computed as u64;
+        stats.gate_bytes_skipped = ((n_ff - gate_rows_computed) * gate_w.row_bytes()) as u64;
+        stats.down_blocks = (n_tokens * n_ff.div_ceil(block)) as u64;
+        stats.down_blocks_idle = idle_blocks;
+        self.stats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .add(&stats);
         Ok(())
     }
 }

@@ -9,7 +9,12 @@
 //!   those rows only, and the down projection over the kept neurons. Exact at
 //!   sparsity 0; approximate above, measured by perplexity against the dense MLP.
 //! - [`SparseFfn::calibrating`]: the dense MLP that records the distribution, to make a
-//!   profile.
+//!   profile; [`SparseFfn::calibrating_with_moments`] also records each layer's input
+//!   second moment, from which [`Calibration::fit_predictor`] fits a [`Predictor`].
+//! - [`Predictor`]: per layer, a rank-`r` approximation of the gate projection on the
+//!   calibration inputs (closed form, no training) with each neuron's error scale, so
+//!   that [`SparseFfn::with_predictor`] computes only the gate rows of the neurons it
+//!   predicts active, within a margin; [`SparseStats::recall`] measures what it loses.
 //!
 //! The granularity is one neuron for the up projection (a weight row) and, for the down
 //! projection, one quantization block of its input (32 neurons, 256 for K-quants),
@@ -21,7 +26,7 @@
 //!
 //! // A profile of two layers whose activations spread evenly over 0..2.
 //! let quantiles: Vec<f32> = (0..=QUANTILES).map(|i| 2.0 * i as f32 / QUANTILES as f32).collect();
-//! let profile = SparsityProfile { fingerprint: 7, n_ff: 64, tokens: 1, layers: vec![quantiles; 2] };
+//! let profile = SparsityProfile { fingerprint: 7, n_ff: 64, tokens: 1, layers: vec![quantiles; 2], predictor: None };
 //! let thresholds = profile.thresholds(0.4).unwrap();
 //! assert!((thresholds[0] - 0.8).abs() < 1e-6);
 //! let ffn = SparseFfn::new(thresholds); // install with Model::share_with_ffn
@@ -31,8 +36,11 @@
 
 pub mod error;
 mod ffn;
+mod linalg;
+mod predictor;
 mod profile;
 
 pub use error::{Error, Result};
 pub use ffn::{Calibration, SparseFfn, SparseStats};
+pub use predictor::{fit_layer, ActiveRegion, LayerPredictor, Predictor};
 pub use profile::{MagnitudeHistogram, SparsityProfile, QUANTILES};

@@ -7,17 +7,19 @@ use std::path::{Path, PathBuf};
 use ballast_core::fingerprint::checksum;
 
 use crate::error::{Error, Result};
+use crate::predictor::{LayerPredictor, Predictor};
 
 /// Quantile points kept per layer: the profile gives thresholds in steps of 0.5%.
 pub const QUANTILES: usize = 200;
 
 const MAGIC: &[u8; 8] = b"BLSTSPRS";
-const VERSION: u32 = 1;
+/// Version 2 appends an optional predictor; version 1 files (without) still load.
+const VERSION: u32 = 2;
 
 /// Per layer, the quantiles of `|silu(gate(x))|` over a calibration text: entry `i` of a
 /// layer is the magnitude below which a fraction `i / QUANTILES` of that layer's
 /// activations fell. A target sparsity `s` then means the threshold at quantile `s`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct SparsityProfile {
     /// The model's fingerprint ([`ballast_core::fingerprint::model_fingerprint`]).
     pub fingerprint: u64,
@@ -27,6 +29,32 @@ pub struct SparsityProfile {
     pub tokens: u64,
     /// Per layer, `QUANTILES + 1` ascending magnitudes.
     pub layers: Vec<Vec<f32>>,
+    /// The predictor fitted on the same text, if one was (`ballast sparsify --rank`).
+    pub predictor: Option<Predictor>,
+}
+
+impl PartialEq for SparsityProfile {
+    fn eq(&self, o: &SparsityProfile) -> bool {
+        let same_predictor = match (&self.predictor, &o.predictor) {
+            (None, None) => true,
+            (Some(a), Some(b)) => {
+                a.layers.len() == b.layers.len()
+                    && a.layers.iter().zip(&b.layers).all(|(x, y)| {
+                        x.project.dims == y.project.dims
+                            && x.expand.dims == y.expand.dims
+                            && x.project.bytes.as_slice() == y.project.bytes.as_slice()
+                            && x.expand.bytes.as_slice() == y.expand.bytes.as_slice()
+                            && x.sigma == y.sigma
+                    })
+            }
+            _ => false,
+        };
+        self.fingerprint == o.fingerprint
+            && self.n_ff == o.n_ff
+            && self.tokens == o.tokens
+            && self.layers == o.layers
+            && same_predictor
+    }
 }
 
 impl SparsityProfile {
@@ -63,7 +91,10 @@ impl SparsityProfile {
 
     /// The file's bytes: magic, version `u32`, fingerprint `u64`, neurons `u32`,
     /// calibration tokens `u64`, layers `u32`, quantile points per layer `u32`, the
-    /// quantiles (`f32`, layer after layer), then a checksum `u64` of all before it.
+    /// quantiles (`f32`, layer after layer); then (version 2) the predictor's rank `u32`
+    /// (0: none) and, if any, the model width `u32` and per layer its `project`
+    /// (`rank × width` f16), `expand` (`neurons × rank` f16) and error scales
+    /// (`neurons` f32); then a checksum `u64` of all before it.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut b = Vec::new();
         b.extend_from_slice(MAGIC);
@@ -76,6 +107,23 @@ impl SparsityProfile {
         for q in &self.layers {
             for v in q {
                 b.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        match &self.predictor {
+            None => b.extend_from_slice(&0u32.to_le_bytes()),
+            Some(p) => {
+                let first = p.layers.first();
+                let rank = first.map_or(0, LayerPredictor::rank);
+                let width = first.map_or(0, |l| l.project.cols());
+                b.extend_from_slice(&(rank as u32).to_le_bytes());
+                b.extend_from_slice(&(width as u32).to_le_bytes());
+                for l in &p.layers {
+                    b.extend_from_slice(l.project.bytes.as_slice());
+                    b.extend_from_slice(l.expand.bytes.as_slice());
+                    for v in &l.sigma {
+                        b.extend_from_slice(&v.to_le_bytes());
+                    }
+                }
             }
         }
         let sum = checksum(&b);
@@ -102,9 +150,9 @@ impl SparsityProfile {
         let u32_at = |at: usize| u32::from_le_bytes(body[at..at + 4].try_into().expect("4"));
         let u64_at = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().expect("8"));
         let version = u32_at(8);
-        if version != VERSION {
+        if version == 0 || version > VERSION {
             return Err(bad(format!(
-                "version {version}, this build reads version {VERSION}"
+                "version {version}, this build reads versions 1 to {VERSION}"
             )));
         }
         let fingerprint = u64_at(12);
@@ -118,13 +166,17 @@ impl SparsityProfile {
                 QUANTILES + 1
             )));
         }
-        let data = &body[40..];
-        if data.len() != n_layers * points * 4 {
-            return Err(bad(format!(
-                "{} bytes of quantiles for {n_layers} layers of {points}",
-                data.len()
-            )));
-        }
+        let quantile_bytes = n_layers
+            .checked_mul(points * 4)
+            .filter(|&n| n <= body.len() - 40)
+            .ok_or_else(|| bad(format!("too short for {n_layers} layers of quantiles")))?;
+        let data = &body[40..40 + quantile_bytes];
+        let rest = &body[40 + quantile_bytes..];
+        let predictor = match version {
+            1 if rest.is_empty() => None,
+            1 => return Err(bad(format!("{} bytes after the quantiles", rest.len()))),
+            _ => read_predictor(rest, n_layers, n_ff).map_err(bad)?,
+        };
         let values: Vec<f32> = data
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
@@ -142,6 +194,7 @@ impl SparsityProfile {
             n_ff,
             tokens,
             layers,
+            predictor,
         })
     }
 
@@ -195,6 +248,67 @@ impl SparsityProfile {
         }
         Ok(p)
     }
+}
+
+/// The predictor section of a version 2 file (see [`SparsityProfile::to_bytes`]), or
+/// why it is malformed.
+fn read_predictor(
+    bytes: &[u8],
+    n_layers: usize,
+    n_ff: usize,
+) -> std::result::Result<Option<Predictor>, String> {
+    let u32_at = |at: usize| -> std::result::Result<usize, String> {
+        bytes
+            .get(at..at + 4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize)
+            .ok_or_else(|| "the predictor section is truncated".to_string())
+    };
+    let rank = u32_at(0)?;
+    if rank == 0 {
+        return match bytes.len() {
+            4 => Ok(None),
+            n => Err(format!("{} bytes after the quantiles", n - 4)),
+        };
+    }
+    let width = u32_at(4)?;
+    let per_layer = (rank as u64 * width as u64 + n_ff as u64 * rank as u64) * 2 + n_ff as u64 * 4;
+    if rank > width || (bytes.len() - 8) as u64 != per_layer * n_layers as u64 {
+        return Err(format!(
+            "a predictor of rank {rank} and width {width} for {n_layers} layers of {n_ff} neurons takes {} bytes, the file has {}",
+            per_layer * n_layers as u64,
+            bytes.len() - 8
+        ));
+    }
+    let f16s = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect()
+    };
+    let mut layers = Vec::with_capacity(n_layers);
+    let mut at = 8;
+    for l in 0..n_layers {
+        let project = f16s(&bytes[at..at + rank * width * 2]);
+        at += rank * width * 2;
+        let expand = f16s(&bytes[at..at + n_ff * rank * 2]);
+        at += n_ff * rank * 2;
+        let sigma: Vec<f32> = bytes[at..at + n_ff * 4]
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect();
+        at += n_ff * 4;
+        if project.iter().chain(&expand).any(|v| !v.is_finite())
+            || sigma.iter().any(|v| !v.is_finite() || *v < 0.0)
+        {
+            return Err(format!(
+                "layer {l}'s predictor holds values that are not finite"
+            ));
+        }
+        layers.push(
+            LayerPredictor::new(l, width, n_ff, rank, &project, &expand, sigma)
+                .map_err(|e| e.to_string())?,
+        );
+    }
+    Ok(Some(Predictor { layers }))
 }
 
 /// A histogram of activation magnitudes on a log scale (64 bins per octave from 2^-24
@@ -281,7 +395,41 @@ mod tests {
             n_ff: 64,
             tokens: 100,
             layers: vec![h.quantiles(); 3],
+            predictor: None,
         }
+    }
+
+    /// The profile with a rank-2 predictor for a width of 4.
+    fn profile_with_predictor() -> SparsityProfile {
+        let layers = (0..3)
+            .map(|l| {
+                let project: Vec<f32> = (0..8).map(|i| (i + l) as f32 * 0.25).collect();
+                let expand: Vec<f32> = (0..128).map(|i| i as f32 / 64.0 - 1.0).collect();
+                LayerPredictor::new(l, 4, 64, 2, &project, &expand, vec![0.5; 64]).unwrap()
+            })
+            .collect();
+        SparsityProfile {
+            predictor: Some(Predictor { layers }),
+            ..profile()
+        }
+    }
+
+    #[test]
+    fn predictors_round_trip_and_version_1_files_still_load() {
+        let p = profile_with_predictor();
+        let back = SparsityProfile::from_bytes(&p.to_bytes(), Path::new("p")).unwrap();
+        assert_eq!(back, p);
+        assert_ne!(back, profile());
+        // A version 1 file: no predictor section.
+        let mut v1 = profile().to_bytes();
+        v1.truncate(v1.len() - 12);
+        v1[8..12].copy_from_slice(&1u32.to_le_bytes());
+        let sum = checksum(&v1);
+        v1.extend_from_slice(&sum.to_le_bytes());
+        assert_eq!(
+            SparsityProfile::from_bytes(&v1, Path::new("p")).unwrap(),
+            profile()
+        );
     }
 
     #[test]
@@ -311,8 +459,8 @@ mod tests {
     proptest! {
         /// Any flipped byte or truncation is refused with an error naming the file.
         #[test]
-        fn damaged_files_are_refused(at in 0usize..10_000, bit in 0u8..8, cut in 0usize..10_000) {
-            let bytes = profile().to_bytes();
+        fn damaged_files_are_refused(at in 0usize..100_000, bit in 0u8..8, cut in 0usize..100_000, with_predictor: bool) {
+            let bytes = if with_predictor { profile_with_predictor() } else { profile() }.to_bytes();
             let path = Path::new("p.sparsity");
             let mut flipped = bytes.clone();
             let at = at % bytes.len();

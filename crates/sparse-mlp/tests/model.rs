@@ -4,9 +4,10 @@
 use std::sync::Arc;
 
 use ballast_runtime::gguf::GgufFile;
+use ballast_runtime::store::PassId;
 use ballast_runtime::testing::TinyModelSpec;
 use ballast_runtime::{CpuBackend, Model, Session};
-use ballast_sparse_mlp::{SparseFfn, SparsityProfile};
+use ballast_sparse_mlp::{Predictor, SparseFfn, SparsityProfile};
 use proptest::prelude::*;
 
 fn model(seed: u64) -> Model {
@@ -100,4 +101,95 @@ fn calibrated_sparsity_skips_that_share_of_neurons() {
         .zip(&want)
         .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
     assert!(diff < scale, "logits moved by {diff} (scale {scale})");
+}
+
+/// The profile of `text` with a predictor of rank `rank` fitted on it.
+fn calibrate_with_predictor(model: &Model, text: &[u32], rank: usize) -> SparsityProfile {
+    let (ffn, calibration) = SparseFfn::calibrating_with_moments();
+    let mut session = Session::new(model.share_with_ffn(Box::new(ffn)), 64).unwrap();
+    session.feed(text).unwrap();
+    let mut profile = calibration.profile(1, text.len() as u64);
+    let layers = (0..model.config().n_layers)
+        .map(|l| {
+            let weights = model.store().layer(PassId(0), l).unwrap();
+            let gate = weights.matrix("ffn_gate.weight").unwrap();
+            calibration
+                .fit_predictor(model.backend().as_ref(), l, gate, rank)
+                .unwrap()
+        })
+        .collect();
+    profile.predictor = Some(Predictor { layers });
+    profile
+}
+
+fn text() -> Vec<u32> {
+    (0..48).map(|i| (i * 37 % 250) as u32 + 3).collect()
+}
+
+/// A full-rank predictor is the gate itself (to f16): it loses almost no neuron, and
+/// it skips gate rows while decoding. A low rank loses some, and recall says how many.
+#[test]
+fn predictor_recall_and_gate_rows_skipped() {
+    let dense = model(5);
+    let text = text();
+    for (rank, least_recall) in [(64, 0.99), (8, 0.5)] {
+        let profile = calibrate_with_predictor(&dense, &text, rank);
+        let predictor = profile.predictor.clone().unwrap();
+        assert_eq!(predictor.layers[0].rank(), rank);
+        let ffn = SparseFfn::new(profile.thresholds(0.5).unwrap())
+            .with_predictor(predictor, 1.0)
+            .measure_recall();
+        let stats = ffn.stats();
+        let mut session = Session::new(dense.share_with_ffn(Box::new(ffn)), 64).unwrap();
+        session.feed(&text[..16]).unwrap();
+        for t in [7, 9, 11, 13] {
+            session.feed(&[t]).unwrap();
+        }
+        let s = *stats.lock().unwrap();
+        assert!(
+            s.recall() >= least_recall,
+            "rank {rank}: recall {:.3} ({} of {} lost)",
+            s.recall(),
+            s.missed,
+            s.truly_active
+        );
+        assert!(s.truly_active > 0);
+        assert!(
+            s.gate_rows_computed < s.gate_rows,
+            "rank {rank}: {} of {} gate rows computed",
+            s.gate_rows_computed,
+            s.gate_rows
+        );
+        assert!(s.predictor_bytes > 0 && s.gate_bytes_skipped > 0);
+    }
+}
+
+/// With a margin so wide that every neuron is predicted, the predictor changes
+/// nothing: the logits equal the sparse MLP's without it, bit for bit; and at sparsity
+/// 0 it is not used at all (dense, bit for bit).
+#[test]
+fn predictor_that_keeps_everything_changes_nothing() {
+    let dense = model(6);
+    let profile = calibrate_with_predictor(&dense, &text(), 16);
+    let predictor = profile.predictor.clone().unwrap();
+    let thresholds = profile.thresholds(0.5).unwrap();
+    let plain = run(
+        dense.share_with_ffn(Box::new(SparseFfn::new(thresholds.clone()))),
+        &PROMPT,
+        3,
+    );
+    let wide = SparseFfn::new(thresholds).with_predictor(predictor.clone(), 1e6);
+    let stats = wide.stats();
+    let with = run(dense.share_with_ffn(Box::new(wide)), &PROMPT, 3);
+    let s = *stats.lock().unwrap();
+    assert_eq!(s.gate_rows_computed, s.gate_rows);
+    for (a, b) in plain.iter().zip(&with) {
+        assert!(a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()));
+    }
+    let zero = SparseFfn::new(profile.thresholds(0.0).unwrap()).with_predictor(predictor, 0.0);
+    let got = run(dense.share_with_ffn(Box::new(zero)), &PROMPT, 3);
+    let want = run(dense, &PROMPT, 3);
+    for (a, b) in want.iter().zip(&got) {
+        assert!(a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()));
+    }
 }
