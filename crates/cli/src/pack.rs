@@ -25,8 +25,8 @@ pub struct PackArgs {
     #[arg(long, default_value_t = 9)]
     pub level: i32,
     /// Codecs to try on each tensor (the smallest wins): auto (zstd, planes+zstd,
-    /// planes+rans), zstd, planes+zstd, planes+rans, planes+rans-lanes, raw;
-    /// comma-separated. `gpu` (= planes+rans-lanes) makes a pack whose tensors a GPU
+    /// planes+rans), zstd, planes+zstd, planes+rans, planes+rans-lanes, rans-lanes, raw;
+    /// comma-separated. `gpu` (= planes+rans-lanes,rans-lanes) makes a pack whose tensors a GPU
     /// decodes itself: `--device gpu` then uploads the coded bytes of streamed layers
     /// and decodes them in WGSL (a pack written with it has format version 2).
     #[arg(long, default_value = "auto")]
@@ -39,7 +39,7 @@ pub struct PackArgs {
 fn parse_codecs(s: &str) -> Result<Vec<Codec>> {
     match s {
         "auto" => return Ok(Codec::CANDIDATES.to_vec()),
-        "gpu" => return Ok(vec![Codec::PLANES_RANS_LANES]),
+        "gpu" => return Ok(Codec::GPU_CANDIDATES.to_vec()),
         _ => {}
     }
     s.split(',')
@@ -49,12 +49,13 @@ fn parse_codecs(s: &str) -> Result<Vec<Codec>> {
                 Codec::PLANES_ZSTD,
                 Codec::PLANES_RANS,
                 Codec::PLANES_RANS_LANES,
+                Codec::RANS_LANES,
                 Codec::RAW,
             ]
             .into_iter()
             .find(|c| c.name() == name.trim())
             .with_context(|| {
-                format!("--codec {name}: expected auto, gpu, zstd, planes+zstd, planes+rans, planes+rans-lanes or raw")
+                format!("--codec {name}: expected auto, gpu, zstd, planes+zstd, planes+rans, planes+rans-lanes, rans-lanes or raw")
             })
         })
         .collect()

@@ -69,12 +69,19 @@ impl Codec {
         transform: Transform::Planes,
         coder: Coder::Rans,
     };
-    /// Planes, then lane-parallel rANS: the codec a GPU decodes
-    /// (`ballast pack --codec gpu`).
+    /// Lane-parallel rANS over the file's bytes, one table per chunk.
+    pub const RANS_LANES: Codec = Codec {
+        transform: Transform::None,
+        coder: Coder::RansLanes,
+    };
+    /// Planes, then lane-parallel rANS with a table per plane: the codec a GPU decodes
+    /// (`ballast pack --codec gpu` tries it and [`Codec::RANS_LANES`]).
     pub const PLANES_RANS_LANES: Codec = Codec {
         transform: Transform::Planes,
         coder: Coder::RansLanes,
     };
+    /// The codecs a device decodes (`ballast pack --codec gpu`).
+    pub const GPU_CANDIDATES: [Codec; 2] = [Codec::PLANES_RANS_LANES, Codec::RANS_LANES];
     /// The codecs [`crate::PackOptions::default`] tries on every tensor.
     pub const CANDIDATES: [Codec; 3] = [Codec::ZSTD, Codec::PLANES_ZSTD, Codec::PLANES_RANS];
 
@@ -152,7 +159,13 @@ pub fn encode_chunk(ty: GgmlType, codec: Codec, level: i32, raw: &[u8], out: &mu
             out.extend_from_slice(&z);
         }
         Coder::Rans => rans::encode(src, out),
-        Coder::RansLanes => rans::encode_lanes(src, out),
+        // A table per plane: their byte distributions differ.
+        Coder::RansLanes => match codec.transform {
+            Transform::None => rans::encode_lanes(src, &[src.len()], out),
+            Transform::Planes => {
+                rans::encode_lanes(src, &transform::plane_lengths(ty, src.len()), out)
+            }
+        },
     }
 }
 

@@ -8,17 +8,21 @@
 //! renormalization bytes in the order the decoder reads them. The decoder checks every
 //! read against the end of the stream and every table against its invariants, so a
 //! hostile stream gives an error, never a panic or an endless loop.
-
 //!
 //! [`encode_lanes`] / [`decode_lanes`] are the GPU-friendly variant (coder id 3,
-//! `rans-lanes`): the chunk is cut into up to [`MAX_LANES`] contiguous segments, each
-//! coded by one state with a byte stream of its own, over the shared table, so one GPU
-//! workgroup decodes a chunk with one invocation per lane. Its layout: the number of
-//! symbols (u32), the number of lanes (u32, 1 ..= [`MAX_LANES`]), the frequency table
-//! as above, then per lane the length of its byte stream (u32), then per lane its final
-//! encoder state (u32), then the lanes' byte streams, lane 0 first. Lane `j` codes
-//! symbols `j * s .. min((j + 1) * s, n)` where `s = ceil(n / lanes)`. The runtime's
-//! WGSL decoder (`backend/wgpu/decode.wgsl`) reads exactly this layout.
+//! `rans-lanes`): the chunk is cut into up to [`MAX_LANES`] contiguous lanes, each
+//! coded by one state with a byte stream of its own, so one GPU workgroup decodes a
+//! chunk with one invocation per lane; and into up to [`MAX_TABLES`] consecutive
+//! segments (the planes of a transform), each with a frequency table of its own, since
+//! the planes' byte distributions differ (an f16 scale's high byte against packed
+//! quants). Its layout: the number of symbols (u32), the number of lanes (u32, 1 ..=
+//! [`MAX_LANES`]), the number of segments (u32, 1 ..= [`MAX_TABLES`]), per segment its
+//! number of symbols (u32; they sum to the chunk's) and its frequency table as above,
+//! then per lane the length of its byte stream (u32), then per lane its final encoder
+//! state (u32), then the lanes' byte streams, lane 0 first. Lane `j` codes symbols
+//! `j * s .. min((j + 1) * s, n)` where `s = ceil(n / lanes)`, each with the table of its
+//! segment. The runtime's WGSL decoder (`backend/wgpu/decode.wgsl`) reads exactly this
+//! layout.
 
 /// Bits of probability precision.
 pub const PROB_BITS: u32 = 12;
@@ -32,6 +36,10 @@ pub const MAX_LANES: usize = 64;
 /// Symbols per lane [`encode_lanes`] aims at: each lane costs 8 bytes of header, so
 /// short chunks get fewer lanes.
 const SYMBOLS_PER_LANE: usize = 4096;
+/// Most segments (frequency tables) of a [`encode_lanes`] stream: what one GPU
+/// workgroup holds (the planes of every tensor type, plus the bytes after the last
+/// whole block).
+pub const MAX_TABLES: usize = 8;
 
 /// Frequencies of the bytes of `data`, scaled to sum to [`PROB_SCALE`] with every
 /// present byte at least 1.
@@ -247,27 +255,97 @@ pub fn lanes_for(n: usize) -> usize {
     n.div_ceil(SYMBOLS_PER_LANE).clamp(1, MAX_LANES)
 }
 
+/// Walks the segments of a lane-coded chunk: which one a symbol index falls in.
+struct SegmentCursor<'a> {
+    lens: &'a [usize],
+    segment: usize,
+    /// Symbols left in `segment` from the current one.
+    left: usize,
+}
+
+impl SegmentCursor<'_> {
+    /// A cursor on symbol `i` of a chunk cut into segments of `lens` (they sum to at
+    /// least `i`; at the end, the cursor stands past the last segment).
+    fn at(lens: &[usize], i: usize) -> SegmentCursor<'_> {
+        let mut start = 0;
+        for (segment, &len) in lens.iter().enumerate() {
+            if i < start + len {
+                return SegmentCursor {
+                    lens,
+                    segment,
+                    left: start + len - i,
+                };
+            }
+            start += len;
+        }
+        SegmentCursor {
+            lens,
+            segment: lens.len(),
+            left: 0,
+        }
+    }
+
+    /// The segment of the current symbol; moves to the next symbol.
+    fn next_segment(&mut self) -> usize {
+        while self.left == 0 && self.segment + 1 < self.lens.len() {
+            self.segment += 1;
+            self.left = self.lens[self.segment];
+        }
+        self.left = self.left.saturating_sub(1);
+        self.segment
+    }
+}
+
 /// Appends the lane-parallel rANS stream of `data` to `out` (layout in the
-/// [module docs](self)).
-pub fn encode_lanes(data: &[u8], out: &mut Vec<u8>) {
-    let freqs = normalized_freqs(data);
-    let cum = cumulative(&freqs);
+/// [module docs](self)), with a table per segment of `segments` (their lengths, summing
+/// to `data.len()`; empty ones are dropped, and past [`MAX_TABLES`] the last ones
+/// share a table).
+pub fn encode_lanes(data: &[u8], segments: &[usize], out: &mut Vec<u8>) {
+    let mut lens: Vec<usize> = segments.iter().copied().filter(|&l| l > 0).collect();
+    if lens.len() > MAX_TABLES {
+        let rest: usize = lens[MAX_TABLES - 1..].iter().sum();
+        lens.truncate(MAX_TABLES - 1);
+        lens.push(rest);
+    }
+    if lens.is_empty() {
+        lens.push(0);
+    }
+    assert_eq!(
+        lens.iter().sum::<usize>(),
+        data.len(),
+        "segments cover the chunk"
+    );
+    let mut tables = Vec::with_capacity(lens.len());
+    let mut start = 0;
+    for &len in &lens {
+        let freqs = normalized_freqs(&data[start..start + len]);
+        tables.push((freqs, cumulative(&freqs)));
+        start += len;
+    }
     let lanes = lanes_for(data.len());
     let per_lane = data.len().div_ceil(lanes);
     out.extend(symbol_count(data));
     out.extend((lanes as u32).to_le_bytes());
-    for &f in &freqs {
-        put_varint(out, f);
+    out.extend((lens.len() as u32).to_le_bytes());
+    for (&len, (freqs, _)) in lens.iter().zip(&tables) {
+        out.extend((len as u32).to_le_bytes());
+        for &f in freqs {
+            put_varint(out, f);
+        }
     }
     let mut streams = Vec::with_capacity(lanes);
     let mut states = Vec::with_capacity(lanes);
     for lane in 0..lanes {
         let start = (lane * per_lane).min(data.len());
         let end = ((lane + 1) * per_lane).min(data.len());
+        // The encoder runs backwards: the segment of each symbol, found forwards.
+        let mut cursor = SegmentCursor::at(&lens, start);
+        let segment_of: Vec<u8> = (start..end).map(|_| cursor.next_segment() as u8).collect();
         let mut rev = Vec::with_capacity((end - start) / 2 + 4);
         let mut x = RANS_L;
-        for &b in data[start..end].iter().rev() {
-            encode_symbol(&mut x, b, &freqs, &cum, &mut rev);
+        for (&b, &t) in data[start..end].iter().zip(&segment_of).rev() {
+            let (freqs, cum) = &tables[t as usize];
+            encode_symbol(&mut x, b, freqs, cum, &mut rev);
         }
         rev.reverse();
         streams.push(rev);
@@ -286,8 +364,9 @@ pub fn encode_lanes(data: &[u8], out: &mut Vec<u8>) {
 
 /// Decodes the lane-parallel rANS stream `stream` into `out`, which must have exactly
 /// the length of the data that was encoded. Checks what the WGSL decoder checks: the
-/// lane count, the table, every lane's stream inside the chunk, every read inside its
-/// lane, each lane ending on the encoder's initial state with its bytes all read.
+/// lane and segment counts, the segments covering the chunk, every table, every lane's
+/// stream inside the chunk, every read inside its lane, each lane ending on the
+/// encoder's initial state with its bytes all read.
 pub fn decode_lanes(stream: &[u8], out: &mut [u8]) -> Result<(), String> {
     let mut at = 0usize;
     let n = read_u32(stream, &mut at, "its length")? as usize;
@@ -298,17 +377,29 @@ pub fn decode_lanes(stream: &[u8], out: &mut [u8]) -> Result<(), String> {
     if lanes == 0 || lanes > MAX_LANES {
         return Err(format!("{lanes} lanes, expected 1 to {MAX_LANES}"));
     }
-    let table = Table::read(stream, &mut at)?;
-    let mut lens = Vec::with_capacity(lanes);
+    let n_tables = read_u32(stream, &mut at, "its segment count")? as usize;
+    if n_tables == 0 || n_tables > MAX_TABLES {
+        return Err(format!("{n_tables} segments, expected 1 to {MAX_TABLES}"));
+    }
+    let mut lens = Vec::with_capacity(n_tables);
+    let mut tables = Vec::with_capacity(n_tables);
+    for _ in 0..n_tables {
+        lens.push(read_u32(stream, &mut at, "the segment lengths")? as usize);
+        tables.push(Table::read(stream, &mut at)?);
+    }
+    if lens.iter().sum::<usize>() != n {
+        return Err(format!("segments do not sum to the {n} symbols"));
+    }
+    let mut lens_of_lanes = Vec::with_capacity(lanes);
     for _ in 0..lanes {
-        lens.push(read_u32(stream, &mut at, "the lane lengths")? as usize);
+        lens_of_lanes.push(read_u32(stream, &mut at, "the lane lengths")? as usize);
     }
     let mut states = Vec::with_capacity(lanes);
     for _ in 0..lanes {
         states.push(read_u32(stream, &mut at, "the lane states")?);
     }
     let per_lane = n.div_ceil(lanes);
-    for (lane, (&len, mut x)) in lens.iter().zip(states).enumerate() {
+    for (lane, (&len, mut x)) in lens_of_lanes.iter().zip(states).enumerate() {
         let bytes = stream
             .get(at..)
             .and_then(|rest| rest.get(..len))
@@ -321,9 +412,10 @@ pub fn decode_lanes(stream: &[u8], out: &mut [u8]) -> Result<(), String> {
         }
         let start = (lane * per_lane).min(n);
         let end = ((lane + 1) * per_lane).min(n);
+        let mut cursor = SegmentCursor::at(&lens, start);
         let mut p = 0usize;
         for (i, o) in out[start..end].iter_mut().enumerate() {
-            *o = table.decode_symbol(&mut x);
+            *o = tables[cursor.next_segment()].decode_symbol(&mut x);
             while x < RANS_L {
                 let b = *bytes
                     .get(p)
@@ -366,8 +458,14 @@ mod tests {
     fn lanes_round_trip_at_any_length_and_refuse_changes() {
         for n in [0usize, 1, 3, 4095, 4096, 4097, 70_000, 300_000] {
             let data: Vec<u8> = (0..n as u32).map(|i| (i * 7 % 13) as u8).collect();
+            // Segments of every kind: empty, one symbol, more than the tables.
+            let mut segments = vec![0, n.min(1), n / 3, 0, 0, 0];
+            let ones = 9.min(n - segments.iter().sum::<usize>());
+            segments.extend(std::iter::repeat_n(1, ones));
+            let rest = n - segments.iter().sum::<usize>();
+            segments.push(rest);
             let mut s = Vec::new();
-            encode_lanes(&data, &mut s);
+            encode_lanes(&data, &segments, &mut s);
             let mut back = vec![0; n];
             decode_lanes(&s, &mut back).unwrap();
             assert_eq!(back, data, "{n}");

@@ -111,6 +111,18 @@ pub fn planes(ty: GgmlType) -> Vec<Plane> {
     out
 }
 
+/// The lengths of the planes [`split`] writes for `len` bytes of `ty`, in order, then
+/// of the bytes after the last whole block.
+pub fn plane_lengths(ty: GgmlType, len: usize) -> Vec<usize> {
+    let n_blocks = len / ty.block_bytes();
+    let mut out: Vec<usize> = planes(ty)
+        .iter()
+        .map(|p| p.per_block as usize * n_blocks)
+        .collect();
+    out.push(len - n_blocks * ty.block_bytes());
+    out
+}
+
 /// Appends `data` rewritten as planes to `out` (`data.len()` bytes).
 pub fn split(ty: GgmlType, data: &[u8], out: &mut Vec<u8>) {
     let bb = ty.block_bytes();

@@ -162,8 +162,8 @@ fn full_lanes_and_many_chunks_decode_exactly() {
 type Breakage = fn(&mut Vec<u8>);
 
 /// Streams that break the coder's rules are refused, naming the tensor and chunk:
-/// a wrong length, a lane count out of range, a table that does not sum to the scale,
-/// a lane cut short, a raw chunk of the wrong length.
+/// a wrong length, a lane or segment count out of range, a table that does not sum to
+/// the scale, a lane cut short, a raw chunk of the wrong length.
 #[test]
 fn malformed_chunks_are_refused_by_name() {
     let Some(ctx) = gpu_for_tests() else { return };
@@ -173,12 +173,15 @@ fn malformed_chunks_are_refused_by_name() {
     let coded = code(ty, Codec::PLANES_RANS_LANES, &data, 34 * 200);
     assert_eq!(coded.len(), 2);
     let planes = transform::planes(ty);
-    let breakages: [(&str, Breakage); 4] = [
+    let breakages: [(&str, Breakage); 5] = [
         ("length", |s| s[0] ^= 1),
         ("lane count", |s| {
             s[4..8].copy_from_slice(&65u32.to_le_bytes())
         }),
-        ("table", |s| s[8] ^= 0x01),
+        ("segment count", |s| {
+            s[8..12].copy_from_slice(&9u32.to_le_bytes())
+        }),
+        ("table", |s| s[16] ^= 0x01),
         ("lane cut short", |s| {
             s.pop();
         }),

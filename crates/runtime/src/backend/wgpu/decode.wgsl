@@ -18,9 +18,14 @@
 //
 // Every read is checked against the chunk's stored bytes and every loop is bounded, so
 // a hostile stream cannot read outside its chunk or spin; what the decoder finds wrong
-// goes to `status[chunk]` (0 good; 1 length, 2 lane count, 3 table, 4 lane lengths, 5 a
-// lane runs past its bytes, 6 a lane does not end where its encoder began, 7 a raw
-// chunk's length), the largest code found winning.
+// goes to `status[chunk]` (0 good; 1 length, 2 lane or segment count, 3 a table or the
+// segment lengths, 4 lane lengths, 5 a lane runs past its bytes, 6 a lane does not end
+// where its encoder began, 7 a raw chunk's length), the largest code found winning.
+//
+// A segment's table is 256 words in workgroup memory, `cum | freq << 13` per symbol
+// (a cumulative frequency reaches 4096 after the last symbol, so it needs 13 bits); a
+// symbol is found by binary search over them, since a slot-to-symbol table per segment
+// would not fit a workgroup's memory.
 
 const LANES: u32 = 64u;
 const PROB_BITS: u32 = 12u;
@@ -28,6 +33,7 @@ const PROB_SCALE: u32 = 4096u;
 const RANS_L: u32 = 8388608u; // 1 << 23
 const DESC_WORDS: u32 = 40u;
 const MAX_PLANES: u32 = 8u;
+const MAX_TABLES: u32 = 8u;
 const NO_WORD: u32 = 0xffffffffu;
 
 @group(0) @binding(1) var<storage, read> stored: array<u32>;
@@ -35,14 +41,13 @@ const NO_WORD: u32 = 0xffffffffu;
 @group(0) @binding(3) var<storage, read_write> out: array<atomic<u32>>;
 @group(0) @binding(4) var<storage, read_write> status: array<atomic<u32>>;
 
-var<workgroup> freq: array<u32, 256>;
-var<workgroup> cum: array<u32, 256>;
-// The symbol of each of the PROB_SCALE slots, four to a word.
-var<workgroup> slot_sym: array<u32, 1024>;
+var<workgroup> tables: array<u32, 2048>; // MAX_TABLES * 256
+var<workgroup> segment_len: array<u32, 8>; // MAX_TABLES
 // What invocation 0 read from the header: the error found, the lane count, the
-// offset of the lane lengths.
+// segment count, the offset of the lane lengths.
 var<workgroup> head_error: u32;
 var<workgroup> head_lanes: u32;
+var<workgroup> head_segments: u32;
 var<workgroup> head_lengths: u32;
 
 fn byte_at(pos: u32) -> u32 {
@@ -184,44 +189,67 @@ fn decode_chunks(
     if (lid == 0u) {
         var error = 0u;
         var lanes = 0u;
-        var at = base + 8u;
-        if (stored_len < 8u || u32_at(base) != n) {
+        var segments = 0u;
+        var at = base + 12u;
+        if (stored_len < 12u || u32_at(base) != n) {
             error = 1u;
         } else {
             lanes = u32_at(base + 4u);
-            if (lanes == 0u || lanes > LANES) {
+            segments = u32_at(base + 8u);
+            if (lanes == 0u || lanes > LANES || segments == 0u || segments > MAX_TABLES) {
                 error = 2u;
             }
         }
-        var sum = 0u;
-        for (var s = 0u; s < 256u && error == 0u; s++) {
-            var v = 0u;
-            var shift = 0u;
-            loop {
-                if (at >= end || shift > 14u) {
-                    error = 3u;
-                    break;
+        var symbols = 0u;
+        for (var t = 0u; t < segments && error == 0u; t++) {
+            if (at + 4u > end) {
+                error = 3u;
+                break;
+            }
+            let len = u32_at(at);
+            at += 4u;
+            if (len > n - symbols) {
+                error = 3u;
+                break;
+            }
+            symbols += len;
+            segment_len[t] = len;
+            var sum = 0u;
+            for (var s = 0u; s < 256u && error == 0u; s++) {
+                var v = 0u;
+                var shift = 0u;
+                loop {
+                    if (at >= end || shift > 14u) {
+                        error = 3u;
+                        break;
+                    }
+                    let b = byte_at(at);
+                    at += 1u;
+                    v |= (b & 0x7fu) << shift;
+                    shift += 7u;
+                    if ((b & 0x80u) == 0u) {
+                        break;
+                    }
                 }
-                let b = byte_at(at);
-                at += 1u;
-                v |= (b & 0x7fu) << shift;
-                shift += 7u;
-                if ((b & 0x80u) == 0u) {
-                    break;
+                if (v > PROB_SCALE) {
+                    error = 3u;
+                }
+                tables[t * 256u + s] = sum | (v << 13u);
+                sum += v;
+                if (sum > PROB_SCALE) {
+                    error = 3u;
                 }
             }
-            freq[s] = v;
-            cum[s] = sum;
-            sum += v;
-            if (sum > PROB_SCALE) {
+            if (error == 0u && sum != PROB_SCALE) {
                 error = 3u;
             }
         }
-        if (error == 0u && sum != PROB_SCALE) {
+        if (error == 0u && symbols != n) {
             error = 3u;
         }
         head_error = error;
         head_lanes = lanes;
+        head_segments = segments;
         head_lengths = at;
     }
     let error = workgroupUniformLoad(&head_error);
@@ -231,28 +259,8 @@ fn decode_chunks(
         }
         return;
     }
-
-    // The slot table: the symbol of slot s is the last one whose cumulative frequency
-    // is at most s (symbols of frequency 0 share their successor's start).
-    for (var w = lid; w < PROB_SCALE / 4u; w += LANES) {
-        var word = 0u;
-        for (var j = 0u; j < 4u; j++) {
-            let slot = w * 4u + j;
-            var lo = 0u;
-            var hi = 255u;
-            while (lo < hi) {
-                let mid = (lo + hi + 1u) / 2u;
-                if (cum[mid] <= slot) {
-                    lo = mid;
-                } else {
-                    hi = mid - 1u;
-                }
-            }
-            word |= lo << (j * 8u);
-        }
-        slot_sym[w] = word;
-    }
     let lanes = workgroupUniformLoad(&head_lanes);
+    let segments = head_segments;
     let lengths = head_lengths;
     if (lid >= lanes) {
         return;
@@ -286,12 +294,42 @@ fn decode_chunks(
     let first = min(lid * per, n);
     let last = min(first + per, n);
     var pl = placer_at(desc, first);
+    // The segment of symbol `first`, and its symbols left from there.
+    var segment = 0u;
+    var left = 0u;
+    var seen = 0u;
+    for (var t = 0u; t < segments; t++) {
+        if (first < seen + segment_len[t]) {
+            segment = t;
+            left = seen + segment_len[t] - first;
+            break;
+        }
+        seen += segment_len[t];
+    }
     var pos = start;
     for (var i = first; i < last; i++) {
+        for (var t = 0u; t < MAX_TABLES && left == 0u && segment + 1u < segments; t++) {
+            segment += 1u;
+            left = segment_len[segment];
+        }
+        left = max(left, 1u) - 1u;
+        let table = segment * 256u;
         let slot = x & (PROB_SCALE - 1u);
-        let sym = (slot_sym[slot >> 2u] >> ((slot & 3u) * 8u)) & 0xffu;
+        // The last symbol whose cumulative frequency is at most the slot (symbols of
+        // frequency 0 share their successor's start).
+        var lo = 0u;
+        var hi = 255u;
+        while (lo < hi) {
+            let mid = (lo + hi + 1u) / 2u;
+            if ((tables[table + mid] & 0x1fffu) <= slot) {
+                lo = mid;
+            } else {
+                hi = mid - 1u;
+            }
+        }
+        let entry = tables[table + lo];
         // freq <= 4096 and x >> 12 < 2^20: no overflow (the table summed to the scale).
-        x = freq[sym] * (x >> PROB_BITS) + slot - cum[sym];
+        x = (entry >> 13u) * (x >> PROB_BITS) + slot - (entry & 0x1fffu);
         // A normalized state needs at most two bytes after a step; three bounds it.
         for (var r = 0u; r < 3u && x < RANS_L; r++) {
             if (pos >= stop) {
@@ -301,7 +339,7 @@ fn decode_chunks(
             x = (x << 8u) | byte_at(pos);
             pos += 1u;
         }
-        place(&pl, sym);
+        place(&pl, lo);
     }
     flush(&pl);
     if (pos != stop || x != RANS_L) {
