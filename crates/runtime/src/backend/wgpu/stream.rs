@@ -103,7 +103,8 @@ impl WgpuBackend {
     /// weights may not be cached on the device (a tiered store's RAM and disk tiers) are
     /// uploaded into, one layer per slot. A device pass submits its commands so far
     /// before it reuses a slot, so `n` slots mean one submission per `n` streamed
-    /// layers. Device memory: `n` times the largest streamed layer.
+    /// layers. Device memory: `n` times the largest streamed layer (plus, for layers
+    /// that go up coded, their coded chunks).
     pub fn set_stream_slots(&self, n: usize) {
         let mut ring = self.stream.lock().unwrap_or_else(|p| p.into_inner());
         let depth = n.max(1);
@@ -155,33 +156,17 @@ impl WgpuBackend {
                     let coded = self.coded_layout(w);
                     let buffers = &mut ring.slots[slot];
                     if let Some(layout) = coded {
-                        let j = next_buffer;
+                        let target = slot_buffer(
+                            &self.ctx,
+                            buffers,
+                            next_buffer,
+                            layout.raw_len.div_ceil(4).max(1) * 4,
+                        )?;
                         next_buffer += 1;
-                        let k = next_coded;
+                        let staging =
+                            coded_slot(&self.ctx, &mut ring.coded[slot], next_coded, &layout)?;
                         next_coded += 1;
-                        let size = layout.raw_len.div_ceil(4).max(1) * 4;
-                        let target = slot_buffer(&self.ctx, buffers, j, size)?;
-                        let staging = coded_slot(&self.ctx, &mut ring.coded[slot], k, &layout)?;
-                        let queue = self.ctx.queue();
-                        if !layout.stored.is_empty() {
-                            queue.write_buffer(staging.stored.raw(), 0, &layout.stored);
-                        }
-                        queue.write_buffer(
-                            staging.descriptors.raw(),
-                            0,
-                            bytemuck::cast_slice(&layout.descriptors),
-                        );
-                        rec.add_upload(layout.upload_bytes());
-                        record_decode(
-                            rec,
-                            &layout,
-                            &DecodeBuffers {
-                                stored: staging.stored.raw(),
-                                descriptors: staging.descriptors.raw(),
-                                status: staging.status.raw(),
-                                out: target.raw(),
-                            },
-                        );
+                        self.upload_and_decode(rec, &layout, staging, &target);
                         out.push(Arc::new(self.whole_weight(w, target)?));
                         continue;
                     }
@@ -207,6 +192,37 @@ impl WgpuBackend {
             out.push(d);
         }
         Ok(out)
+    }
+
+    /// Writes `layout`'s coded chunks and descriptors into `staging` and records their
+    /// decode into `target`, counting the coded bytes as uploaded.
+    fn upload_and_decode(
+        &self,
+        rec: &mut Recorder<'_>,
+        layout: &CodedLayout,
+        staging: &CodedSlot,
+        target: &GpuBuffer,
+    ) {
+        let queue = self.ctx.queue();
+        if !layout.stored.is_empty() {
+            queue.write_buffer(staging.stored.raw(), 0, &layout.stored);
+        }
+        queue.write_buffer(
+            staging.descriptors.raw(),
+            0,
+            bytemuck::cast_slice(&layout.descriptors),
+        );
+        rec.add_upload(layout.upload_bytes());
+        record_decode(
+            rec,
+            layout,
+            &DecodeBuffers {
+                stored: staging.stored.raw(),
+                descriptors: staging.descriptors.raw(),
+                status: staging.status.raw(),
+                out: target.raw(),
+            },
+        );
     }
 
     /// `w`'s coded chunks laid out for the device decoder, when its store lends them
