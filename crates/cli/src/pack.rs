@@ -24,8 +24,11 @@ pub struct PackArgs {
     /// zstd level (1-22).
     #[arg(long, default_value_t = 9)]
     pub level: i32,
-    /// Codecs to try on each tensor (the smallest wins): auto (all three), zstd,
-    /// planes+zstd, planes+rans; comma-separated.
+    /// Codecs to try on each tensor (the smallest wins): auto (zstd, planes+zstd,
+    /// planes+rans), zstd, planes+zstd, planes+rans, planes+rans-lanes, rans-lanes, raw;
+    /// comma-separated. `gpu` (= planes+rans-lanes,rans-lanes) makes a pack whose tensors a GPU
+    /// decodes itself: `--device gpu` then uploads the coded bytes of streamed layers
+    /// and decodes them in WGSL (a pack written with it has format version 2).
     #[arg(long, default_value = "auto")]
     pub codec: String,
     /// Threads that code chunks. Default: every core.
@@ -34,8 +37,10 @@ pub struct PackArgs {
 }
 
 fn parse_codecs(s: &str) -> Result<Vec<Codec>> {
-    if s == "auto" {
-        return Ok(Codec::CANDIDATES.to_vec());
+    match s {
+        "auto" => return Ok(Codec::CANDIDATES.to_vec()),
+        "gpu" => return Ok(Codec::GPU_CANDIDATES.to_vec()),
+        _ => {}
     }
     s.split(',')
         .map(|name| {
@@ -43,12 +48,14 @@ fn parse_codecs(s: &str) -> Result<Vec<Codec>> {
                 Codec::ZSTD,
                 Codec::PLANES_ZSTD,
                 Codec::PLANES_RANS,
+                Codec::PLANES_RANS_LANES,
+                Codec::RANS_LANES,
                 Codec::RAW,
             ]
             .into_iter()
             .find(|c| c.name() == name.trim())
             .with_context(|| {
-                format!("--codec {name}: expected auto, zstd, planes+zstd, planes+rans or raw")
+                format!("--codec {name}: expected auto, gpu, zstd, planes+zstd, planes+rans, planes+rans-lanes, rans-lanes or raw")
             })
         })
         .collect()

@@ -279,6 +279,10 @@ pub fn run(args: RunArgs) -> Result<()> {
                         "decode_ms": c.decode_time.as_secs_f64() * 1e3,
                         "stall_ms": c.stall_time.as_secs_f64() * 1e3,
                         "decoded_bytes_peak": c.decoded_bytes_peak,
+                        // Layers lent coded, decoded on the device (a `--codec gpu`
+                        // pack on --device gpu), and what the last decode step uploaded.
+                        "coded_lends": c.coded_lends,
+                        "uploaded_bytes_per_token": last_pass.as_ref().map(|r| r.bytes_uploaded),
                     })
                 }),
             }})
@@ -333,6 +337,13 @@ pub fn run(args: RunArgs) -> Result<()> {
                 c.stall_time.as_secs_f64() * 1e3,
                 common::human_bytes(c.decoded_bytes_peak),
             );
+            if c.coded_lends > 0 {
+                eprintln!(
+                    "{} layers lent coded and decoded on the device; the last decode step uploaded {}",
+                    c.coded_lends,
+                    common::human_bytes(last_pass.as_ref().map_or(0, |r| r.bytes_uploaded)),
+                );
+            }
         }
         if let Some((_, device_peak)) = backend.device_memory().map(|m| m.bytes()) {
             eprintln!("peak device memory: {}", common::human_bytes(device_peak));

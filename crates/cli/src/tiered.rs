@@ -198,6 +198,9 @@ pub fn build(
                 keep_layers: args.keep_layers,
                 prefetch: !args.no_prefetch,
                 decode_threads: args.decode_threads.max(1),
+                // A device of its own decodes what it can (a pack made with
+                // `--codec gpu`): streamed layers go up coded.
+                device_decode: separate_device,
             };
             let store = CompressedStore::new(pack.clone(), globals, layers, opts, mapped)
                 .with_context(|| format!("loading {}", path.display()))?;
@@ -371,6 +374,7 @@ pub fn decoding_store(
             keep_layers: 0,
             prefetch: false,
             decode_threads: 1,
+            device_decode: false,
         },
         mapped,
     )?;

@@ -920,6 +920,38 @@ fn a_pack_runs_like_its_gguf_and_inspect_shows_codecs() {
     assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
 }
 
+/// A pack made for the GPU (`--codec gpu`) run on `--device gpu`: its layers go up
+/// coded and are decoded on the device, and the greedy tokens are the plain file's on
+/// the GPU and on the CPU.
+#[test]
+fn a_gpu_pack_decodes_on_the_device_and_gives_the_plain_tokens() {
+    if ballast_runtime::testing::gpu_for_tests().is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let packed = dir.path().join("tiny.gpu.pack");
+    let (m, p) = (model.to_str().unwrap(), packed.to_str().unwrap());
+    let o = ballast(&["pack", m, p, "--codec", "gpu", "--chunk", "4K"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let gpu = ["--device", "gpu"];
+    let want = generated_tokens(m, "hello", 8, &gpu);
+    assert_eq!(generated_tokens(p, "hello", 8, &gpu), want);
+    assert_eq!(
+        generated_tokens(p, "hello", 8, &[]),
+        generated_tokens(m, "hello", 8, &[])
+    );
+    let o = ballast(&[
+        "run", "-m", p, "-n", "3", "--temp", "0", "--device", "gpu", "hello",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("lent coded and decoded on the device"),
+        "{}",
+        stderr(&o)
+    );
+}
+
 /// A mixture of experts larger than its RAM budget: `plan` counts the experts of the
 /// streamed layers and the share a token reads; `run` streams only the chosen experts
 /// (and says how many bytes that was) and gives the tokens of whole-layer streaming and

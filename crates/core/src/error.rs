@@ -644,6 +644,17 @@ pub enum Error {
         /// The device's message.
         what: String,
     },
+    /// A device decoding coded weights refused a chunk (its stream did not decode as
+    /// the coder's rules demand).
+    #[error("{tensor}: chunk {chunk} did not decode on the device: {what}")]
+    DeviceDecode {
+        /// The tensor concerned.
+        tensor: String,
+        /// The chunk's index in the tensor.
+        chunk: usize,
+        /// What the decoder found.
+        what: String,
+    },
     /// A weight type has no GPU kernel.
     #[error("{tensor}: type {ty} has no GPU kernel")]
     GpuUnsupportedType {

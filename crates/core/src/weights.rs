@@ -21,6 +21,68 @@ pub trait ByteSource: Send + Sync {
     fn cache_on_device(&self) -> bool {
         true
     }
+
+    /// The number of bytes, without producing them (a source that decodes on demand
+    /// knows its length before it has decoded anything).
+    fn byte_len(&self) -> usize {
+        self.bytes().len()
+    }
+
+    /// The bytes `range` as they are stored coded, chunk by chunk in order, for a
+    /// device that decodes them itself and so moves only the coded bytes; `None` (the
+    /// default) when they are not stored coded, when a device could not decode one of
+    /// the chunks, or when `range` is not a whole coded tensor. The chunks' raw lengths
+    /// sum to `range.len()`. A source that answers has checked the stored bytes (their
+    /// checksums) before lending them.
+    fn coded(&self, range: Range<usize>) -> Option<Vec<CodedChunk<'_>>> {
+        let _ = range;
+        None
+    }
+}
+
+/// How a device decodes the stored bytes of a [`CodedChunk`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChunkCoding {
+    /// The symbols are the stored bytes (a chunk that coding would have grown).
+    Raw,
+    /// Lane-parallel order-0 rANS: the layout `ballast-weight-codec`'s
+    /// `rans::encode_lanes` documents.
+    RansLanes,
+}
+
+/// One plane of a block transform: for each block, in block order, `per_block` bytes,
+/// the `k`-th of which goes to byte `offset + k * stride + byte` of its block. A
+/// quantized block's one-byte fields are planes with `stride` 1; a field of f16 or f32
+/// scalars is split into one plane per byte (`stride` 2 or 4, `byte` which of them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plane {
+    /// Offset of the field in the block.
+    pub offset: u32,
+    /// Bytes of this plane per block.
+    pub per_block: u32,
+    /// Distance between this plane's consecutive bytes in the block.
+    pub stride: u32,
+    /// Which byte of each scalar of the field.
+    pub byte: u32,
+}
+
+/// One chunk of a weight's bytes as stored coded (see [`ByteSource::coded`]). Decoding
+/// gives `raw_len` symbols; with `planes`, the symbols come plane by plane (all whole
+/// blocks' bytes of the first plane, then of the next), and the bytes after the last
+/// whole block of `block_bytes` follow as they are; without, symbols are the bytes in
+/// order.
+#[derive(Clone, Copy, Debug)]
+pub struct CodedChunk<'a> {
+    /// The stored bytes.
+    pub stored: &'a [u8],
+    /// Decoded bytes.
+    pub raw_len: usize,
+    /// How the stored bytes code the symbols.
+    pub coding: ChunkCoding,
+    /// Bytes of one block of the weight's type.
+    pub block_bytes: usize,
+    /// The order the symbols come in; empty for the bytes in order.
+    pub planes: &'a [Plane],
 }
 
 impl ByteSource for Vec<u8> {
@@ -48,7 +110,7 @@ pub struct WeightBytes {
 impl WeightBytes {
     /// The bytes `range` of `source`; an error if the range lies outside it.
     pub fn new(source: Arc<dyn ByteSource>, range: Range<usize>) -> Result<WeightBytes> {
-        let len = source.bytes().len();
+        let len = source.byte_len();
         if range.start > range.end || range.end > len {
             return Err(Error::WeightRange {
                 start: range.start,
@@ -91,6 +153,12 @@ impl WeightBytes {
     /// See [`ByteSource::cache_on_device`].
     pub fn cache_on_device(&self) -> bool {
         self.source.cache_on_device()
+    }
+
+    /// These bytes as stored coded, if their source lends them so (see
+    /// [`ByteSource::coded`]).
+    pub fn coded(&self) -> Option<Vec<CodedChunk<'_>>> {
+        self.source.coded(self.range.clone())
     }
 
     /// Number of bytes.

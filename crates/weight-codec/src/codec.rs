@@ -26,6 +26,17 @@ pub enum Coder {
     Zstd,
     /// Order-0 rANS with a table per chunk ([`rans`]).
     Rans,
+    /// Order-0 rANS in independent lanes, each with its own byte stream
+    /// ([`rans::encode_lanes`]): what a GPU decodes, one workgroup per chunk.
+    RansLanes,
+}
+
+impl Coder {
+    /// Whether a device decodes this coder itself (so a store may lend its stored
+    /// bytes: [`ballast_core::weights::CodedChunk`]).
+    pub fn device_decodable(self) -> bool {
+        matches!(self, Coder::Raw | Coder::RansLanes)
+    }
 }
 
 /// A transform and a coder: what a tensor is packed with.
@@ -58,6 +69,19 @@ impl Codec {
         transform: Transform::Planes,
         coder: Coder::Rans,
     };
+    /// Lane-parallel rANS over the file's bytes, one table per chunk.
+    pub const RANS_LANES: Codec = Codec {
+        transform: Transform::None,
+        coder: Coder::RansLanes,
+    };
+    /// Planes, then lane-parallel rANS with a table per plane: the codec a GPU decodes
+    /// (`ballast pack --codec gpu` tries it and [`Codec::RANS_LANES`]).
+    pub const PLANES_RANS_LANES: Codec = Codec {
+        transform: Transform::Planes,
+        coder: Coder::RansLanes,
+    };
+    /// The codecs a device decodes (`ballast pack --codec gpu`).
+    pub const GPU_CANDIDATES: [Codec; 2] = [Codec::PLANES_RANS_LANES, Codec::RANS_LANES];
     /// The codecs [`crate::PackOptions::default`] tries on every tensor.
     pub const CANDIDATES: [Codec; 3] = [Codec::ZSTD, Codec::PLANES_ZSTD, Codec::PLANES_RANS];
 
@@ -71,6 +95,7 @@ impl Codec {
             Coder::Raw => 0,
             Coder::Zstd => 1,
             Coder::Rans => 2,
+            Coder::RansLanes => 3,
         };
         (t << 4) | c
     }
@@ -86,17 +111,19 @@ impl Codec {
             0 => Coder::Raw,
             1 => Coder::Zstd,
             2 => Coder::Rans,
+            3 => Coder::RansLanes,
             _ => return None,
         };
         Some(Codec { transform, coder })
     }
 
-    /// A short name: `raw`, `zstd`, `planes+zstd`, `planes+rans`.
+    /// A short name: `raw`, `zstd`, `planes+zstd`, `planes+rans`, `planes+rans-lanes`.
     pub fn name(self) -> String {
         let c = match self.coder {
             Coder::Raw => "raw",
             Coder::Zstd => "zstd",
             Coder::Rans => "rans",
+            Coder::RansLanes => "rans-lanes",
         };
         match self.transform {
             Transform::None => c.to_string(),
@@ -132,6 +159,13 @@ pub fn encode_chunk(ty: GgmlType, codec: Codec, level: i32, raw: &[u8], out: &mu
             out.extend_from_slice(&z);
         }
         Coder::Rans => rans::encode(src, out),
+        // A table per plane: their byte distributions differ.
+        Coder::RansLanes => match codec.transform {
+            Transform::None => rans::encode_lanes(src, &[src.len()], out),
+            Transform::Planes => {
+                rans::encode_lanes(src, &transform::plane_lengths(ty, src.len()), out)
+            }
+        },
     }
 }
 
@@ -176,6 +210,12 @@ pub fn decode_chunk(
                 coder: "rans",
                 detail,
             })?,
+            Coder::RansLanes => {
+                rans::decode_lanes(stored, dst).map_err(|detail| Corruption::Stream {
+                    coder: "rans-lanes",
+                    detail,
+                })?
+            }
         }
     }
     if let Some(p) = planes {
@@ -198,7 +238,7 @@ mod tests {
     #[test]
     fn codec_ids_round_trip_and_unknown_ids_are_refused() {
         for t in [Transform::None, Transform::Planes] {
-            for c in [Coder::Raw, Coder::Zstd, Coder::Rans] {
+            for c in [Coder::Raw, Coder::Zstd, Coder::Rans, Coder::RansLanes] {
                 let codec = Codec {
                     transform: t,
                     coder: c,
@@ -206,7 +246,7 @@ mod tests {
                 assert_eq!(Codec::from_id(codec.id()), Some(codec));
             }
         }
-        assert_eq!(Codec::from_id(0x03), None);
+        assert_eq!(Codec::from_id(0x04), None);
         assert_eq!(Codec::from_id(0x21), None);
     }
 }

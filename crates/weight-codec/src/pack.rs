@@ -3,7 +3,8 @@
 //! ```text
 //! offset  size  field
 //! 0       8     magic "BALLPACK"
-//! 8       4     version (1), u32 little-endian like every integer here
+//! 8       4     version (1, or 2 when a chunk uses coder 3, `rans-lanes`, which
+//!               version 1 readers do not know), u32 little-endian like every integer
 //! 12      4     CRC-32 of bytes 16 .. data start (the rest of the header, the GGUF
 //!               header and the index)
 //! 16      8     length of the embedded GGUF header (the source file up to its data
@@ -16,7 +17,9 @@
 //!
 //! index:  u32 tensor count, then per tensor:
 //!         u16 name length, name, u32 ggml type, u64 offset in the GGUF file,
-//!         u64 raw length, u8 codec (the tensor's choice), u32 raw bytes per chunk,
+//!         u64 raw length, u8 codec (the tensor's choice: transform in the high
+//!         nibble, 0 none, 1 planes; coder in the low one, 0 raw, 1 zstd, 2 rans,
+//!         3 rans-lanes since version 2), u32 raw bytes per chunk,
 //!         u32 chunk count, then per chunk: u64 offset in the data section,
 //!         u32 stored length, u8 codec (the tensor's, or raw where coding expanded
 //!         it), u32 CRC-32 of the raw bytes, u32 CRC-32 of the stored bytes
@@ -41,8 +44,11 @@ use crate::error::{Corruption, Error, Result};
 
 /// The first bytes of every pack.
 pub const MAGIC: [u8; 8] = *b"BALLPACK";
-/// The format version this crate writes and reads.
-pub const VERSION: u32 = 1;
+/// The newest format version this crate writes and reads (it reads every version from
+/// 1; it writes 1 unless a chunk needs 2).
+pub const VERSION: u32 = 2;
+/// The version that added coder 3 (`rans-lanes`).
+const VERSION_RANS_LANES: u32 = 2;
 const FIXED_HEADER: u64 = 64;
 const CHUNK_RECORD: u64 = 8 + 4 + 1 + 4 + 4;
 /// Largest raw chunk accepted (the writer's chunks are far smaller).
@@ -243,7 +249,7 @@ impl PackFile {
             return Err(truncated("the fixed header", FIXED_HEADER));
         }
         let version = le_u32(b, 8);
-        if version != VERSION {
+        if !(1..=VERSION).contains(&version) {
             return Err(Error::UnsupportedVersion {
                 path,
                 version,
@@ -431,43 +437,77 @@ impl PackFile {
         &self.storage.bytes()[start..start + chunk.stored_len as usize]
     }
 
-    /// Decodes chunk `index` of `tensor` into `out` (its raw length), checking both
-    /// checksums.
-    pub fn decode_chunk(&self, tensor: &PackedTensor, index: usize, out: &mut [u8]) -> Result<()> {
-        let corrupt = |kind| Error::Corrupt {
+    /// Chunk `index` of `tensor`, or an error naming it.
+    fn chunk<'t>(&self, tensor: &'t PackedTensor, index: usize) -> Result<&'t Chunk> {
+        tensor.chunks.get(index).ok_or_else(|| Error::BadIndex {
+            path: self.path.clone(),
+            detail: format!("tensor {} has no chunk {index}", tensor.name),
+        })
+    }
+
+    /// The error for chunk `index` of `tensor`.
+    fn corrupt(&self, tensor: &PackedTensor, index: usize, kind: Corruption) -> Error {
+        Error::Corrupt {
             path: self.path.clone(),
             tensor: tensor.name.clone(),
             chunk: index,
             kind,
-        };
-        let Some(c) = tensor.chunks.get(index) else {
-            return Err(Error::BadIndex {
-                path: self.path.clone(),
-                detail: format!("tensor {} has no chunk {index}", tensor.name),
-            });
-        };
-        if out.len() != c.raw_len as usize {
-            return Err(corrupt(Corruption::Length {
-                expected: c.raw_len as usize,
-                got: out.len(),
-            }));
         }
-        let stored = self.stored_bytes(c)?;
-        let stored = &stored[..];
+    }
+
+    /// `stored` (chunk `index` of `tensor`) checked against its CRC-32.
+    fn check_stored(&self, tensor: &PackedTensor, index: usize, stored: &[u8]) -> Result<()> {
+        let c = self.chunk(tensor, index)?;
         let found = crc32fast::hash(stored);
         if found != c.stored_crc {
-            return Err(corrupt(Corruption::StoredChecksum {
-                expected: c.stored_crc,
-                found,
-            }));
+            return Err(self.corrupt(
+                tensor,
+                index,
+                Corruption::StoredChecksum {
+                    expected: c.stored_crc,
+                    found,
+                },
+            ));
         }
-        codec::decode_chunk(tensor.ty, c.codec, stored, out).map_err(corrupt)?;
+        Ok(())
+    }
+
+    /// The stored bytes of chunk `index` of `tensor` (through the map), checked against
+    /// their CRC-32: what a device that decodes the chunk itself is lent.
+    pub fn checked_stored(&self, tensor: &PackedTensor, index: usize) -> Result<&[u8]> {
+        let stored = self.stored(self.chunk(tensor, index)?);
+        self.check_stored(tensor, index, stored)?;
+        Ok(stored)
+    }
+
+    /// Decodes chunk `index` of `tensor` into `out` (its raw length), checking both
+    /// checksums.
+    pub fn decode_chunk(&self, tensor: &PackedTensor, index: usize, out: &mut [u8]) -> Result<()> {
+        let c = self.chunk(tensor, index)?;
+        if out.len() != c.raw_len as usize {
+            return Err(self.corrupt(
+                tensor,
+                index,
+                Corruption::Length {
+                    expected: c.raw_len as usize,
+                    got: out.len(),
+                },
+            ));
+        }
+        let stored = self.stored_bytes(c)?;
+        self.check_stored(tensor, index, &stored)?;
+        codec::decode_chunk(tensor.ty, c.codec, &stored, out)
+            .map_err(|kind| self.corrupt(tensor, index, kind))?;
         let found = crc32fast::hash(out);
         if found != c.raw_crc {
-            return Err(corrupt(Corruption::DecodedChecksum {
-                expected: c.raw_crc,
-                found,
-            }));
+            return Err(self.corrupt(
+                tensor,
+                index,
+                Corruption::DecodedChecksum {
+                    expected: c.raw_crc,
+                    found,
+                },
+            ));
         }
         Ok(())
     }
@@ -836,6 +876,7 @@ pub fn write_pack(
         let mut index = Vec::with_capacity(index_len as usize);
         index.extend((tensors.len() as u32).to_le_bytes());
         let mut reports = Vec::new();
+        let mut lanes_used = false;
         for t in tensors {
             let raw = input.tensor_data(t);
             let mut best: Option<(Codec, Coded, u64)> = None;
@@ -861,6 +902,7 @@ pub fn write_pack(
             index.extend((step as u32).to_le_bytes());
             index.extend((coded.chunks.len() as u32).to_le_bytes());
             for (stored, codec, raw_crc) in &coded.chunks {
+                lanes_used |= codec.coder == Coder::RansLanes;
                 index.extend(data_len.to_le_bytes());
                 index.extend((stored.len() as u32).to_le_bytes());
                 index.push(codec.id());
@@ -886,7 +928,9 @@ pub fn write_pack(
         debug_assert_eq!(index.len() as u64, index_len);
         let mut head = Vec::with_capacity(FIXED_HEADER as usize);
         head.extend(MAGIC);
-        head.extend(VERSION.to_le_bytes());
+        // Packs without lane-coded chunks stay readable by version 1 readers.
+        let version = if lanes_used { VERSION_RANS_LANES } else { 1 };
+        head.extend(version.to_le_bytes());
         head.extend([0u8; 4]); // the checksum, below
         head.extend((header.len() as u64).to_le_bytes());
         head.extend(input.file_len().to_le_bytes());

@@ -15,20 +15,33 @@
 //! thread decodes layer `i + 1` (cyclically) while layer `i` computes. The model asks
 //! for each layer once per pass, in order, so the prefetched layer is the next one
 //! asked for; any other order is still answered, by decoding on the caller's thread.
+//!
+//! With [`StoreOptions::device_decode`] (for a backend with its own device), a layer
+//! whose every matrix is coded with a coder the device decodes ([`Coder::device_decodable`]:
+//! `rans-lanes` or raw) and that is not kept decoded is not decoded here: it is lent
+//! coded ([`ByteSource::coded`]), so the device uploads the stored chunks and decodes
+//! them itself. Its chunks are checked against their stored CRC-32 at every request,
+//! and the first request of each layer decodes it once on the CPU against the raw
+//! CRC-32, so the device only ever decodes streams the CPU decoder has accepted. Its
+//! host bytes, if anything asks for them, are decoded on first use.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ballast_core::gguf::GgufFile;
 use ballast_core::store::PassId;
-use ballast_core::weights::{ByteSource, GlobalWeights, LayerWeights, WeightBytes};
+use ballast_core::weights::{
+    ByteSource, ChunkCoding, CodedChunk, GlobalWeights, LayerWeights, Plane, WeightBytes,
+};
 use ballast_core::{TierBytes, WeightStore};
 
+use crate::codec::{Coder, Transform};
 use crate::error::{Error, Result};
 use crate::pack::{run_split, PackFile, PackedTensor};
+use crate::transform;
 
 /// How long a decoded layer lives. See the [module docs](self).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,6 +65,8 @@ pub struct StoreOptions {
     pub prefetch: bool,
     /// Threads that decode one layer's chunks.
     pub decode_threads: usize,
+    /// Lend layers coded to a device that decodes them (see the [module docs](self)).
+    pub device_decode: bool,
 }
 
 impl Default for StoreOptions {
@@ -61,6 +76,7 @@ impl Default for StoreOptions {
             keep_layers: 0,
             prefetch: true,
             decode_threads: 1,
+            device_decode: false,
         }
     }
 }
@@ -86,6 +102,8 @@ pub struct CompressedStats {
     pub decoded_bytes_now: u64,
     /// The most decoded bytes alive at once.
     pub decoded_bytes_peak: u64,
+    /// Layers lent coded, for a device to decode ([`StoreOptions::device_decode`]).
+    pub coded_lends: u64,
 }
 
 impl CompressedStats {
@@ -106,6 +124,15 @@ struct Counters {
     stall_ns: AtomicU64,
     live: AtomicU64,
     peak: AtomicU64,
+    coded_lends: AtomicU64,
+}
+
+impl Counters {
+    /// Counts `bytes` decoded bytes coming alive.
+    fn add_live(&self, bytes: usize) {
+        let live = self.live.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+        self.peak.fetch_max(live, Ordering::Relaxed);
+    }
 }
 
 /// A decoded layer's bytes: counted while alive, lent per pass (a device backend
@@ -142,6 +169,122 @@ struct LayerPlan {
     ranges: Vec<std::ops::Range<usize>>,
     raw: usize,
     stored: u64,
+    /// Per matrix: the planes of its type (what its plane-coded chunks decode to).
+    planes: Vec<Vec<Plane>>,
+    /// Every chunk of every matrix is coded with a coder a device decodes.
+    device_decodable: bool,
+    /// The layer has been decoded once on the CPU and its raw checksums held.
+    validated: AtomicBool,
+}
+
+/// A layer lent coded: the pack's stored chunks of each matrix, for a device that
+/// decodes them itself ([`ByteSource::coded`]); its host bytes are decoded on first use.
+struct CodedLayer {
+    pack: Arc<PackFile>,
+    /// Per matrix, in table order: its packed tensor's index, its byte range in the
+    /// layer, its planes.
+    tensors: Vec<usize>,
+    ranges: Vec<std::ops::Range<usize>>,
+    planes: Vec<Vec<Plane>>,
+    raw: usize,
+    decoded: OnceLock<Vec<u8>>,
+    counters: Arc<Counters>,
+}
+
+impl ByteSource for CodedLayer {
+    fn bytes(&self) -> &[u8] {
+        self.decoded.get_or_init(|| {
+            let mut bytes = vec![0u8; self.raw];
+            // The chunks passed their stored checksums when this layer was lent, and
+            // the CPU decoder accepted the same stored bytes (raw checksums held) at the
+            // layer's first request; decoding them again fails only if the file changed
+            // under the map since, as a mapped GGUF file can.
+            decode_layer(&self.pack, &self.tensors, &self.ranges, &mut bytes, 1)
+                .unwrap_or_else(|e| panic!("a validated layer no longer decodes: {e}"));
+            self.counters.add_live(self.raw);
+            bytes
+        })
+    }
+
+    fn byte_len(&self) -> usize {
+        self.raw
+    }
+
+    fn cache_on_device(&self) -> bool {
+        false
+    }
+
+    fn coded(&self, range: std::ops::Range<usize>) -> Option<Vec<CodedChunk<'_>>> {
+        let m = self.ranges.iter().position(|r| *r == range)?;
+        let t = &self.pack.tensors()[self.tensors[m]];
+        t.chunks
+            .iter()
+            .map(|c| {
+                let coding = match c.codec.coder {
+                    Coder::Raw => ChunkCoding::Raw,
+                    Coder::RansLanes => ChunkCoding::RansLanes,
+                    Coder::Zstd | Coder::Rans => return None,
+                };
+                Some(CodedChunk {
+                    stored: self.pack.stored(c),
+                    raw_len: c.raw_len as usize,
+                    coding,
+                    block_bytes: t.ty.block_bytes(),
+                    planes: match c.codec.transform {
+                        Transform::Planes => &self.planes[m],
+                        Transform::None => &[],
+                    },
+                })
+            })
+            .collect()
+    }
+}
+
+impl Drop for CodedLayer {
+    fn drop(&mut self) {
+        if self.decoded.get().is_some() {
+            self.counters
+                .live
+                .fetch_sub(self.raw as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+/// `plan`'s layer with its matrices' bytes in `source`.
+fn lend(plan: &LayerPlan, source: Arc<dyn ByteSource>) -> Result<Arc<LayerWeights>> {
+    let mut layer = plan.template.clone();
+    for (w, r) in layer.weights_mut().zip(&plan.ranges) {
+        w.bytes = WeightBytes::new(source.clone(), r.clone())?;
+    }
+    Ok(Arc::new(layer))
+}
+
+/// Decodes the packed tensors `tensors` of `pack` into their `ranges` of `bytes`, on
+/// `threads` threads.
+fn decode_layer(
+    pack: &PackFile,
+    tensors: &[usize],
+    ranges: &[std::ops::Range<usize>],
+    bytes: &mut [u8],
+    threads: usize,
+) -> Result<()> {
+    let mut pieces: Vec<(&PackedTensor, usize, &mut [u8])> = Vec::new();
+    let mut rest: &mut [u8] = bytes;
+    let mut base = 0;
+    for (&k, r) in tensors.iter().zip(ranges) {
+        let t = &pack.tensors()[k];
+        let tail = std::mem::take(&mut rest);
+        let (_, tail) = tail.split_at_mut(r.start - base);
+        let (dst, tail) = tail.split_at_mut(r.len());
+        rest = tail;
+        base = r.end;
+        for (i, piece) in dst.chunks_mut(t.chunk_raw.max(1) as usize).enumerate() {
+            pieces.push((t, i, piece));
+        }
+    }
+    run_split(pieces, threads, |(t, i, piece)| {
+        pack.decode_chunk(t, i, piece)
+    })
 }
 
 enum Slot {
@@ -209,6 +352,8 @@ impl CompressedStore {
             let mut ranges = Vec::new();
             let mut at = 0usize;
             let mut stored = 0u64;
+            let mut planes = Vec::new();
+            let mut device_decodable = true;
             for w in template.weights() {
                 let k = pack
                     .tensors()
@@ -233,6 +378,8 @@ impl CompressedStore {
                     });
                 }
                 tensors.push(k);
+                planes.push(transform::planes(t.ty));
+                device_decodable &= t.chunks.iter().all(|c| c.codec.coder.device_decodable());
                 // 64-byte alignment for each matrix, as the SIMD kernels like it.
                 at = at.div_ceil(64) * 64;
                 ranges.push(at..at + w.bytes.len());
@@ -245,6 +392,9 @@ impl CompressedStore {
                 ranges,
                 raw: at,
                 stored,
+                planes,
+                device_decodable,
+                validated: AtomicBool::new(false),
             });
         }
         let n = plans.len();
@@ -308,6 +458,7 @@ impl CompressedStore {
             stall_time: Duration::from_nanos(g(&c.stall_ns)),
             decoded_bytes_now: g(&c.live),
             decoded_bytes_peak: g(&c.peak),
+            coded_lends: g(&c.coded_lends),
         }
     }
 
@@ -357,49 +508,88 @@ impl Inner {
         self.opts.policy == CachePolicy::Keep || index < self.opts.keep_layers
     }
 
-    /// Decodes layer `index` into a fresh buffer.
+    /// Layer `index`, decoded into a fresh buffer, or lent coded to a device that
+    /// decodes it (checked as the [module docs](self) say).
     fn decode(&self, index: usize) -> Result<Arc<LayerWeights>> {
-        let t0 = Instant::now();
         let plan = &self.layers[index];
-        let mut bytes = vec![0u8; plan.raw];
-        {
-            let mut pieces: Vec<(&PackedTensor, usize, &mut [u8])> = Vec::new();
-            let mut rest: &mut [u8] = &mut bytes;
-            let mut base = 0;
-            for (&k, r) in plan.tensors.iter().zip(&plan.ranges) {
+        if !(self.opts.device_decode && plan.device_decodable && !self.kept(index)) {
+            return self.decode_here(index);
+        }
+        let decoded = OnceLock::new();
+        if !plan.validated.load(Ordering::Relaxed) {
+            // The first pass's device decodes the layer too; its host bytes are these.
+            let t0 = Instant::now();
+            let bytes = self.decode_bytes(plan)?;
+            self.count_decode(plan, t0);
+            plan.validated.store(true, Ordering::Relaxed);
+            decoded.set(bytes).expect("a fresh cell is empty");
+        } else {
+            for &k in &plan.tensors {
                 let t = &self.pack.tensors()[k];
-                let tail = std::mem::take(&mut rest);
-                let (_, tail) = tail.split_at_mut(r.start - base);
-                let (dst, tail) = tail.split_at_mut(r.len());
-                rest = tail;
-                base = r.end;
-                for (i, piece) in dst.chunks_mut(t.chunk_raw.max(1) as usize).enumerate() {
-                    pieces.push((t, i, piece));
+                for i in 0..t.chunks.len() {
+                    self.pack.checked_stored(t, i)?;
                 }
             }
-            run_split(pieces, self.opts.decode_threads, |(t, i, piece)| {
-                self.pack.decode_chunk(t, i, piece)
-            })?;
+            self.counters
+                .bytes_read
+                .fetch_add(plan.stored, Ordering::Relaxed);
         }
+        let layer = lend(
+            plan,
+            Arc::new(CodedLayer {
+                pack: self.pack.clone(),
+                tensors: plan.tensors.clone(),
+                ranges: plan.ranges.clone(),
+                planes: plan.planes.clone(),
+                raw: plan.raw,
+                decoded,
+                counters: self.counters.clone(),
+            }),
+        )?;
+        self.counters.coded_lends.fetch_add(1, Ordering::Relaxed);
+        Ok(layer)
+    }
+
+    /// Decodes layer `index` into a fresh buffer.
+    fn decode_here(&self, index: usize) -> Result<Arc<LayerWeights>> {
+        let t0 = Instant::now();
+        let plan = &self.layers[index];
+        let bytes = self.decode_bytes(plan)?;
+        let layer = lend(
+            plan,
+            Arc::new(Decoded {
+                bytes,
+                counters: self.counters.clone(),
+                cache_on_device: self.kept(index),
+            }),
+        )?;
+        self.count_decode(plan, t0);
+        Ok(layer)
+    }
+
+    /// `plan`'s layer decoded on the CPU, counted alive.
+    fn decode_bytes(&self, plan: &LayerPlan) -> Result<Vec<u8>> {
+        let mut bytes = vec![0u8; plan.raw];
+        decode_layer(
+            &self.pack,
+            &plan.tensors,
+            &plan.ranges,
+            &mut bytes,
+            self.opts.decode_threads,
+        )?;
+        self.counters.add_live(plan.raw);
+        Ok(bytes)
+    }
+
+    /// Counts one decode of `plan`'s layer on the CPU, begun at `t0`.
+    fn count_decode(&self, plan: &LayerPlan, t0: Instant) {
         let c = &self.counters;
-        let live = c.live.fetch_add(plan.raw as u64, Ordering::Relaxed) + plan.raw as u64;
-        c.peak.fetch_max(live, Ordering::Relaxed);
-        let source: Arc<dyn ByteSource> = Arc::new(Decoded {
-            bytes,
-            counters: c.clone(),
-            cache_on_device: self.kept(index),
-        });
-        let mut layer = plan.template.clone();
-        for (w, r) in layer.weights_mut().zip(&plan.ranges) {
-            w.bytes = WeightBytes::new(source.clone(), r.clone())?;
-        }
         c.decompressions.fetch_add(1, Ordering::Relaxed);
         c.bytes_decoded
             .fetch_add(plan.raw as u64, Ordering::Relaxed);
         c.bytes_read.fetch_add(plan.stored, Ordering::Relaxed);
         c.decode_ns
             .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        Ok(Arc::new(layer))
     }
 
     /// Layer `index` for `pass`: from the cache, from the worker, or decoded here.

@@ -11,6 +11,7 @@
 //! inverts [`split`] exactly, for any input length.
 
 use ballast_core::ggml_type::GgmlType;
+use ballast_core::weights::Plane;
 
 /// One field of a block: `len` bytes at `offset`, made of scalars of `width` bytes.
 #[derive(Clone, Copy, Debug)]
@@ -90,6 +91,35 @@ pub fn plane_names(ty: GgmlType) -> Vec<(String, usize)> {
             out.push((n, field.len / field.width));
         }
     }
+    out
+}
+
+/// The planes [`split`] writes for `ty`, in order, as a device decoder places their
+/// bytes back into blocks (see [`Plane`]).
+pub fn planes(ty: GgmlType) -> Vec<Plane> {
+    let mut out = Vec::new();
+    for f in fields(ty) {
+        for byte in 0..f.width {
+            out.push(Plane {
+                offset: f.offset as u32,
+                per_block: (f.len / f.width) as u32,
+                stride: f.width as u32,
+                byte: byte as u32,
+            });
+        }
+    }
+    out
+}
+
+/// The lengths of the planes [`split`] writes for `len` bytes of `ty`, in order, then
+/// of the bytes after the last whole block.
+pub fn plane_lengths(ty: GgmlType, len: usize) -> Vec<usize> {
+    let n_blocks = len / ty.block_bytes();
+    let mut out: Vec<usize> = planes(ty)
+        .iter()
+        .map(|p| p.per_block as usize * n_blocks)
+        .collect();
+    out.push(len - n_blocks * ty.block_bytes());
     out
 }
 
@@ -175,6 +205,32 @@ mod tests {
             assert!(seen.iter().all(|&c| c == 1), "{ty}: {seen:?}");
             let plane_bytes: usize = plane_names(ty).iter().map(|(_, n)| n).sum();
             assert_eq!(plane_bytes, ty.block_bytes(), "{ty}");
+        }
+    }
+
+    /// The plane table a device decoder reads puts every byte of [`split`]'s output
+    /// back where [`join`] does.
+    #[test]
+    fn plane_table_places_bytes_as_join_does() {
+        for ty in GgmlType::ALL {
+            let bb = ty.block_bytes();
+            let data: Vec<u8> = (0..3 * bb + bb / 2).map(|i| (i * 31 % 251) as u8).collect();
+            let mut split_bytes = Vec::new();
+            split(ty, &data, &mut split_bytes);
+            let n_blocks = data.len() / bb;
+            let mut placed = vec![0u8; data.len()];
+            let mut i = 0;
+            for pl in planes(ty) {
+                for b in 0..n_blocks {
+                    for k in 0..pl.per_block as usize {
+                        let at = b * bb + pl.offset as usize + k * pl.stride as usize;
+                        placed[at + pl.byte as usize] = split_bytes[i];
+                        i += 1;
+                    }
+                }
+            }
+            placed[i..].copy_from_slice(&split_bytes[i..]);
+            assert_eq!(placed, data, "{ty}");
         }
     }
 

@@ -14,7 +14,7 @@ fn any_type() -> impl Strategy<Value = GgmlType> {
 fn any_codec() -> impl Strategy<Value = Codec> {
     (
         proptest::sample::select(vec![Transform::None, Transform::Planes]),
-        proptest::sample::select(vec![Coder::Raw, Coder::Zstd, Coder::Rans]),
+        proptest::sample::select(vec![Coder::Raw, Coder::Zstd, Coder::Rans, Coder::RansLanes]),
     )
         .prop_map(|(transform, coder)| Codec { transform, coder })
 }

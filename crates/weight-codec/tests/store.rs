@@ -96,6 +96,7 @@ fn every_policy_gives_the_plain_files_logits_and_counts_its_decodes() {
                 keep_layers: keep,
                 prefetch,
                 decode_threads: 2,
+                ..StoreOptions::default()
             };
             let (model, stats) = compressed_model(&packed, opts.clone());
             let got = greedy(model, &prompt, steps);

@@ -24,12 +24,13 @@
 //! block sums are identical and only float summation order differs.
 //!
 //! The module is split by idea: `weights` (device copies of weights and vectors),
-//! `stream` (the stream-slot ring), `device_kv` (the device-resident KV cache), `kv`
+//! `stream` (the stream-slot ring), `decode` (coded weights decoded into a stream slot), `device_kv` (the device-resident KV cache), `kv`
 //! (device mirrors of host caches), `ops` (one encoder per
 //! op), `moe` (a mixture of experts inside the pass: routing and expert-id products), `record` (the command encoder, traffic counts, timestamps), `pass` (a `Graph`
 //! recorded whole), `host` (the `Backend` ops on host slices). Every kernel takes the
 //! parameter block of `params.wgsl`, prepended to its source.
 
+mod decode;
 mod device_kv;
 mod host;
 mod kv;
@@ -165,6 +166,7 @@ impl WgpuBackend {
             stream: Mutex::new(StreamRing {
                 depth: DEFAULT_STREAM_SLOTS,
                 slots: Vec::new(),
+                coded: Vec::new(),
                 next: 0,
             }),
             max_chunk_bytes,

@@ -397,6 +397,12 @@ impl<'c> Recorder<'c> {
         self.report.bytes_written += writes;
     }
 
+    /// Records zeroing the first `bytes` (whole words) of `buffer`.
+    pub(crate) fn clear(&mut self, buffer: &wgpu::Buffer, bytes: u64) {
+        self.encoder.clear_buffer(buffer, 0, Some(bytes));
+        self.report.bytes_written += bytes;
+    }
+
     /// Records a buffer-to-buffer copy (a KV-cache append, a read-back source).
     pub(crate) fn copy(
         &mut self,

@@ -69,14 +69,9 @@ impl WgpuBackend {
         Ok(d)
     }
 
-    /// `w` checked and split by rows into chunks that each fit one binding; `place`
-    /// puts each chunk's bytes, in order, in a device buffer.
-    pub(super) fn split_weight(
-        &self,
-        w: &Weight,
-        mut place: impl FnMut(&[u8]) -> Result<Arc<GpuBuffer>>,
-    ) -> Result<DeviceWeight> {
-        let bytes = w.bytes.as_slice();
+    /// `w`'s geometry (rows, columns, bytes per row), checked: a type with a kernel,
+    /// bytes that are whole rows, a row that fits one binding.
+    fn checked_geometry(&self, w: &Weight) -> Result<(usize, usize, usize)> {
         if !gpu_supports(w.ty) {
             return Err(Error::GpuUnsupportedType {
                 tensor: w.name.clone(),
@@ -84,15 +79,13 @@ impl WgpuBackend {
             });
         }
         let (rows, cols, row_bytes) = (w.rows(), w.cols(), w.row_bytes());
-        if bytes.len() != rows * row_bytes {
+        if w.bytes.len() != rows * row_bytes {
             return Err(Error::ShapeMismatch {
                 what: format!("bytes of {}", w.name),
                 expected: rows * row_bytes,
-                got: bytes.len(),
+                got: w.bytes.len(),
             });
         }
-        // Split by rows so no chunk exceeds one binding; each chunk starts on a row.
-        let rows_per_chunk = ((self.max_chunk_bytes as usize) / row_bytes.max(1)).max(1);
         if row_bytes as u64 > self.max_chunk_bytes {
             return Err(Error::GpuLimit {
                 what: format!("one row of {}", w.name),
@@ -100,11 +93,44 @@ impl WgpuBackend {
                 limit: self.max_chunk_bytes,
             });
         }
+        Ok((rows, cols, row_bytes))
+    }
+
+    /// `w` checked and split by rows into chunks that each fit one binding; `place`
+    /// puts each chunk's bytes, in order, in a device buffer.
+    pub(super) fn split_weight(
+        &self,
+        w: &Weight,
+        place: impl FnMut(&[u8]) -> Result<Arc<GpuBuffer>>,
+    ) -> Result<DeviceWeight> {
+        self.split_weight_by(w, place, true)
+    }
+
+    /// [`WgpuBackend::split_weight`]; without `split`, one chunk of every row, whose
+    /// buffer `place` gives without looking at the bytes (they are not asked for).
+    fn split_weight_by(
+        &self,
+        w: &Weight,
+        mut place: impl FnMut(&[u8]) -> Result<Arc<GpuBuffer>>,
+        split: bool,
+    ) -> Result<DeviceWeight> {
+        let (rows, cols, row_bytes) = self.checked_geometry(w)?;
+        let bytes: &[u8] = if split { w.bytes.as_slice() } else { &[] };
+        // Split by rows so no chunk exceeds one binding; each chunk starts on a row.
+        let rows_per_chunk = if split {
+            ((self.max_chunk_bytes as usize) / row_bytes.max(1)).max(1)
+        } else {
+            rows.max(1)
+        };
         let mut chunks = Vec::new();
         let mut first_row = 0;
         while first_row < rows {
             let n = rows_per_chunk.min(rows - first_row);
-            let buffer = place(&bytes[first_row * row_bytes..(first_row + n) * row_bytes])?;
+            let buffer = place(
+                bytes
+                    .get(first_row * row_bytes..(first_row + n) * row_bytes)
+                    .unwrap_or(&[]),
+            )?;
             chunks.push(WeightChunk {
                 buffer,
                 first_row,
@@ -120,6 +146,12 @@ impl WgpuBackend {
             row_bytes,
             chunks,
         })
+    }
+
+    /// `w` checked, whole in `buffer` (its bytes fit one binding; the caller fills the
+    /// buffer, a decoder on the device, say).
+    pub(super) fn whole_weight(&self, w: &Weight, buffer: Arc<GpuBuffer>) -> Result<DeviceWeight> {
+        self.split_weight_by(w, |_| Ok(buffer.clone()), false)
     }
 
     /// The device copy of a small f32 vector (a norm scale, a bias), uploaded once.
