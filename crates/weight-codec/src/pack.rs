@@ -434,26 +434,48 @@ impl PackFile {
     /// Decodes chunk `index` of `tensor` into `out` (its raw length), checking both
     /// checksums.
     pub fn decode_chunk(&self, tensor: &PackedTensor, index: usize, out: &mut [u8]) -> Result<()> {
+        let chunk = self.chunk(tensor, index)?;
+        let stored = self.stored_bytes(chunk)?;
+        self.decode_stored(tensor, index, &stored, out)
+    }
+
+    /// Chunk `index` of `tensor`, or an error naming both.
+    pub fn chunk<'t>(&self, tensor: &'t PackedTensor, index: usize) -> Result<&'t Chunk> {
+        tensor.chunks.get(index).ok_or_else(|| Error::BadIndex {
+            path: self.path.clone(),
+            detail: format!("tensor {} has no chunk {index}", tensor.name),
+        })
+    }
+
+    /// Chunk `index` of `tensor`'s stored bytes as they are in the pack, read now (the
+    /// coded form a caller may hold and decode later with [`PackFile::decode_stored`]).
+    pub fn read_stored(&self, tensor: &PackedTensor, index: usize) -> Result<Vec<u8>> {
+        Ok(self.stored_bytes(self.chunk(tensor, index)?)?.into_owned())
+    }
+
+    /// Decodes `stored`, the stored bytes of chunk `index` of `tensor` (held by the
+    /// caller), into `out` (its raw length), checking both checksums.
+    pub fn decode_stored(
+        &self,
+        tensor: &PackedTensor,
+        index: usize,
+        stored: &[u8],
+        out: &mut [u8],
+    ) -> Result<()> {
         let corrupt = |kind| Error::Corrupt {
             path: self.path.clone(),
             tensor: tensor.name.clone(),
             chunk: index,
             kind,
         };
-        let Some(c) = tensor.chunks.get(index) else {
-            return Err(Error::BadIndex {
-                path: self.path.clone(),
-                detail: format!("tensor {} has no chunk {index}", tensor.name),
-            });
-        };
+        let c = self.chunk(tensor, index)?;
         if out.len() != c.raw_len as usize {
             return Err(corrupt(Corruption::Length {
                 expected: c.raw_len as usize,
                 got: out.len(),
             }));
         }
-        let stored = self.stored_bytes(c)?;
-        let stored = &stored[..];
+        // Stored bytes of another length fail their checksum below.
         let found = crc32fast::hash(stored);
         if found != c.stored_crc {
             return Err(corrupt(Corruption::StoredChecksum {
