@@ -94,6 +94,10 @@ struct StreamingFigures {
     expert_hit_rate: f64,
     expert_stall_ms: f64,
     non_resident_bytes: u64,
+    /// The plan's layers: one letter each (A resident, B held coded in RAM, C disk).
+    layer_map: String,
+    /// Bytes of the layers held coded in RAM.
+    coded_ram_bytes: u64,
     stall_ms: f64,
     read_ms: f64,
     disk_bytes_per_s: f64,
@@ -324,6 +328,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
                         expert_hit_rate: m.expert_hit_rate,
                         expert_stall_ms: m.expert_stall_per_token.as_secs_f64() * 1e3,
                         non_resident_bytes: info.non_resident_bytes(),
+                        layer_map: tiered::layer_map(&info.plan),
+                        coded_ram_bytes: if info.plan.ram_coded {
+                            info.plan.tier_bytes(ballast_tier_stream::Tier::Ram)
+                        } else {
+                            0
+                        },
                         stall_ms: m.stall_per_token.as_secs_f64() * 1e3,
                         read_ms: m.read_time_per_token.as_secs_f64() * 1e3,
                         disk_bytes_per_s: m.disk_bytes_per_s,
@@ -448,6 +458,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     obj["streaming"] = json!({
                         "disk_bytes_per_token": s.disk_bytes_per_token,
                         "non_resident_bytes": s.non_resident_bytes,
+                        "layer_map": s.layer_map,
+                        "coded_ram_bytes": s.coded_ram_bytes,
                         "stall_ms_per_token": s.stall_ms,
                         "read_ms_per_token": s.read_ms,
                         "disk_bytes_per_s": s.disk_bytes_per_s,
