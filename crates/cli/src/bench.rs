@@ -408,7 +408,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let config = ballast_runtime::ModelConfig::from_gguf(&file)?;
     // Before the roofline's buffer raises it.
     let peak_rss = peak_rss_kib();
-    let roofline = roofline(&file, &results, backend_name.starts_with("cpu"));
+    // Not for a streaming store: its weights are not all in RAM, so RAM bandwidth is
+    // not its bound, and the roofline's 256 MiB buffer would break the memory budget
+    // (a cgroup limit below it kills the process).
+    let streaming = store_name.starts_with("tiered");
+    let roofline = roofline(
+        &file,
+        &results,
+        backend_name.starts_with("cpu") && !streaming,
+    );
     let kv_dim = config.n_kv_heads * config.head_dim;
     let windows: Vec<usize> = config
         .layer_attention

@@ -683,8 +683,10 @@ pub fn describe_ram_tiers(options: &[RamTierOption]) -> String {
             o.prediction.seconds_per_token,
             raw.prediction.seconds_per_token,
         );
-        let verdict = if more <= 0 {
+        let verdict = if more <= 0 && extra_decodes <= 0 {
             "changes nothing here".to_string()
+        } else if more <= 0 {
+            "does not pay: it holds no more layers, and decodes more".to_string()
         } else if t < t_raw {
             format!(
                 "pays: {:.1} ms per token instead of {:.1}",
