@@ -319,7 +319,7 @@ pub fn build(
         ctx: ctx as u64,
         batch: batch as u64,
         depth: args.depth.max(1),
-        ram_tier: RamTier::Raw,
+        ram_tier: args.ram_tier.for_plan(),
     })?;
     let options = TieredOptions {
         io_threads: args.io_threads.max(1),
