@@ -10,7 +10,7 @@ use ballast_runtime::model::load_weights;
 use ballast_runtime::store::PassId;
 use ballast_runtime::testing::TinyModelSpec;
 use ballast_runtime::weights::LayerWeights;
-use ballast_runtime::{CpuBackend, ModelConfig, ResidentStore, WeightStore};
+use ballast_runtime::{CodedLayers, CpuBackend, ModelConfig, ResidentStore, WeightStore};
 use ballast_tier_stream::{model_shape, Plan, RamTier, Tier, TieredOptions, TieredStore};
 use ballast_weight_codec::store::skeleton;
 use ballast_weight_codec::{
@@ -101,7 +101,8 @@ proptest! {
 
     /// Any placement over device (decoded), RAM (coded) and disk, any access order,
     /// any slot count: every layer's matrices are the plain file's bytes, and layers
-    /// held coded read nothing from disk.
+    /// held coded read nothing from disk. With a separate device (RAM tier raw, as a
+    /// GPU plan holds it), the same bytes.
     #[test]
     fn a_coded_ram_tier_serves_the_plain_files_bytes(
         n_layers in 1usize..6,
@@ -109,17 +110,22 @@ proptest! {
         slots in 1usize..4,
         io_threads in 1usize..3,
         order in prop::collection::vec(0usize..6, 1..24),
+        separate_device in any::<bool>(),
     ) {
         let fx = fixture(n_layers);
         let inner = decoding_store(&fx);
-        let p = plan_with(&fx, &inner, tiers_from(&picks[..n_layers]), slots);
+        let mut p = plan_with(&fx, &inner, tiers_from(&picks[..n_layers]), slots);
+        if separate_device {
+            p.unified = false;
+            p.ram_coded = false;
+            p.budgets.device = Some(1 << 40);
+            p.staging_slots = slots;
+            p.staging_slot_bytes = p.device_slot_bytes;
+        }
         let stored = inner.stored_bytes_per_layer();
-        let s = TieredStore::over_coded(
-            Arc::new(inner),
-            &p,
-            TieredOptions { io_threads, ..TieredOptions::default() },
-        )
-        .unwrap();
+        let inner: Arc<dyn CodedLayers> = Arc::new(inner);
+        let options = TieredOptions { io_threads, ..TieredOptions::default() };
+        let s = TieredStore::over_coded(inner.clone(), &p, options).unwrap();
         let (_, plain) = load_weights(&fx.file, &fx.config).unwrap();
         for (k, &i) in order.iter().enumerate() {
             let i = i % n_layers;
@@ -127,23 +133,18 @@ proptest! {
             prop_assert_eq!(l.index, i);
             prop_assert!(layer_bytes(&l) == layer_bytes(&plain[i]), "layer {} on {:?}", i, p.tiers[i]);
         }
+        let read = s.stats().disk_bytes;
         drop(s);
         // Disk reads are the coded bytes of disk-tier layers only (whole layers, some
         // read ahead and maybe evicted): a store whose streamed layers are all held
         // coded reads nothing.
-        let s = TieredStore::over_coded(
-            Arc::new(decoding_store(&fx)),
-            &p,
-            TieredOptions { io_threads, ..TieredOptions::default() },
-        )
-        .unwrap();
-        for (k, &i) in order.iter().enumerate() {
-            drop(s.layer(PassId(k as u64), i % n_layers).unwrap());
-        }
-        let read = s.stats().disk_bytes;
         if !p.tiers.contains(&Tier::Disk) {
             prop_assert_eq!(read, 0);
         }
+        if separate_device {
+            return Ok(());
+        }
+        let s = TieredStore::over_coded(inner, &p, options).unwrap();
         let held = s.held_bytes();
         let coded: u64 = (0..n_layers).filter(|&i| p.tiers[i] == Tier::Ram).map(|i| stored[i]).sum();
         let on_disk: u64 = (0..n_layers).filter(|&i| p.tiers[i] == Tier::Disk).map(|i| p.layer_bytes[i]).sum();
@@ -152,6 +153,7 @@ proptest! {
     }
 }
 
+/// Prefill, then three decode steps: the logits.
 fn logits(fx: &Fixture, store: Box<dyn WeightStore>) -> Vec<f32> {
     common::passes_logits(&fx.config, store, Arc::new(CpuBackend::new(1)))
 }
