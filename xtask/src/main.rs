@@ -19,6 +19,7 @@
 
 mod codec_bench;
 mod moe_bench;
+mod pack_bench;
 mod serve_bench;
 mod tier_bench;
 
@@ -68,6 +69,13 @@ const USAGE: &str =
                 (--whole-experts): tokens/s, bytes per token, the chosen experts' bytes against
                 what the disk read for them, the wait for experts, the plan's bound
 
+  bench-pack    the default model packed (`ballast pack`): the seed's table (--cache per-pass,
+                every-use, keep and the plain file: decompressions per pass, peak RSS, tokens/s),
+                then tiered streaming in a 96 MiB cgroup of the plain file and of the pack with
+                each --ram-tier (raw, auto, coded): layers held decoded / coded / on disk, bytes
+                read per token, tokens/s; rounds alternated, page caches dropped before each run.
+                BALLAST_BIN=path skips the release build.
+
   tiny-model    write the tiny random-weight reference model NAME (llama-spm, qwen3, gemma3,
                 qwen3moe, mixtral) to FILE,
                 e.g. to compute its logits or tokens with llama.cpp";
@@ -87,6 +95,15 @@ fn main() -> Result<()> {
             moe_bench::run(&release_ballast()?, args.iter().any(|a| a == "--quick"))
         }
         Some("bench-kv") => bench_kv(),
+        Some("bench-pack") => {
+            // BALLAST_BIN skips the release build (the debug binary's runtime is
+            // optimized too).
+            let bin = match std::env::var_os("BALLAST_BIN") {
+                Some(b) => b.into(),
+                None => release_ballast()?,
+            };
+            pack_bench::run(&bin, &fetch_model()?, args.iter().any(|a| a == "--quick"))
+        }
         Some("bench-codec") => {
             let level = match args.iter().position(|a| a == "--level") {
                 Some(i) => args

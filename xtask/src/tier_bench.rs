@@ -103,6 +103,21 @@ pub(crate) fn written_back(path: &Path) -> Result<()> {
         .with_context(|| format!("flushing {}", path.display()))
 }
 
+/// A copy of `model` in the folder `work` (made if missing, kept while its size
+/// matches): its page cache is the bench's to drop, and is charged to the bench's
+/// cgroup rather than shared with other processes.
+pub(crate) fn private_copy(model: &Path, work: &Path) -> Result<PathBuf> {
+    std::fs::create_dir_all(work)?;
+    let copy = work.join("model.gguf");
+    if std::fs::metadata(&copy).map(|m| m.len()).ok()
+        != std::fs::metadata(model).map(|m| m.len()).ok()
+    {
+        std::fs::copy(model, &copy).context("copying the default model")?;
+        written_back(&copy)?;
+    }
+    Ok(copy)
+}
+
 /// Runs `ballast bench --json` (in `cg` if any) and returns its JSON lines.
 pub(crate) fn bench_json(
     ballast: &Path,
@@ -110,10 +125,22 @@ pub(crate) fn bench_json(
     args: &[String],
     model: &Path,
 ) -> Result<Vec<serde_json::Value>> {
+    ballast_json(ballast, cg, "bench", args, model)
+}
+
+/// Runs `ballast COMMAND --json -m MODEL ARGS` (in `cg` if any), the page cache of
+/// `model` dropped first, and returns its JSON lines.
+pub(crate) fn ballast_json(
+    ballast: &Path,
+    cg: Option<&Cgroup>,
+    command: &str,
+    args: &[String],
+    model: &Path,
+) -> Result<Vec<serde_json::Value>> {
     ballast_tier_stream::io::drop_file_cache(model)
         .with_context(|| format!("dropping the cache of {}", model.display()))?;
     let mut all = vec![
-        "bench".to_string(),
+        command.to_string(),
         "--json".into(),
         "-m".into(),
         model.display().to_string(),
@@ -128,10 +155,12 @@ pub(crate) fn bench_json(
         }
     };
     eprintln!("    $ ballast {}", all.join(" "));
-    let out = cmd.output().context("running ballast bench")?;
+    let out = cmd
+        .output()
+        .with_context(|| format!("running ballast {command}"))?;
     if !out.status.success() {
         bail!(
-            "ballast bench failed ({}): {}",
+            "ballast {command} failed ({}): {}",
             out.status,
             String::from_utf8_lossy(&out.stderr)
         );
@@ -139,7 +168,9 @@ pub(crate) fn bench_json(
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter(|l| l.starts_with('{'))
-        .map(|l| serde_json::from_str(l).context("parsing ballast bench --json"))
+        .map(|l| {
+            serde_json::from_str(l).with_context(|| format!("parsing ballast {command} --json"))
+        })
         .collect()
 }
 
@@ -212,15 +243,7 @@ fn synthetic_spec() -> TinyModelSpec {
 
 pub fn run(ballast: &Path, default_model: &Path, quick: bool) -> Result<()> {
     let work = std::env::temp_dir().join("ballast-tier-bench");
-    std::fs::create_dir_all(&work)?;
-    // A private copy: its page cache is ours to drop and is charged to our cgroup.
-    let model = work.join("model.gguf");
-    if std::fs::metadata(&model).map(|m| m.len()).ok()
-        != std::fs::metadata(default_model).map(|m| m.len()).ok()
-    {
-        std::fs::copy(default_model, &model).context("copying the default model")?;
-        written_back(&model)?;
-    }
+    let model = private_copy(default_model, &work)?;
     let size = std::fs::metadata(&model)?.len();
     let limit = 88 * MIB;
     let ram = "74M";

@@ -93,6 +93,10 @@ struct StreamingFigures {
     expert_hit_rate: f64,
     expert_stall_ms: f64,
     non_resident_bytes: u64,
+    /// The plan's layers: one letter each (A resident, B held coded in RAM, C disk).
+    layer_map: String,
+    /// Bytes of the layers held coded in RAM.
+    coded_ram_bytes: u64,
     stall_ms: f64,
     read_ms: f64,
     disk_bytes_per_s: f64,
@@ -323,6 +327,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
                         expert_hit_rate: m.expert_hit_rate,
                         expert_stall_ms: m.expert_stall_per_token.as_secs_f64() * 1e3,
                         non_resident_bytes: info.non_resident_bytes(),
+                        layer_map: tiered::layer_map(&info.plan),
+                        coded_ram_bytes: if info.plan.ram_coded {
+                            info.plan.tier_bytes(ballast_tier_stream::Tier::Ram)
+                        } else {
+                            0
+                        },
                         stall_ms: m.stall_per_token.as_secs_f64() * 1e3,
                         read_ms: m.read_time_per_token.as_secs_f64() * 1e3,
                         disk_bytes_per_s: m.disk_bytes_per_s,
@@ -397,7 +407,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let config = ballast_runtime::ModelConfig::from_gguf(&file)?;
     // Before the roofline's buffer raises it.
     let peak_rss = peak_rss_kib();
-    let roofline = roofline(&file, &results, backend_name.starts_with("cpu"));
+    // Not for a streaming store: its weights are not all in RAM, so RAM bandwidth is
+    // not its bound, and the roofline's 256 MiB buffer would break the memory budget
+    // (a cgroup limit below it kills the process).
+    let streaming = store_name.starts_with("tiered");
+    let roofline = roofline(
+        &file,
+        &results,
+        backend_name.starts_with("cpu") && !streaming,
+    );
     let kv_dim = config.n_kv_heads * config.head_dim;
     let windows: Vec<usize> = config
         .layer_attention
@@ -447,6 +465,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     obj["streaming"] = json!({
                         "disk_bytes_per_token": s.disk_bytes_per_token,
                         "non_resident_bytes": s.non_resident_bytes,
+                        "layer_map": s.layer_map,
+                        "coded_ram_bytes": s.coded_ram_bytes,
                         "stall_ms_per_token": s.stall_ms,
                         "read_ms_per_token": s.read_ms,
                         "disk_bytes_per_s": s.disk_bytes_per_s,

@@ -245,6 +245,13 @@ pub fn open_model(path: &Path, mapped: bool, store: crate::tiered::StoreKind) ->
     let pack = ballast_weight_codec::PackFile::open(path, mapped)
         .with_context(|| format!("opening the pack {}", path.display()))?;
     let t = threads(None);
+    if store == StoreKind::Tiered && mapped {
+        // Tiered streaming reads the pack's chunks from disk, not through the map: the
+        // head and norms decoded now leave no mapped pages of the pack behind, which
+        // would hold memory (and a cgroup's page cache) outside the budget.
+        pack.read_chunks_from_disk()
+            .with_context(|| format!("opening the pack {}", path.display()))?;
+    }
     // The stores that decode layers on demand (compressed, and tiered, which streams
     // from one) need only the skeleton.
     let file = match store {

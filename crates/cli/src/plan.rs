@@ -136,6 +136,10 @@ pub struct PlanArgs {
     /// double buffering is 2).
     #[arg(long, default_value_t = 3)]
     pub depth: usize,
+    /// With a pack on the CPU: the form of the layers kept in RAM (see `ballast run
+    /// --help`); the plan shows all three side by side.
+    #[arg(long, value_enum, default_value_t = tiered::RamTierKind::Auto)]
+    pub ram_tier: tiered::RamTierKind,
     /// Threads for the compute measurement. Default: every core.
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
@@ -241,17 +245,25 @@ pub fn run(args: PlanArgs) -> Result<()> {
             20e9
         }
     };
-    let p = plan(&PlanRequest {
+    let request = PlanRequest {
         shape: shape.clone(),
         budgets: Budgets { device, ram },
         ctx: args.ctx,
         batch: args.batch,
         depth: args.depth.max(1),
-    })?;
+        ram_tier: args.ram_tier.for_plan(),
+    };
+    let p = plan(&request)?;
     let speeds = Speeds {
         compute_bytes_per_s: compute,
         h2d_bytes_per_s: h2d,
         disk_bytes_per_s: disk,
+    };
+    // A pack on the CPU may hold layers coded: each form, side by side.
+    let ram_tiers = if device.is_none() && !shape.stored_bytes.is_empty() {
+        tiered::ram_tier_options(&request, &speeds, args.ctx)
+    } else {
+        Vec::new()
     };
     let pr = p.predict(&speeds, args.ctx);
     let (a, b, c) = p.counts();
@@ -276,7 +288,16 @@ pub fn run(args: PlanArgs) -> Result<()> {
                 "speeds": {"compute": compute, "h2d": h2d, "disk": disk},
                 "predicted": {"seconds_per_token": pr.seconds_per_token, "tokens_per_s": pr.tokens_per_s(),
                     "compute_s": pr.compute_s, "h2d_s": pr.h2d_s, "disk_s": pr.disk_s,
-                    "bottleneck": pr.bottleneck.name()},
+                    "decode_s": pr.decode_s, "bottleneck": pr.bottleneck.name()},
+                "ram_tier": args.ram_tier.for_plan().name(),
+                "ram_tiers": ram_tiers.iter().map(|o| {
+                    let (a, b, c) = o.plan.counts();
+                    json!({"ram_tier": o.ram_tier.name(), "split": {"device": a, "ram_coded": b, "disk": c},
+                        "ram_coded_bytes": o.plan.tier_bytes(Tier::Ram),
+                        "disk_bytes_per_token": o.plan.bytes_per_token().disk,
+                        "decodes_per_token": o.plan.decodes_per_token(),
+                        "seconds_per_token": o.prediction.seconds_per_token})
+                }).collect::<Vec<_>>(),
             })
         );
         return Ok(());
@@ -306,6 +327,13 @@ pub fn run(args: PlanArgs) -> Result<()> {
         "{}",
         describe(&p, Some((&speeds, args.ctx)), Some(&notes.join(", ")))
     );
+    if !ram_tiers.is_empty() {
+        println!(
+            "the pack's RAM tier (--ram-tier; this plan: {}):",
+            args.ram_tier.for_plan().name()
+        );
+        print!("{}", tiered::describe_ram_tiers(&ram_tiers));
+    }
     let _ = human_rate;
     Ok(())
 }

@@ -13,7 +13,7 @@ use ballast_runtime::weights::GlobalWeights;
 use ballast_runtime::{Backend, Model, ModelConfig, ResidentStore};
 use ballast_tier_stream::io::{self, DirectFile, ReadAt};
 use ballast_tier_stream::{
-    model_shape, plan, probe, Budgets, ModelShape, Plan, PlanRequest, Speeds, StatsHandle,
+    model_shape, plan, probe, Budgets, ModelShape, Plan, PlanRequest, RamTier, Speeds, StatsHandle,
     StreamStats, Tier, TieredOptions, TieredStore,
 };
 use clap::{Args, ValueEnum};
@@ -45,6 +45,28 @@ pub enum CacheKind {
     PerPass,
     /// Decoded once and kept (as much memory as the plain file).
     Keep,
+}
+
+/// The form of the layers a tiered pack keeps in RAM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RamTierKind {
+    /// Decoded layers first; what the budget leaves holds streamed layers compressed.
+    Auto,
+    /// Every kept layer decoded.
+    Raw,
+    /// Every kept layer compressed, decoded per use.
+    Coded,
+}
+
+impl RamTierKind {
+    /// The planner's form.
+    pub fn for_plan(self) -> RamTier {
+        match self {
+            RamTierKind::Auto => RamTier::RawThenCoded,
+            RamTierKind::Raw => RamTier::Raw,
+            RamTierKind::Coded => RamTier::Coded,
+        }
+    }
 }
 
 /// Flags that choose the weight store and its budget.
@@ -95,6 +117,16 @@ pub struct StoreArgs {
     /// With a pack: threads that decode one layer's chunks.
     #[arg(long, default_value_t = 1)]
     pub decode_threads: usize,
+    /// With a pack streamed by tiers on the CPU: the form of the layers kept in RAM.
+    /// raw: decoded (computed from in place, no decode for them). coded: every kept
+    /// layer held compressed and decoded per use by the reader threads, ahead of the
+    /// pass (the most layers in the budget and the fewest disk bytes, for a decode of
+    /// every layer on every token). auto, the default: decoded layers as raw places
+    /// them, and the room left in the budget holds streamed layers compressed instead
+    /// of reading them from disk, which never adds a decode (they were decoded after
+    /// their read anyway). `ballast plan -m PACK` compares the three on this machine.
+    #[arg(long, value_enum, default_value_t = RamTierKind::Auto)]
+    pub ram_tier: RamTierKind,
 }
 
 /// What a tiered model reports.
@@ -175,9 +207,9 @@ pub fn build(
         // Streamed layers are read whole, experts and all: their slots hold them.
         shape.expert_bytes.clear();
     }
-    // A pack streamed by tiers: the tiered store's readers fetch each streamed layer
-    // from a store that decodes it on every request (the pack's chunks come through the
-    // page cache from disk), so decoding runs in the prefetch pipeline.
+    // A pack streamed by tiers: the tiered store's readers decode each streamed layer
+    // into its slot, from the pack's chunks read from disk or from the chunks it holds
+    // in RAM (a coded RAM tier), so decoding runs in the prefetch pipeline.
     let tiered_pack = match (pack, args.store) {
         (Some(pack), StoreKind::Tiered) => Some(pack.clone()),
         (Some(pack), StoreKind::Auto) if args.ram.is_some() || args.vram.is_some() => {
@@ -290,6 +322,7 @@ pub fn build(
         ctx: ctx as u64,
         batch: batch as u64,
         depth: args.depth.max(1),
+        ram_tier: args.ram_tier.for_plan(),
     })?;
     let options = TieredOptions {
         io_threads: args.io_threads.max(1),
@@ -301,7 +334,7 @@ pub fn build(
         },
     };
     let store = match beneath_pack {
-        Some(inner) => TieredStore::over_store(Arc::new(inner), &p, options)?,
+        Some(inner) => TieredStore::over_coded(Arc::new(inner), &p, options)?,
         None => {
             let reader = DirectFile::open(path, !args.no_direct_io)
                 .with_context(|| format!("opening {} for streaming", path.display()))?;
@@ -446,6 +479,18 @@ pub fn describe(p: &Plan, speeds: Option<(&Speeds, u64)>, notes: Option<&str>) -
             human_bytes(bpt.host_to_device)
         );
     }
+    if p.unified && b > 0 {
+        let raw: u64 = (0..p.tiers.len())
+            .filter(|&i| p.tiers[i] == Tier::Ram)
+            .map(|i| p.layer_bytes[i])
+            .sum();
+        let _ = writeln!(
+            s,
+            "| B RAM, coded | {b} | {} ({} decoded) | decoded in the readers |",
+            human_bytes(p.tier_bytes(Tier::Ram)),
+            human_bytes(raw)
+        );
+    }
     let _ = writeln!(
         s,
         "| C disk | {c} | {} | {} read |",
@@ -565,6 +610,105 @@ pub fn describe(p: &Plan, speeds: Option<(&Speeds, u64)>, notes: Option<&str>) -
             pr.h2d_s * 1e3,
             pr.disk_s * 1e3,
             pr.bottleneck.name()
+        );
+    }
+    s
+}
+
+/// One RAM-tier form planned for the same request, with what it costs per token.
+pub struct RamTierOption {
+    pub ram_tier: RamTier,
+    pub plan: Plan,
+    pub prediction: ballast_tier_stream::Prediction,
+}
+
+/// The request planned with each RAM-tier form (for a pack on the CPU: raw, raw then
+/// coded, coded), each predicted at `speeds`; forms the budget refuses are left out.
+pub fn ram_tier_options(req: &PlanRequest, speeds: &Speeds, kv_tokens: u64) -> Vec<RamTierOption> {
+    [RamTier::Raw, RamTier::RawThenCoded, RamTier::Coded]
+        .into_iter()
+        .filter_map(|ram_tier| {
+            let plan = plan(&PlanRequest {
+                ram_tier,
+                ..req.clone()
+            })
+            .ok()?;
+            let prediction = plan.predict(speeds, kv_tokens);
+            Some(RamTierOption {
+                ram_tier,
+                plan,
+                prediction,
+            })
+        })
+        .collect()
+}
+
+/// The RAM-tier forms side by side: layers in RAM decoded and coded, disk bytes and
+/// decodes per token, the prediction; then whether holding layers coded pays against
+/// reading them from disk.
+pub fn describe_ram_tiers(options: &[RamTierOption]) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "| RAM tier | layers decoded in RAM | layers coded in RAM | on disk | disk read per token | decodes per token | readers busy (decode) | predicted |"
+    );
+    let _ = writeln!(
+        s,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
+    for o in options {
+        let (a, b, c) = o.plan.counts();
+        let pr = &o.prediction;
+        let _ = writeln!(
+            s,
+            "| {} | {a} | {b} ({}) | {c} | {} | {} | {:.1} ms ({:.1} ms) | {:.1} ms = {:.2} tokens/s |",
+            o.ram_tier.name(),
+            human_bytes(o.plan.tier_bytes(Tier::Ram)),
+            human_bytes(o.plan.bytes_per_token().disk),
+            o.plan.decodes_per_token(),
+            pr.disk_s * 1e3,
+            pr.decode_s * 1e3,
+            pr.seconds_per_token * 1e3,
+            pr.tokens_per_s(),
+        );
+    }
+    let raw = options.iter().find(|o| o.ram_tier == RamTier::Raw);
+    for o in options.iter().filter(|o| o.ram_tier != RamTier::Raw) {
+        let Some(raw) = raw else { break };
+        let in_ram = |p: &Plan| {
+            let (a, b, _) = p.counts();
+            a + b
+        };
+        let more = in_ram(&o.plan) as i64 - in_ram(&raw.plan) as i64;
+        let saved = raw.plan.bytes_per_token().disk as i64 - o.plan.bytes_per_token().disk as i64;
+        let extra_decodes = o.plan.decodes_per_token() as i64 - raw.plan.decodes_per_token() as i64;
+        let (t, t_raw) = (
+            o.prediction.seconds_per_token,
+            raw.prediction.seconds_per_token,
+        );
+        let verdict = if more <= 0 && extra_decodes <= 0 {
+            "changes nothing here".to_string()
+        } else if more <= 0 {
+            "does not pay: it holds no more layers, and decodes more".to_string()
+        } else if t < t_raw {
+            format!(
+                "pays: {:.1} ms per token instead of {:.1}",
+                t * 1e3,
+                t_raw * 1e3
+            )
+        } else {
+            format!(
+                "does not pay: {:.1} ms per token instead of {:.1} (decoding costs more than the disk reads it saves)",
+                t * 1e3,
+                t_raw * 1e3
+            )
+        };
+        let _ = writeln!(
+            s,
+            "RAM tier {}: {more:+} layers in RAM against raw, {} less read from disk per token, {extra_decodes:+} decodes per token: {verdict}",
+            o.ram_tier.name(),
+            human_bytes(saved.max(0) as u64),
         );
     }
     s

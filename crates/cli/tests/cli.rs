@@ -1053,6 +1053,30 @@ fn a_pack_streams_by_tiers_like_its_gguf() {
     assert!(err.contains("pack: the streamed layers read"), "{err}");
     assert!(err.contains("compressed store:"), "{err}");
     assert_eq!(generated_tokens(p, "hello", 8, &budget), want);
+    // Every kept layer held coded and decoded per use by the readers: the same tokens,
+    // and the plan shows the coded RAM tier.
+    let coded = [
+        "--store",
+        "tiered",
+        "--ram",
+        "16M",
+        "-c",
+        "32",
+        "--ram-tier",
+        "coded",
+    ];
+    assert_eq!(generated_tokens(p, "hello", 8, &coded), want);
+    let o = ballast(
+        &[
+            &["run", "-m", p, "hello", "-n", "2", "--temp", "0"][..],
+            &coded,
+        ]
+        .concat(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("| B RAM, coded |"), "{}", stderr(&o));
+    let raw = [&budget[..], &["--ram-tier", "raw"]].concat();
+    assert_eq!(generated_tokens(p, "hello", 8, &raw), want);
     let o = ballast(&[
         "plan",
         "-m",
@@ -1068,4 +1092,7 @@ fn a_pack_streams_by_tiers_like_its_gguf() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("compression "), "{}", stdout(&o));
+    // The three forms of the RAM tier side by side, each with a verdict against raw.
+    assert!(stdout(&o).contains("| raw then coded |"), "{}", stdout(&o));
+    assert!(stdout(&o).contains("RAM tier coded: "), "{}", stdout(&o));
 }

@@ -74,4 +74,4 @@ pub use kv::{
     DenseKv, KvCache, KvDtype, KvElement, KvPolicy, KvRows, KvSegment, KvShape, KvView,
     MASKED_POSITION, Q8_BLOCK,
 };
-pub use store::{ResidentStore, TierBytes, WeightStore};
+pub use store::{CodedLayers, ResidentStore, TierBytes, WeightStore};

@@ -77,6 +77,28 @@ pub trait WeightStore: Send + Sync {
     }
 }
 
+/// A [`WeightStore`] whose layers have a coded (compressed) form, smaller than their
+/// bytes, that it can hand out and decode: what lets a store above it keep layers coded
+/// in RAM (more of them fit a budget) and decode each per use where it likes, such as
+/// the prefetch pipeline of a tiered store (`ballast-tier-stream`), instead of asking
+/// [`WeightStore::layer`] for bytes already decoded. A compressed pack's store
+/// (`ballast-weight-codec`) is one.
+///
+/// The coded form of a layer is opaque to the caller: it holds the bytes and gives them
+/// back to [`CodedLayers::decode_coded`] of the same store.
+pub trait CodedLayers: WeightStore {
+    /// Bytes of layer `index`'s coded form (what [`CodedLayers::read_coded`] returns).
+    fn coded_len(&self, index: usize) -> u64;
+    /// Layer `index`'s coded form, read from wherever the store keeps it (a pack on
+    /// disk, say).
+    fn read_coded(&self, index: usize) -> Result<Vec<u8>>;
+    /// Decodes `coded`, layer `index`'s coded form, into `out`: one slice per matrix of
+    /// the layer's table (`LayerWeights::weights`, in that order), each exactly that
+    /// matrix's byte length. Decodes to the exact bytes [`WeightStore::layer`] gives, or
+    /// fails (a coded form that is not this layer's is an error, never wrong bytes).
+    fn decode_coded(&self, index: usize, coded: &[u8], out: &mut [&mut [u8]]) -> Result<()>;
+}
+
 /// Keeps every layer resident: the bytes of a memory-mapped file (pages the kernel
 /// loads on first touch), or of a file read into RAM.
 pub struct ResidentStore {

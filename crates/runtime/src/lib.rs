@@ -93,5 +93,5 @@ pub use kv::{
 pub use model::{Model, ModelConfig};
 pub use sampler::{Sampler, SamplerConfig};
 pub use session::{feed_batch, BatchFeed, Session};
-pub use store::{ResidentStore, TierBytes, WeightStore};
+pub use store::{CodedLayers, ResidentStore, TierBytes, WeightStore};
 pub use tokenizer::Tokenizer;

@@ -5,7 +5,7 @@
 //! | tier | where | cost per token |
 //! |---|---|---|
 //! | A, [`Tier::Device`] | where the backend computes (GPU memory; RAM on the CPU) | none |
-//! | B, [`Tier::Ram`] | host RAM, uploaded to a device slot per use | one upload |
+//! | B, [`Tier::Ram`] | host RAM, uploaded to a device slot per use; on the CPU, layers held coded (a pack), decoded into a slot per use | one upload; one decode |
 //! | C, [`Tier::Disk`] | the model file, read per use bypassing the page cache | one read (+ upload) |
 //!
 //! - [`plan()`] places every layer from its real byte size, the budgets ([`Budgets`],
@@ -21,11 +21,16 @@
 //!   [`TieredStore::over_store`] stacks the same tiers over another `WeightStore`
 //!   instead of the file (a store that decompresses on demand, say): the layers it
 //!   streams are fetched from the store beneath by the same reader threads, ahead of
-//!   the forward pass.
+//!   the forward pass. [`TieredStore::over_coded`] does the same over a store whose
+//!   layers have a coded form (`ballast_core::CodedLayers`: a compressed pack): its
+//!   RAM tier may hold layers coded ([`RamTier`]), so more of them fit the budget, and
+//!   the reader threads decode them into slots ahead of use, as they decode the layers
+//!   they read from disk.
 //!
 //! **Backends.** On the CPU backend tiers A and B are the same RAM: a plan made with
 //! `Budgets { device: None, .. }` has only [`Tier::Device`] (resident in RAM) and
-//! [`Tier::Disk`] layers, and slots are RAM buffers the CPU computes from. With a
+//! [`Tier::Disk`] layers, plus [`Tier::Ram`] layers held coded when the plan asks for a
+//! coded RAM tier ([`Plan::ram_coded`]), and slots are RAM buffers the CPU computes from. With a
 //! separate device (`Budgets { device: Some(..), .. }`, the wgpu backend), tier A
 //! layers and the head are uploaded once by the backend and kept; tier B layers are
 //! read once into RAM and tier C layers into RAM staging slots, and both are uploaded
@@ -38,7 +43,7 @@
 //! # Example
 //!
 //! ```
-//! use ballast_tier_stream::{plan, Budgets, ModelShape, PlanRequest, Speeds, Tier};
+//! use ballast_tier_stream::{plan, Budgets, ModelShape, PlanRequest, RamTier, Speeds, Tier};
 //!
 //! // The seed's machine: 70B Q6_K (80 layers), 24 GiB GPU, 48 GiB RAM, PCIe at 6.5 GB/s.
 //! let shape = ModelShape::from_dims(80, 8192, 64, 8, 28672, 128256, 6.5625, 6.5625);
@@ -48,6 +53,7 @@
 //!     ctx: 512,
 //!     batch: 1,
 //!     depth: 2,
+//!     ram_tier: RamTier::Raw,
 //! })?;
 //! let (a, b, c) = p.counts();
 //! assert_eq!(a + b + c, 80);
@@ -69,8 +75,8 @@ use std::path::PathBuf;
 
 pub use experts::ExpertStats;
 pub use plan::{
-    plan, Bottleneck, Budgets, BytesPerToken, ModelShape, Plan, PlanRequest, Prediction, Reserve,
-    Speeds, Tier,
+    plan, Bottleneck, Budgets, BytesPerToken, ModelShape, Plan, PlanRequest, Prediction, RamTier,
+    Reserve, Speeds, Tier,
 };
 pub use store::{model_shape, Part, StatsHandle, StreamStats, TieredOptions, TieredStore};
 

@@ -257,7 +257,10 @@ pub struct Budgets {
 pub enum Tier {
     /// Tier A: resident where the backend computes (GPU memory; RAM on the CPU).
     Device,
-    /// Tier B: resident in host RAM, uploaded to a device slot per use (GPU only).
+    /// Tier B: resident in host RAM in a form the compute does not read, and passed
+    /// through a slot per use: with a separate device, uploaded to a device slot; on
+    /// the CPU (a unified plan, [`Plan::ram_coded`]), held coded and decoded into a
+    /// slot.
     Ram,
     /// Tier C: read from the model file per use.
     Disk,
@@ -270,6 +273,39 @@ impl Tier {
             Tier::Device => "device",
             Tier::Ram => "ram",
             Tier::Disk => "disk",
+        }
+    }
+}
+
+/// In what form the layers a CPU plan keeps in memory are held, when the store beneath
+/// can hand out a smaller coded form of each layer ([`ModelShape::stored_bytes`]: a
+/// compressed pack). A coded layer is held as its stored bytes ([`Tier::Ram`] in a
+/// unified plan) and decoded per use into a slot by the reader threads, ahead of the
+/// forward pass, as a layer read from disk is: it costs a decode per token instead of a
+/// disk read, and its stored size instead of its raw size in the budget.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RamTier {
+    /// Every kept layer decoded (resident, [`Tier::Device`]); the others stream from
+    /// disk.
+    #[default]
+    Raw,
+    /// Every kept layer coded: the most layers in the budget and the fewest disk bytes
+    /// per token, for a decode of every layer on every token.
+    Coded,
+    /// Decoded layers first, as [`RamTier::Raw`] places them; what is left of the budget
+    /// holds streamed layers coded instead of reading them from disk. Never more
+    /// decodes per token than `Raw` (those layers were decoded after their read anyway),
+    /// never fewer layers in memory.
+    RawThenCoded,
+}
+
+impl RamTier {
+    /// Short name for tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            RamTier::Raw => "raw",
+            RamTier::Coded => "coded",
+            RamTier::RawThenCoded => "raw then coded",
         }
     }
 }
@@ -288,6 +324,9 @@ pub struct PlanRequest {
     /// Wanted prefetch depth: slots in the ring (at least 1; 2 is double buffering).
     /// Kept whenever some split allows it, even at the cost of resident layers.
     pub depth: usize,
+    /// The form of the layers kept in memory (only a CPU plan over a store with a coded
+    /// form holds layers coded; otherwise this is ignored).
+    pub ram_tier: RamTier,
 }
 
 /// A placement of every layer, with the slots and reserves it assumes.
@@ -339,6 +378,9 @@ pub struct Plan {
     pub stored_bytes: Vec<u64>,
     /// See [`ModelShape::decode_bytes_per_s`].
     pub decode_bytes_per_s: f64,
+    /// [`Tier::Ram`] layers are held coded ([`ModelShape::stored_bytes`]) and decoded
+    /// into a slot per use (a unified plan; see [`RamTier`]).
+    pub ram_coded: bool,
 }
 
 /// Indices of `k` of `n` layers spread evenly over `0..n`.
@@ -385,6 +427,39 @@ fn split(
     None
 }
 
+/// Every layer of `sizes` streamed through `depth` slots (or fewer) of a pool of
+/// `avail` bytes, none resident: [`RamTier::Coded`]'s split, before its coded layers
+/// are chosen. Returns the streamed layers, the depth used and the slot size.
+fn split_all_streamed(
+    slot_sizes: &[u64],
+    avail: u64,
+    depth: usize,
+) -> Option<(Vec<usize>, usize, u64)> {
+    let slot = slot_sizes.iter().map(|&b| slot_bytes(b)).max()?;
+    (1..=depth.max(1))
+        .rev()
+        .find(|&d| slot.saturating_mul(d as u64) <= avail)
+        .map(|d| ((0..slot_sizes.len()).collect(), d, slot))
+}
+
+/// Of the `streamed` layers, the most that can be held coded in `room` bytes (their
+/// `stored` sizes), the others left to disk spread evenly among them (so disk reads
+/// stay apart in the pass, as [`spread`] keeps streamed layers apart).
+fn held_coded(streamed: &[usize], stored: &[u64], room: u64) -> Vec<usize> {
+    let k = streamed.len();
+    for coded in (1..=k).rev() {
+        let on_disk: Vec<usize> = spread(k, k - coded);
+        let held: Vec<usize> = (0..k)
+            .filter(|j| !on_disk.contains(j))
+            .map(|j| streamed[j])
+            .collect();
+        if sum_of(stored, held.iter().copied()) <= room {
+            return held;
+        }
+    }
+    Vec::new()
+}
+
 /// Places every layer of `req.shape` within `req.budgets`.
 pub fn plan(req: &PlanRequest) -> Result<Plan> {
     let shape = &req.shape;
@@ -427,9 +502,19 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
         "RAM"
     };
     let all: Vec<usize> = (0..n).collect();
+    // Layers are held coded only on the CPU, over a store that has a coded form.
+    let ram_coded = req.budgets.device.is_none()
+        && shape.stored_bytes.len() == n
+        && req.ram_tier != RamTier::Raw;
     // The reserve and head must fit before any layer does (`device_avail` saturates).
     let placed = (fixed <= device_budget)
-        .then(|| split(sizes, &slot_sizes, &all, device_avail, req.depth))
+        .then(|| {
+            if ram_coded && req.ram_tier == RamTier::Coded {
+                split_all_streamed(&slot_sizes, device_avail, req.depth)
+            } else {
+                split(sizes, &slot_sizes, &all, device_avail, req.depth)
+            }
+        })
         .flatten();
     let Some((off_device, device_slots, device_slot_bytes)) = placed else {
         // On the CPU the head could have stayed on disk: what is missing is the rest.
@@ -465,6 +550,17 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
         None => {
             for &i in &off_device {
                 tiers[i] = Tier::Disk;
+            }
+            if ram_coded {
+                // What the resident layers and the slots leave of the pool holds
+                // streamed layers coded.
+                let resident = sum_of(sizes, (0..n).filter(|i| tiers[*i] == Tier::Device));
+                let room = device_avail
+                    .saturating_sub(resident)
+                    .saturating_sub(device_slot_bytes.saturating_mul(device_slots as u64));
+                for i in held_coded(&off_device, &shape.stored_bytes, room) {
+                    tiers[i] = Tier::Ram;
+                }
             }
         }
         Some(_) => {
@@ -525,6 +621,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
         expert_share: shape.expert_share.clamp(0.0, 1.0),
         stored_bytes: shape.stored_bytes.clone(),
         decode_bytes_per_s: shape.decode_bytes_per_s.max(0.0),
+        ram_coded,
     })
 }
 
@@ -582,8 +679,11 @@ pub struct Prediction {
     pub compute_s: f64,
     /// Busy time of the host-to-device link per token.
     pub h2d_s: f64,
-    /// Busy time of the disk per token.
+    /// Busy time of the disk per token: of the reader threads, which read the
+    /// streamed layers and decode those of a compressed store (`decode_s` of it).
     pub disk_s: f64,
+    /// The part of `disk_s` the readers spend decoding (a compressed store).
+    pub decode_s: f64,
     /// The busiest resource.
     pub bottleneck: Bottleneck,
 }
@@ -606,19 +706,50 @@ impl Plan {
         (c(Tier::Device), c(Tier::Ram), c(Tier::Disk))
     }
 
-    /// Bytes of the layers in `tier`.
+    /// Bytes of the layers in `tier`, as that tier holds them: a coded RAM tier holds
+    /// their stored bytes, the others their raw bytes (the disk tier: what it would
+    /// take in memory).
     pub fn tier_bytes(&self, tier: Tier) -> u64 {
-        self.tiers
-            .iter()
-            .zip(&self.layer_bytes)
-            .filter(|(&t, _)| t == tier)
-            .fold(0u64, |a, (_, &b)| a.saturating_add(b))
+        (0..self.tiers.len())
+            .filter(|&i| self.tiers[i] == tier)
+            .fold(0u64, |a, i| a.saturating_add(self.held_bytes(i)))
+    }
+
+    /// Bytes layer `i` takes where its tier holds it.
+    pub fn held_bytes(&self, i: usize) -> u64 {
+        match self.stored_bytes.get(i) {
+            Some(&stored) if self.ram_coded && self.tiers[i] == Tier::Ram => stored,
+            _ => self.layer_bytes[i],
+        }
+    }
+
+    /// Whether layer `i` passes through the reader threads on every use: read from
+    /// disk, or held coded and decoded.
+    fn through_readers(&self, i: usize) -> bool {
+        self.tiers[i] == Tier::Disk || (self.ram_coded && self.tiers[i] == Tier::Ram)
+    }
+
+    /// Layers decoded per token (read from a pack on disk, or held coded).
+    pub fn decodes_per_token(&self) -> usize {
+        if self.stored_bytes.is_empty() {
+            return 0;
+        }
+        (0..self.tiers.len())
+            .filter(|&i| self.through_readers(i))
+            .count()
     }
 
     /// Bytes this plan holds in device memory (the RAM pool when unified): resident
     /// layers, slots, head and reserve.
     pub fn device_used(&self) -> u64 {
+        // On the CPU a coded RAM tier is in the same memory as the resident layers.
+        let coded = if self.unified {
+            self.tier_bytes(Tier::Ram)
+        } else {
+            0
+        };
         self.tier_bytes(Tier::Device)
+            .saturating_add(coded)
             .saturating_add(
                 self.device_slot_bytes
                     .saturating_mul(self.device_slots as u64),
@@ -742,13 +873,14 @@ impl Plan {
             speeds.disk_bytes_per_s,
         );
         let streamed: Vec<usize> = (0..n).filter(|&i| self.tiers[i] != Tier::Device).collect();
-        // A layer read from a compressed store is decoded by the reader after its read.
-        let disk_time = |i: usize| {
-            if self.tiers[i] == Tier::Disk {
+        // A layer read from a compressed store is decoded by the reader after its read;
+        // a layer held coded is only decoded, by the same readers.
+        let disk_time = |i: usize| match self.tiers[i] {
+            Tier::Disk => {
                 rate(self.prefetched_bytes(i), speeds.disk_bytes_per_s) + self.decode_seconds(i)
-            } else {
-                0.0
             }
+            Tier::Ram if self.ram_coded => self.decode_seconds(i),
+            _ => 0.0,
         };
         // The chosen experts are read when the router has run: the compute waits.
         let expert_time = |i: usize| {
@@ -787,7 +919,7 @@ impl Plan {
                     let j = ready.len();
                     let slot_free = if j >= depth { freed[j - depth] } else { 0.0 };
                     let mut data_at = 0.0f64;
-                    if self.tiers[i] == Tier::Disk {
+                    if self.through_readers(i) {
                         let k = staged_free.len();
                         let buf_free = if self.unified {
                             slot_free
@@ -807,7 +939,7 @@ impl Plan {
                         h2d_free = start + h2d_time(i);
                         h2d_free
                     };
-                    if self.tiers[i] == Tier::Disk {
+                    if self.through_readers(i) {
                         staged_free.push(end);
                     }
                     ready.push(end);
@@ -835,6 +967,10 @@ impl Plan {
             .iter()
             .fold(0.0, |a, &i| a + disk_time(i) + expert_time(i))
             + head_disk;
+        let decode_s = streamed
+            .iter()
+            .filter(|&&i| self.through_readers(i))
+            .fold(0.0, |a, &i| a + self.decode_seconds(i));
         let h2d_s = streamed.iter().fold(0.0, |a, &i| a + h2d_time(i));
         let bottleneck = if disk_s >= compute_s && disk_s >= h2d_s {
             Bottleneck::Disk
@@ -848,6 +984,7 @@ impl Plan {
             compute_s,
             h2d_s,
             disk_s,
+            decode_s,
             bottleneck,
         }
     }
@@ -876,6 +1013,7 @@ mod tests {
             ctx: 256,
             batch: 8,
             depth: 2,
+            ram_tier: RamTier::Raw,
         })
         .unwrap();
         assert_eq!(p.counts(), (4, 0, 0));

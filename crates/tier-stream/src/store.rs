@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use ballast_core::gguf::GgufFile;
 use ballast_core::store::PassId;
 use ballast_core::weights::{ByteSource, ExpertFetch, GlobalWeights, LayerWeights, WeightBytes};
-use ballast_core::{ModelConfig, TierBytes, WeightStore};
+use ballast_core::{CodedLayers, ModelConfig, TierBytes, WeightStore};
 use crossbeam_channel::{Receiver, Sender};
 
 use crate::experts::{
@@ -225,21 +225,60 @@ fn read_extents(
 }
 
 /// Where a [`TieredStore`] gets the layers it does not keep: the model file (aligned
-/// reads that bypass the page cache) or another [`WeightStore`] beneath it (a store that
-/// decompresses on demand, say), whose layers are copied into the slots.
+/// reads that bypass the page cache), another [`WeightStore`] beneath it (a store that
+/// decompresses on demand, say), whose layers are copied into the slots, or a store with
+/// a coded form of each layer ([`CodedLayers`]), decoded straight into the slots from
+/// the coded bytes this store holds (its coded RAM tier) or reads from the store.
 enum Beneath {
     File(Arc<dyn ReadAt>),
     Store {
         inner: Arc<dyn WeightStore>,
         passes: ballast_core::store::PassCounter,
     },
+    Coded {
+        inner: Arc<dyn CodedLayers>,
+        passes: ballast_core::store::PassCounter,
+        /// The coded form of each layer the plan holds coded in RAM.
+        held: Vec<Option<Vec<u8>>>,
+    },
+}
+
+/// The slices of `buf` at `ranges` (ascending and disjoint, as a packed layout puts a
+/// layer's matrices), one per matrix.
+fn matrix_slices<'a>(
+    mut buf: &'a mut [u8],
+    ranges: &[std::ops::Range<usize>],
+) -> Vec<&'a mut [u8]> {
+    let mut slices = Vec::with_capacity(ranges.len());
+    let mut base = 0;
+    for r in ranges {
+        let (_, tail) = std::mem::take(&mut buf).split_at_mut(r.start - base);
+        let (matrix, tail) = tail.split_at_mut(r.len());
+        slices.push(matrix);
+        buf = tail;
+        base = r.end;
+    }
+    slices
 }
 
 impl Beneath {
     /// Fills `buf` with layer `index`'s bytes where `layout` puts them; returns the
-    /// bytes moved.
+    /// bytes moved from beneath (a coded layer held in RAM moves none).
     fn fetch(&self, index: usize, layout: &LayerLayout, buf: &mut AlignedBuf) -> Result<u64> {
         match self {
+            Beneath::Coded { inner, held, .. } => {
+                let read;
+                let (coded, moved) = match held.get(index).and_then(Option::as_ref) {
+                    Some(coded) => (coded, 0),
+                    None => {
+                        read = inner.read_coded(index)?;
+                        (&read, read.len() as u64)
+                    }
+                };
+                let mut out = matrix_slices(buf.as_mut_slice(), &layout.ranges);
+                inner.decode_coded(index, coded, &mut out)?;
+                Ok(moved)
+            }
             Beneath::File(reader) => {
                 read_extents(reader.as_ref(), Part::Layer(index), &layout.extents, buf)?;
                 Ok(layout.extents.iter().map(|e| e.len).sum())
@@ -274,6 +313,7 @@ impl Beneath {
         match self {
             Beneath::File(_) => Ok(Arc::new(layout.template.clone())),
             Beneath::Store { inner, passes } => Ok(inner.layer(passes.next(), index)?),
+            Beneath::Coded { inner, passes, .. } => Ok(inner.layer(passes.next(), index)?),
         }
     }
 
@@ -281,7 +321,7 @@ impl Beneath {
     fn path(&self) -> PathBuf {
         match self {
             Beneath::File(reader) => reader.path().to_path_buf(),
-            Beneath::Store { .. } => PathBuf::from("<the store beneath>"),
+            Beneath::Store { .. } | Beneath::Coded { .. } => PathBuf::from("<the store beneath>"),
         }
     }
 
@@ -289,6 +329,15 @@ impl Beneath {
         match self {
             Beneath::File(reader) => reader.mode(),
             Beneath::Store { .. } => "copied from the store beneath",
+            Beneath::Coded { .. } => "decoded from the store beneath's coded form",
+        }
+    }
+
+    /// Bytes of the coded layers held in RAM.
+    fn held_coded_bytes(&self) -> u64 {
+        match self {
+            Beneath::Coded { held, .. } => held.iter().flatten().map(|c| c.len() as u64).sum(),
+            _ => 0,
         }
     }
 }
@@ -479,6 +528,8 @@ pub struct TieredStore {
     head_disk_bytes: u64,
     /// A GPU plan's RAM tier.
     ram_bytes: u64,
+    /// A CPU plan's RAM tier, held coded.
+    coded_bytes: u64,
     unified: bool,
     path: PathBuf,
     ring: Mutex<Ring>,
@@ -537,8 +588,18 @@ pub fn model_shape(
 }
 
 /// Checks that `plan` places `n_layers` layers and has a RAM tier only with a separate
-/// device.
-fn check_plan(plan: &Plan, n_layers: usize) -> Result<()> {
+/// device, or held coded over a store with a coded form (`coded_form`).
+fn check_plan(plan: &Plan, n_layers: usize, coded_form: bool) -> Result<()> {
+    if plan.ram_coded && !coded_form && plan.tiers.contains(&Tier::Ram) {
+        return Err(Error::PlanMismatch {
+            why: "the plan holds layers coded, and this store has no coded form of them (see TieredStore::over_coded)".into(),
+        });
+    }
+    if plan.ram_coded && !plan.unified && plan.tiers.contains(&Tier::Ram) {
+        return Err(Error::PlanMismatch {
+            why: "only a plan without a separate device holds its RAM tier coded".into(),
+        });
+    }
     if plan.tiers.len() != n_layers {
         return Err(Error::PlanMismatch {
             why: format!(
@@ -547,12 +608,23 @@ fn check_plan(plan: &Plan, n_layers: usize) -> Result<()> {
             ),
         });
     }
-    if plan.unified && plan.tiers.contains(&Tier::Ram) {
+    if plan.unified && !plan.ram_coded && plan.tiers.contains(&Tier::Ram) {
         return Err(Error::PlanMismatch {
             why: "a plan without a separate device has no RAM tier".into(),
         });
     }
     Ok(())
+}
+
+/// Layouts of `inner`'s layers packed in slots (each layer asked for once, with pass
+/// ids from `passes`).
+fn packed_layouts(
+    inner: &dyn WeightStore,
+    passes: &ballast_core::store::PassCounter,
+) -> Result<Vec<LayerLayout>> {
+    (0..inner.n_layers())
+        .map(|i| Ok(LayerLayout::packed(&*inner.layer(passes.next(), i)?)))
+        .collect()
 }
 
 /// The layers `plan` keeps, as this store holds them: on the CPU (a unified plan) the
@@ -580,7 +652,13 @@ fn place_layers(
                 continue;
             }
             (Tier::Device, true) => false,
-            (Tier::Ram, _) => true,
+            // On the CPU a RAM tier is held coded (by the store beneath's `Coded`) and
+            // streams through the slots.
+            (Tier::Ram, true) => {
+                resident.push(None);
+                continue;
+            }
+            (Tier::Ram, false) => true,
         };
         let mut buf = AlignedBuf::new(layout.slot_len as usize);
         beneath.fetch(i, layout, &mut buf)?;
@@ -611,7 +689,7 @@ impl TieredStore {
         reader: Arc<dyn ReadAt>,
         options: TieredOptions,
     ) -> Result<TieredStore> {
-        check_plan(plan, layers.len())?;
+        check_plan(plan, layers.len(), false)?;
         // On the CPU a streamed layer leaves its experts out of its slot: the router
         // chooses which are read.
         let stream_experts =
@@ -664,13 +742,42 @@ impl TieredStore {
         plan: &Plan,
         options: TieredOptions,
     ) -> Result<TieredStore> {
-        check_plan(plan, inner.n_layers())?;
+        check_plan(plan, inner.n_layers(), false)?;
         let passes = ballast_core::store::PassCounter::default();
-        let layouts: Vec<LayerLayout> = (0..inner.n_layers())
-            .map(|i| Ok(LayerLayout::packed(&*inner.layer(passes.next(), i)?)))
-            .collect::<Result<_>>()?;
+        let layouts = packed_layouts(&*inner, &passes)?;
         let globals = inner.globals().clone();
         let beneath = Beneath::Store { inner, passes };
+        TieredStore::start(globals, layouts, plan, beneath, options)
+    }
+
+    /// A store over `inner`, a store with a coded form of each layer (a compressed
+    /// pack's), placed by `plan` (made from `inner`'s layer sizes and, for a coded RAM
+    /// tier, its coded sizes as [`ModelShape::stored_bytes`]). As
+    /// [`TieredStore::over_store`], except that the reader threads decode each layer
+    /// straight into its slot: from the coded form read from `inner` for a
+    /// [`Tier::Disk`] layer, from the coded form this store holds in RAM for a
+    /// [`Tier::Ram`] layer of a plan that holds them coded ([`Plan::ram_coded`]). The
+    /// counters' "disk" figures are the coded bytes read from `inner`.
+    pub fn over_coded(
+        inner: Arc<dyn CodedLayers>,
+        plan: &Plan,
+        options: TieredOptions,
+    ) -> Result<TieredStore> {
+        check_plan(plan, inner.n_layers(), true)?;
+        let passes = ballast_core::store::PassCounter::default();
+        let layouts = packed_layouts(&*inner, &passes)?;
+        let held = (0..layouts.len())
+            .map(|i| {
+                let coded = plan.ram_coded && plan.tiers[i] == Tier::Ram;
+                coded.then(|| inner.read_coded(i)).transpose()
+            })
+            .collect::<ballast_core::Result<_>>()?;
+        let globals = inner.globals().clone();
+        let beneath = Beneath::Coded {
+            inner,
+            passes,
+            held,
+        };
         TieredStore::start(globals, layouts, plan, beneath, options)
     }
 
@@ -683,8 +790,12 @@ impl TieredStore {
         beneath: Beneath,
         options: TieredOptions,
     ) -> Result<TieredStore> {
+        // Through the slots: layers read per use, and layers held coded (decoded per
+        // use).
         let streamed: Vec<usize> = (0..layouts.len())
-            .filter(|&i| plan.tiers[i] == Tier::Disk)
+            .filter(|&i| {
+                plan.tiers[i] == Tier::Disk || (plan.ram_coded && plan.tiers[i] == Tier::Ram)
+            })
             .collect();
         let slot_len = streamed
             .iter()
@@ -740,8 +851,9 @@ impl TieredStore {
         let counters = Arc::new(Counters::default());
         let reader = match &*beneath {
             Beneath::File(r) => Some(r.clone()),
-            Beneath::Store { .. } => None,
+            Beneath::Store { .. } | Beneath::Coded { .. } => None,
         };
+        let coded_bytes = beneath.held_coded_bytes();
         let mut threads = Vec::new();
         if slots > 0 {
             for t in 0..options.io_threads.max(1) {
@@ -788,6 +900,7 @@ impl TieredStore {
             head_bytes,
             head_disk_bytes,
             ram_bytes,
+            coded_bytes,
             unified: plan.unified,
             path: beneath.path(),
             ring: Mutex::new(ring),
@@ -1022,16 +1135,21 @@ impl WeightStore for TieredStore {
     }
 
     fn held_bytes(&self) -> TierBytes {
-        let streamed: u64 = self
-            .streamed
-            .iter()
-            .map(|&i| self.layouts[i].bytes)
+        let streamed: u64 = (0..self.tiers.len())
+            .filter(|&i| self.tiers[i] == Tier::Disk)
+            .map(|i| self.layouts[i].bytes)
             .sum::<u64>()
             + self.head_disk_bytes;
         let slots = self.slot_len * self.slots as u64;
         if self.unified {
+            // The coded RAM tier is RAM the CPU does not compute from, but the same
+            // memory: counted with the rest, as the plan counts it.
             TierBytes {
-                device: self.resident_bytes + self.head_bytes + slots + self.expert_cache.held(),
+                device: self.resident_bytes
+                    + self.coded_bytes
+                    + self.head_bytes
+                    + slots
+                    + self.expert_cache.held(),
                 ram: 0,
                 disk: streamed,
             }

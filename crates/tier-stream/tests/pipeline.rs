@@ -21,9 +21,11 @@ use ballast_runtime::{
 };
 use ballast_tier_stream::io::ReadAt;
 use ballast_tier_stream::{
-    model_shape, plan, Budgets, Plan, PlanRequest, Tier, TieredOptions, TieredStore,
+    model_shape, plan, Budgets, Plan, PlanRequest, RamTier, Tier, TieredOptions, TieredStore,
 };
 use proptest::prelude::*;
+
+mod common;
 
 /// A file in memory whose reads sleep a random while, may return fewer (aligned) bytes
 /// than asked, and may fail or end early past a given offset.
@@ -136,21 +138,9 @@ fn fixture(n_layers: usize, seed: u64) -> Fixture {
 /// A plan with the given tiers and `slots` slots big enough for any layer.
 fn plan_with(fx: &Fixture, tiers: Vec<Tier>, slots: usize) -> Plan {
     let (g, l) = load_weights(&fx.file, &fx.config).unwrap();
-    let mut p = plan(&PlanRequest {
-        shape: model_shape(&fx.config, &g, &l),
-        budgets: Budgets {
-            device: None,
-            ram: 1 << 40,
-        },
-        ctx: 64,
-        batch: 8,
-        depth: slots,
-    })
-    .unwrap();
-    p.tiers = tiers;
-    p.device_slots = slots;
-    p.device_slot_bytes = fx.bytes.len() as u64 + 8192;
-    p
+    let shape = model_shape(&fx.config, &g, &l);
+    let slot_bytes = fx.bytes.len() as u64 + 8192;
+    common::plan_with_tiers(shape, tiers, slots, slot_bytes, RamTier::Raw)
 }
 
 /// Like [`plan_with`], for a separate device: `tiers` may hold [`Tier::Ram`], disk reads
@@ -243,29 +233,7 @@ proptest! {
 
 /// Prefill, then three decode steps (several passes through the ring): the logits.
 fn run_passes(fx: &Fixture, store: Box<dyn WeightStore>, backend: Arc<dyn Backend>) -> Vec<f32> {
-    let ids = [10u32, 200, 33, 7, 99];
-    {
-        let mut model =
-            Model::from_parts(fx.config.clone(), store, backend, Box::new(DenseFfn::new()));
-        let mut kv = DenseKv::new(model.kv_shape(), 64);
-        let mut out = Vec::new();
-        // Prefill, then three decode steps: several passes through the ring.
-        let pos: Vec<u32> = (0..ids.len() as u32).collect();
-        out.extend_from_slice(
-            model
-                .forward(&ids, &pos, &mut kv, None, Logits::Last)
-                .unwrap(),
-        );
-        for step in 0..3u32 {
-            let p = ids.len() as u32 + step;
-            out.extend_from_slice(
-                model
-                    .forward(&[p % 250], &[p], &mut kv, None, Logits::Last)
-                    .unwrap(),
-            );
-        }
-        out
-    }
+    common::passes_logits(&fx.config, store, backend)
 }
 
 #[test]
@@ -466,6 +434,7 @@ fn held_bytes_fit_the_planned_budget() {
         ctx: 64,
         batch: 8,
         depth: 2,
+        ram_tier: RamTier::Raw,
     })
     .unwrap();
     let (_, _, c) = p.counts();

@@ -3,7 +3,9 @@
 //! says how much is needed (and that is more than the budget).
 
 use ballast_tier_stream::plan::{align_up, slot_bytes, spread};
-use ballast_tier_stream::{plan, Budgets, Error, ModelShape, PlanRequest, Reserve, Speeds, Tier};
+use ballast_tier_stream::{
+    plan, Budgets, Error, ModelShape, PlanRequest, RamTier, Reserve, Speeds, Tier,
+};
 use proptest::prelude::*;
 
 fn shape(layers: Vec<u64>, head: u64, kv_dim: u64) -> ModelShape {
@@ -55,7 +57,7 @@ proptest! {
         depth in 0usize..6,
         budgets in budgets(),
     ) {
-        let req = PlanRequest { shape: shape(layers.clone(), head, kv_dim), budgets, ctx, batch, depth };
+        let req = PlanRequest { shape: shape(layers.clone(), head, kv_dim), budgets, ctx, batch, depth, ram_tier: RamTier::Raw };
         match plan(&req) {
             Ok(p) => {
                 prop_assert_eq!(p.tiers.len(), layers.len());
@@ -112,7 +114,7 @@ proptest! {
         disk in 1e7f64..1e10,
         h2d in 1e8f64..1e11,
     ) {
-        let req = PlanRequest { shape: shape(layers, 1 << 20, 256), budgets: Budgets { device, ram }, ctx: 256, batch: 1, depth };
+        let req = PlanRequest { shape: shape(layers, 1 << 20, 256), budgets: Budgets { device, ram }, ctx: 256, batch: 1, depth, ram_tier: RamTier::Raw };
         if let Ok(p) = plan(&req) {
             let pr = p.predict(&Speeds { compute_bytes_per_s: compute, h2d_bytes_per_s: h2d, disk_bytes_per_s: disk }, 128);
             let bound = pr.compute_s.max(pr.disk_s).max(pr.h2d_s);
@@ -142,6 +144,7 @@ fn too_small_says_how_much_is_needed() {
         ctx: 512,
         batch: 1,
         depth: 2,
+        ram_tier: RamTier::Raw,
     };
     let e = plan(&req).unwrap_err();
     let msg = e.to_string();
@@ -165,6 +168,7 @@ fn a_head_too_big_for_the_budget_stays_on_disk() {
         ctx: 320,
         batch: 8,
         depth: 3,
+        ram_tier: RamTier::Raw,
     };
     let p = plan(&req(28 << 20)).unwrap();
     assert!(p.head_on_disk);
@@ -213,6 +217,7 @@ fn half_the_ram_streams_about_half_the_layers_spread_out() {
         ctx: 256,
         batch: 32,
         depth: 2,
+        ram_tier: RamTier::Raw,
     };
     let p = plan(&req).unwrap();
     let (a, b, c) = p.counts();
@@ -244,6 +249,7 @@ fn seed_machine_is_bound_by_pcie() {
             ctx,
             batch: 1,
             depth: 2,
+            ram_tier: RamTier::Raw,
         })
         .unwrap();
         let pr = p.predict(
@@ -283,6 +289,7 @@ fn windowed_layers_reserve_and_read_only_their_window() {
         ctx: 8192,
         batch: 64,
         depth: 2,
+        ram_tier: RamTier::Raw,
     };
     let (w, f) = (
         plan(&request(windowed)).unwrap(),
@@ -298,4 +305,112 @@ fn windowed_layers_reserve_and_read_only_their_window() {
     let saved = (pf.compute_s - pw.compute_s) * 1e9;
     let expected = (2 * (8000 - 512) * per_token) as f64;
     assert!((saved - expected).abs() < 1.0, "{saved} vs {expected}");
+}
+
+/// `layers` with a stored (coded) size of each at most its raw size, as a pack gives.
+fn coded_shape(layers: Vec<(u64, u64)>, head: u64) -> ModelShape {
+    let mut s = shape(layers.iter().map(|&(raw, _)| raw).collect(), head, 64);
+    s.stored_bytes = layers.iter().map(|&(raw, pct)| raw / 100 * pct).collect();
+    s.decode_bytes_per_s = 600e6;
+    s
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// A CPU plan over a store with a coded form: under each RAM-tier form the layers,
+    /// the coded RAM tier counted at its stored sizes, the slots, the head and the
+    /// reserve fit the budget; `Coded` decodes nothing in place; `RawThenCoded` holds
+    /// at least as many layers in RAM as `Raw`, with no more disk bytes and no more
+    /// decodes per token.
+    #[test]
+    fn a_coded_ram_tier_counts_stored_sizes_and_fits_the_budget(
+        layers in prop::collection::vec((1u64..(64u64 << 20), 50u64..=100), 1..48),
+        head in 0u64..(16u64 << 20),
+        ram in 0u64..(2u64 << 30),
+        depth in 1usize..4,
+    ) {
+        let request = |ram_tier| PlanRequest {
+            shape: coded_shape(layers.clone(), head),
+            budgets: Budgets { device: None, ram },
+            ctx: 256,
+            batch: 8,
+            depth,
+            ram_tier,
+        };
+        let raw = plan(&request(RamTier::Raw));
+        for ram_tier in [RamTier::Raw, RamTier::Coded, RamTier::RawThenCoded] {
+            let Ok(p) = plan(&request(ram_tier)) else { continue };
+            prop_assert!(p.device_used() <= ram, "{ram_tier:?}: used {} > budget {ram}", p.device_used());
+            let held: u64 = (0..layers.len())
+                .filter(|&i| p.tiers[i] == Tier::Ram)
+                .map(|i| layers[i].0 / 100 * layers[i].1)
+                .sum();
+            prop_assert_eq!(p.tier_bytes(Tier::Ram), held);
+            prop_assert_eq!(p.ram_coded, ram_tier != RamTier::Raw);
+            for (i, &t) in p.tiers.iter().enumerate() {
+                if t != Tier::Device {
+                    prop_assert!(align_up(layers[i].0) <= p.device_slot_bytes);
+                }
+            }
+            match ram_tier {
+                RamTier::Raw => prop_assert!(!p.tiers.contains(&Tier::Ram)),
+                RamTier::Coded => prop_assert!(!p.tiers.contains(&Tier::Device)),
+                RamTier::RawThenCoded => {
+                    let raw = raw.as_ref().expect("raw plans whenever raw-then-coded does");
+                    let (a, b, _) = p.counts();
+                    let (ra, _, _) = raw.counts();
+                    prop_assert_eq!(a, ra, "the decoded layers are raw's");
+                    prop_assert!(p.bytes_per_token().disk <= raw.bytes_per_token().disk);
+                    prop_assert!(p.decodes_per_token() <= raw.decodes_per_token());
+                    prop_assert!(a + b >= ra);
+                }
+            }
+        }
+    }
+}
+
+/// Room for two coded layers beside the resident ones: raw-then-coded holds them coded
+/// and reads two fewer layers from disk; coded holds every layer coded.
+#[test]
+fn the_room_left_holds_streamed_layers_coded() {
+    let mb = 1u64 << 20;
+    let layers = vec![(10 * mb, 40); 10];
+    let stored = 10 * mb / 100 * 40;
+    let request = |ram_tier, ram| PlanRequest {
+        shape: coded_shape(layers.clone(), mb),
+        budgets: Budgets { device: None, ram },
+        ctx: 16,
+        batch: 1,
+        depth: 2,
+        ram_tier,
+    };
+    // Beside the reserve, the head and two slots: 5 raw layers and 9 MiB, room for two
+    // coded layers of 4 MiB but not for a sixth raw one.
+    let probe = plan(&request(RamTier::Raw, 1 << 30)).unwrap();
+    let fixed = probe.device_reserve.total() - probe.device_reserve.margin + mb;
+    let want_avail = 50 * mb + 2 * slot_bytes(10 * mb) + 9 * mb;
+    // The margin grows with the budget: find the smallest budget that leaves it.
+    let mut ram = fixed + want_avail;
+    while Reserve::margin_for(ram) + fixed + want_avail > ram {
+        ram += 1 << 12;
+    }
+    let raw = plan(&request(RamTier::Raw, ram)).unwrap();
+    assert_eq!(raw.counts(), (5, 0, 5), "{:?}", raw.tiers);
+    let mixed = plan(&request(RamTier::RawThenCoded, ram)).unwrap();
+    assert_eq!(mixed.counts(), (5, 2, 3), "{:?}", mixed.tiers);
+    assert_eq!(mixed.tier_bytes(Tier::Ram), 2 * stored);
+    assert_eq!(
+        raw.bytes_per_token().disk - mixed.bytes_per_token().disk,
+        2 * stored
+    );
+    assert_eq!(mixed.decodes_per_token(), raw.decodes_per_token());
+    // Every layer coded: 10 x 4 MiB fit where 5 x 10 MiB + 9 MiB did.
+    let coded = plan(&request(RamTier::Coded, ram)).unwrap();
+    assert_eq!(coded.counts(), (0, 10, 0), "{:?}", coded.tiers);
+    assert_eq!(coded.decodes_per_token(), 10);
+    assert_eq!(
+        coded.bytes_per_token().disk,
+        raw.bytes_per_token().disk - 5 * stored
+    );
 }

@@ -437,8 +437,8 @@ impl PackFile {
         &self.storage.bytes()[start..start + chunk.stored_len as usize]
     }
 
-    /// Chunk `index` of `tensor`, or an error naming it.
-    fn chunk<'t>(&self, tensor: &'t PackedTensor, index: usize) -> Result<&'t Chunk> {
+    /// Chunk `index` of `tensor`, or an error naming both.
+    pub fn chunk<'t>(&self, tensor: &'t PackedTensor, index: usize) -> Result<&'t Chunk> {
         tensor.chunks.get(index).ok_or_else(|| Error::BadIndex {
             path: self.path.clone(),
             detail: format!("tensor {} has no chunk {index}", tensor.name),
@@ -480,9 +480,29 @@ impl PackFile {
         Ok(stored)
     }
 
+    /// Chunk `index` of `tensor`'s stored bytes as they are in the pack, read now (the
+    /// coded form a caller may hold and decode later with [`PackFile::decode_stored`]).
+    pub fn read_stored(&self, tensor: &PackedTensor, index: usize) -> Result<Vec<u8>> {
+        Ok(self.stored_bytes(self.chunk(tensor, index)?)?.into_owned())
+    }
+
     /// Decodes chunk `index` of `tensor` into `out` (its raw length), checking both
     /// checksums.
     pub fn decode_chunk(&self, tensor: &PackedTensor, index: usize, out: &mut [u8]) -> Result<()> {
+        let chunk = self.chunk(tensor, index)?;
+        let stored = self.stored_bytes(chunk)?;
+        self.decode_stored(tensor, index, &stored, out)
+    }
+
+    /// Decodes `stored`, the stored bytes of chunk `index` of `tensor` (held by the
+    /// caller), into `out` (its raw length), checking both checksums.
+    pub fn decode_stored(
+        &self,
+        tensor: &PackedTensor,
+        index: usize,
+        stored: &[u8],
+        out: &mut [u8],
+    ) -> Result<()> {
         let c = self.chunk(tensor, index)?;
         if out.len() != c.raw_len as usize {
             return Err(self.corrupt(
@@ -494,9 +514,9 @@ impl PackFile {
                 },
             ));
         }
-        let stored = self.stored_bytes(c)?;
-        self.check_stored(tensor, index, &stored)?;
-        codec::decode_chunk(tensor.ty, c.codec, &stored, out)
+        // Stored bytes of another length fail their checksum.
+        self.check_stored(tensor, index, stored)?;
+        codec::decode_chunk(tensor.ty, c.codec, stored, out)
             .map_err(|kind| self.corrupt(tensor, index, kind))?;
         let found = crc32fast::hash(out);
         if found != c.raw_crc {

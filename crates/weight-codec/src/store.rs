@@ -36,7 +36,7 @@ use ballast_core::store::PassId;
 use ballast_core::weights::{
     ByteSource, ChunkCoding, CodedChunk, GlobalWeights, LayerWeights, Plane, WeightBytes,
 };
-use ballast_core::{TierBytes, WeightStore};
+use ballast_core::{CodedLayers, TierBytes, WeightStore};
 
 use crate::codec::{Coder, Transform};
 use crate::error::{Error, Result};
@@ -504,6 +504,16 @@ impl Inner {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Layer `index`'s plan, or an error naming the index.
+    fn layer_plan(&self, index: usize) -> ballast_core::Result<&LayerPlan> {
+        self.layers
+            .get(index)
+            .ok_or(ballast_core::Error::LayerIndex {
+                index,
+                n_layers: self.layers.len(),
+            })
+    }
+
     fn kept(&self, index: usize) -> bool {
         self.opts.policy == CachePolicy::Keep || index < self.opts.keep_layers
     }
@@ -658,6 +668,84 @@ impl Inner {
                 }
             }
         }
+    }
+}
+
+/// A layer's coded form is its matrices' stored chunks, one after another in table
+/// order: what the pack holds for it, read once and decoded per use by a store above
+/// (a tiered store keeping its RAM tier coded). Decoding checks every chunk's
+/// checksums, as a decode from the pack does, and counts in the same counters.
+impl CodedLayers for CompressedStore {
+    fn coded_len(&self, index: usize) -> u64 {
+        self.inner.layers.get(index).map_or(0, |l| l.stored)
+    }
+
+    fn read_coded(&self, index: usize) -> ballast_core::Result<Vec<u8>> {
+        let plan = self.inner.layer_plan(index)?;
+        let pack = &self.inner.pack;
+        let mut coded = Vec::with_capacity(plan.stored as usize);
+        for &k in &plan.tensors {
+            let t = &pack.tensors()[k];
+            for i in 0..t.chunks.len() {
+                coded.extend_from_slice(&pack.read_stored(t, i)?);
+            }
+        }
+        Ok(coded)
+    }
+
+    fn decode_coded(
+        &self,
+        index: usize,
+        coded: &[u8],
+        out: &mut [&mut [u8]],
+    ) -> ballast_core::Result<()> {
+        let t0 = Instant::now();
+        let inner = &self.inner;
+        let plan = inner.layer_plan(index)?;
+        let pack = &inner.pack;
+        let wrong = |detail: String| Error::BadIndex {
+            path: pack.path().to_path_buf(),
+            detail: format!("decoding layer {index}'s coded form: {detail}"),
+        };
+        if coded.len() as u64 != plan.stored || out.len() != plan.tensors.len() {
+            return Err(wrong(format!(
+                "{} coded bytes into {} matrices, the layer has {} bytes in {}",
+                coded.len(),
+                out.len(),
+                plan.stored,
+                plan.tensors.len()
+            ))
+            .into());
+        }
+        let mut pieces: Vec<(&PackedTensor, usize, &[u8], &mut [u8])> = Vec::new();
+        let mut rest = coded;
+        for (&k, dst) in plan.tensors.iter().zip(out.iter_mut()) {
+            let t = &pack.tensors()[k];
+            let step = t.chunk_raw.max(1) as usize;
+            // The index was checked at open; a chunk count that does not cover the
+            // matrix would leave bytes undecoded, so it is refused here too.
+            if dst.len() as u64 != t.raw_len || dst.len().div_ceil(step) != t.chunks.len() {
+                return Err(wrong(format!(
+                    "{} bytes for {}, which has {}",
+                    dst.len(),
+                    t.name,
+                    t.raw_len
+                ))
+                .into());
+            }
+            for (i, (piece, c)) in dst.chunks_mut(step).zip(&t.chunks).enumerate() {
+                let (stored, tail) = rest.split_at(c.stored_len as usize);
+                rest = tail;
+                pieces.push((t, i, stored, piece));
+            }
+        }
+        run_split(
+            pieces,
+            inner.opts.decode_threads,
+            |(t, i, stored, piece)| pack.decode_stored(t, i, stored, piece),
+        )?;
+        inner.count_decode(plan, t0);
+        Ok(())
     }
 }
 
