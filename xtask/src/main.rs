@@ -54,7 +54,8 @@ const USAGE: &str =
                 and attention timed apart, at 1 and 2 threads, on the default model's
                 cache shape (30 layers, 3 KV heads of 64)
   bench-codec   per tensor type of a model (default: the default model): ratio of zstd alone,
-                planes+zstd and planes+rans in 256 KiB chunks, decode GB/s on 1 and 2 threads,
+                planes+zstd, planes+rans and planes+rans-lanes (the GPU's) in 256 KiB chunks,
+                decode GB/s on 1 and 2 threads,
                 and zstd over the whole file (--level: zstd level, default 9)
 
   bench-serve   ballast serve on the default model: aggregate tokens/s with 1, 2, 4 and 8

@@ -34,7 +34,9 @@ pub struct SparsifyArgs {
     /// approximation of the gate projection on the text's MLP inputs, so that
     /// --sparsity computes only the gate rows of the neurons it predicts. It reads
     /// about R × (width + neurons) × 2 bytes per layer and token. At most the model
-    /// width.
+    /// width. Measured on SmolLM2 (rank 64) and Qwen2.5-Coder-0.5B (rank 128) it does
+    /// not pay: where it keeps over 95% of the neurons it computes almost every gate
+    /// row and, with its own bytes, reads about what the dense MLP reads.
     #[arg(long, default_value_t = 0)]
     pub rank: usize,
 }
