@@ -119,6 +119,69 @@ impl LinearOps for WgpuBackend {
         })
     }
 
+    /// Only the asked rows are read and computed: the weight is taken as a stack of
+    /// one-row "experts" and each (token, asked row) pair is one output of the
+    /// mixture-of-experts product (`matmul_rows_id`), which runs each row's dot product
+    /// exactly as the dense product does, so the values are the same bits.
+    fn matmul_rows(
+        &self,
+        x: &[f32],
+        n_tokens: usize,
+        weight: &Weight,
+        rows: &[std::ops::Range<usize>],
+        out: &mut [f32],
+    ) -> Result<()> {
+        ballast_core::backend::check_row_ranges(weight, rows, n_tokens, out.len())?;
+        let k = weight.cols();
+        if x.len() != n_tokens * k {
+            return Err(Error::ShapeMismatch {
+                what: format!("input of {}", weight.name),
+                expected: n_tokens * k,
+                got: x.len(),
+            });
+        }
+        let listed: Vec<u32> = rows
+            .iter()
+            .flat_map(|r| r.clone())
+            .map(|r| r as u32)
+            .collect();
+        if listed.is_empty() || n_tokens == 0 {
+            return Ok(());
+        }
+        self.timed(OpKind::Matmul, || {
+            let w = self.weight(weight)?;
+            let n_out = n_tokens * listed.len();
+            let ids: Vec<u32> = (0..n_tokens).flat_map(|_| listed.iter().copied()).collect();
+            let xb = self.upload(bytemuck::cast_slice(x), "matmul input")?;
+            let idb = self.upload(bytemuck::cast_slice(&ids), "asked rows")?;
+            let ob = self.scratch(n_out * 4, "asked rows output")?;
+            let mut rec = self.recorder();
+            let one_row_each = ExpertRows {
+                ids: idb.raw(),
+                n_expert: weight.rows(),
+                n_out,
+                per_input: listed.len(),
+            };
+            self.record_matmul_with(
+                &mut rec,
+                xb.raw(),
+                n_tokens,
+                k,
+                &[(w.as_ref(), ob.raw())],
+                Some(&one_row_each),
+            )?;
+            let bytes = rec.finish(&[(ob.raw(), 0, (n_out * 4) as u64)])?.0;
+            let values: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes[..n_out * 4]);
+            let n_rows = weight.rows();
+            for (t, got) in values.chunks_exact(listed.len()).enumerate() {
+                for (&r, &v) in listed.iter().zip(got) {
+                    out[t * n_rows + r as usize] = v;
+                }
+            }
+            Ok(())
+        })
+    }
+
     fn embed(&self, table: &Weight, ids: &[u32], out: &mut [f32]) -> Result<()> {
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= table.rows()) {
             return Err(Error::TokenId {

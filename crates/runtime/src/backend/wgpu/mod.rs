@@ -59,7 +59,7 @@ use crate::quant;
 use crate::weights::{Weight, WeightId};
 pub use device_kv::DeviceKv;
 use kv::KvMirror;
-use ops::{rope_table, PackedRows};
+use ops::{rope_table, ExpertRows, PackedRows};
 use record::{Params, PassArena, Recorder};
 use stream::StreamRing;
 pub use stream::DEFAULT_STREAM_SLOTS;
