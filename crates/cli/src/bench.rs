@@ -144,6 +144,8 @@ fn per_token(t: OpTimesSnapshot, n: usize) -> OpTimesSnapshot {
         matmul: t.matmul / n,
         attention: t.attention / n,
         other: t.other / n,
+        regions: t.regions / n as u64,
+        thread_wait: t.thread_wait / n,
     }
 }
 
@@ -263,6 +265,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 busy.matmul += s.matmul;
                 busy.attention += s.attention;
                 busy.other += s.other;
+                busy.regions += s.regions;
+                busy.thread_wait += s.thread_wait;
                 speeds.push(args.n_gen as f64 / elapsed.as_secs_f64());
             }
             let n = args.n_gen * args.repetitions;
@@ -623,6 +627,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 pt.other.as_secs_f64() * 1e3,
                 pct(pt.other),
             );
+            if pt.regions > 0 {
+                println!(
+                    "  {} threads: {} parallel regions per token; the calling thread waited {:.2} µs per region for the other threads after its share (the barrier's cost: {:.3} ms per token, {:.1}% of it)",
+                    r.threads,
+                    pt.regions,
+                    pt.thread_wait.as_secs_f64() * 1e6 / pt.regions as f64,
+                    pt.thread_wait.as_secs_f64() * 1e3,
+                    pct(pt.thread_wait),
+                );
+            }
         }
     }
     for r in &results {

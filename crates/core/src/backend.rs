@@ -107,6 +107,8 @@ pub struct OpTimes {
     matmul_ns: AtomicU64,
     attention_ns: AtomicU64,
     other_ns: AtomicU64,
+    regions: AtomicU64,
+    wait_ns: AtomicU64,
 }
 
 /// A snapshot of [`OpTimes`].
@@ -118,6 +120,12 @@ pub struct OpTimesSnapshot {
     pub attention: Duration,
     /// Everything else: norms, RoPE, SwiGLU, residuals, embedding.
     pub other: Duration,
+    /// Parallel regions run on several threads (each ends at a barrier).
+    pub regions: u64,
+    /// Time the calling thread waited at those barriers for the other threads, after
+    /// its own share (uneven shares, wake-up latency): what a region's barrier costs.
+    /// Part of the times above.
+    pub thread_wait: Duration,
 }
 
 /// The op family a timing belongs to.
@@ -142,6 +150,14 @@ impl OpTimes {
         slot.fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
     }
 
+    /// Counts one parallel region whose calling thread then waited `waited` for the
+    /// others.
+    pub fn add_region_wait(&self, waited: Duration) {
+        self.regions.fetch_add(1, Ordering::Relaxed);
+        self.wait_ns
+            .fetch_add(waited.as_nanos() as u64, Ordering::Relaxed);
+    }
+
     /// The totals so far.
     pub fn snapshot(&self) -> OpTimesSnapshot {
         let d = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
@@ -149,12 +165,20 @@ impl OpTimes {
             matmul: d(&self.matmul_ns),
             attention: d(&self.attention_ns),
             other: d(&self.other_ns),
+            regions: self.regions.load(Ordering::Relaxed),
+            thread_wait: d(&self.wait_ns),
         }
     }
 
     /// Sets every total back to zero.
     pub fn reset(&self) {
-        for a in [&self.matmul_ns, &self.attention_ns, &self.other_ns] {
+        for a in [
+            &self.matmul_ns,
+            &self.attention_ns,
+            &self.other_ns,
+            &self.regions,
+            &self.wait_ns,
+        ] {
             a.store(0, Ordering::Relaxed);
         }
     }

@@ -90,12 +90,14 @@ impl ThreadPool {
     }
 
     /// Runs `job(thread_index, n_threads)` once on every thread and returns when all
-    /// have finished. A panic in any of them is re-raised here.
-    pub fn run(&self, job: &(dyn Fn(usize, usize) + Sync)) {
+    /// have finished, with how long the calling thread (index 0) waited for the others
+    /// after its own share: the cost of the region's barrier (`None` on one thread,
+    /// where there is none). A panic in any of them is re-raised here.
+    pub fn run(&self, job: &(dyn Fn(usize, usize) + Sync)) -> Option<Duration> {
         let n = self.shared.n_threads;
         if n == 1 {
             job(0, 1);
-            return;
+            return None;
         }
         let _serial = self.running.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: erasing the lifetime is sound because this function does not return
@@ -117,6 +119,7 @@ impl ThreadPool {
             self.shared.wake.notify_all();
         }
         let mine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(0, n)));
+        let done = Instant::now();
         let mut spins = 0u32;
         while self.shared.finished.load(Ordering::Acquire) < n - 1 {
             spins = spins.saturating_add(1);
@@ -126,6 +129,7 @@ impl ThreadPool {
                 std::hint::spin_loop();
             }
         }
+        let waited = done.elapsed();
         *self.shared.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
         if let Err(payload) = mine {
             std::panic::resume_unwind(payload);
@@ -133,6 +137,7 @@ impl ThreadPool {
         if self.shared.panicked.swap(false, Ordering::AcqRel) {
             panic!("a ballast worker thread panicked");
         }
+        Some(waited)
     }
 }
 

@@ -867,3 +867,32 @@ fn a_view_mixing_element_types_is_a_named_error() {
         "the op wrote despite the error"
     );
 }
+
+/// On several threads every matrix product is one parallel region, counted with the
+/// time its barrier cost the calling thread; on one thread there is no region, and a
+/// reset clears the count.
+#[test]
+fn parallel_regions_are_counted_with_their_barrier_wait() {
+    let w = weight(GgmlType::Q8_0, 64, 256, 7);
+    let x = values(8, 2 * 256, 1.0);
+    let mut out = vec![0f32; 2 * 64];
+    for (threads, regions) in [(1, 0), (2, 3)] {
+        let be = CpuBackend::new(threads);
+        for _ in 0..3 {
+            be.matmul(
+                &x,
+                2,
+                &mut [MatmulJob {
+                    weight: &w,
+                    out: &mut out,
+                }],
+            )
+            .unwrap();
+        }
+        let s = be.op_times().snapshot();
+        assert_eq!(s.regions, regions, "{threads} threads");
+        assert!(s.thread_wait <= s.matmul, "the wait is part of the products' time");
+        be.op_times().reset();
+        assert_eq!(be.op_times().snapshot().regions, 0);
+    }
+}

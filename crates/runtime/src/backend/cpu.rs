@@ -63,7 +63,7 @@ impl CpuBackend {
             total_rows += part.rows.len();
         }
         let failure: Mutex<Option<Error>> = Mutex::new(None);
-        self.pool.run(&|thread, n_threads| {
+        let waited = self.pool.run(&|thread, n_threads| {
             let mine = split_range(total_rows, ROW_ALIGN, thread, n_threads);
             for (part, &first) in parts.iter().zip(&firsts) {
                 let lo = mine.start.max(first);
@@ -100,6 +100,9 @@ impl CpuBackend {
                 }
             }
         });
+        if let Some(waited) = waited {
+            self.times.add_region_wait(waited);
+        }
         match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
             Some(e) => Err(e),
             None => Ok(()),
@@ -338,7 +341,7 @@ impl AttentionOps for CpuBackend {
         // llama.cpp's `kq_scale`.
         let scale = shape.scale;
         let out_ptr = SyncPtr(out.as_mut_ptr());
-        self.pool.run(&|thread, n_threads| {
+        let waited = self.pool.run(&|thread, n_threads| {
             let range = split_range(work, 1, thread, n_threads);
             SCRATCH.with(|s| {
                 let mut scratch = s.borrow_mut();
@@ -368,6 +371,9 @@ impl AttentionOps for CpuBackend {
                 }
             });
         });
+        if let Some(waited) = waited {
+            self.times.add_region_wait(waited);
+        }
         self.times.add(OpKind::Attention, start.elapsed());
         Ok(())
     }
