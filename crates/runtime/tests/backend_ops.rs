@@ -891,7 +891,10 @@ fn parallel_regions_are_counted_with_their_barrier_wait() {
         }
         let s = be.op_times().snapshot();
         assert_eq!(s.regions, regions, "{threads} threads");
-        assert!(s.thread_wait <= s.matmul, "the wait is part of the products' time");
+        assert!(
+            s.thread_wait <= s.matmul,
+            "the wait is part of the products' time"
+        );
         be.op_times().reset();
         assert_eq!(be.op_times().snapshot().regions, 0);
     }
