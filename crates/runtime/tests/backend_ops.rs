@@ -873,6 +873,7 @@ fn a_view_mixing_element_types_is_a_named_error() {
 /// reset clears the count.
 #[test]
 fn parallel_regions_are_counted_with_their_barrier_wait() {
+    use ballast_runtime::backend::ops::LinearOps;
     let w = weight(GgmlType::Q8_0, 64, 256, 7);
     let x = values(8, 2 * 256, 1.0);
     let mut out = vec![0f32; 2 * 64];
