@@ -206,7 +206,7 @@ pub trait LinearOps {
         out: &mut [f32],
     ) -> Result<()> {
         let n_rows = weight.rows();
-        check_row_ranges(weight, rows, n_tokens, out.len())?;
+        check_row_ranges(weight, x.len(), rows, n_tokens, out.len())?;
         let mut all = vec![0f32; n_tokens * n_rows];
         self.matmul(
             x,
@@ -228,14 +228,23 @@ pub trait LinearOps {
     fn embed(&self, table: &Weight, ids: &[u32], out: &mut [f32]) -> Result<()>;
 }
 
-/// Checks the arguments of [`LinearOps::matmul_rows`]: ranges in bounds, ascending
-/// and disjoint, `out` of `n_tokens × weight.rows()`.
+/// Checks the arguments of [`LinearOps::matmul_rows`]: `x` of `n_tokens ×
+/// weight.cols()`, ranges in bounds, ascending and disjoint, `out` of `n_tokens ×
+/// weight.rows()`.
 pub fn check_row_ranges(
     weight: &Weight,
+    x_len: usize,
     rows: &[std::ops::Range<usize>],
     n_tokens: usize,
     out_len: usize,
 ) -> Result<()> {
+    if x_len != n_tokens * weight.cols() {
+        return Err(crate::Error::ShapeMismatch {
+            what: format!("input of {}", weight.name),
+            expected: n_tokens * weight.cols(),
+            got: x_len,
+        });
+    }
     let n_rows = weight.rows();
     if out_len != n_tokens * n_rows {
         return Err(crate::Error::ShapeMismatch {

@@ -8,6 +8,8 @@
 //! Needs a wgpu adapter: under CI (`CI` set) a missing one fails; elsewhere the tests
 //! are skipped with a printed reason.
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 
@@ -21,7 +23,7 @@ use ballast_runtime::{Model, ModelConfig, Session, WgpuBackend};
 use ballast_weight_codec::codec::{chunk_len, decode_chunk, encode_chunk};
 use ballast_weight_codec::store::skeleton;
 use ballast_weight_codec::{
-    transform, write_pack, Codec, CompressedStore, PackFile, PackOptions, StoreOptions, Transform,
+    transform, Codec, CompressedStore, PackFile, PackOptions, StoreOptions, Transform,
 };
 use proptest::prelude::*;
 
@@ -219,17 +221,12 @@ fn tiny_pack(
         weight_type,
         ..TinyModelSpec::default()
     };
-    let src = dir.join("tiny.gguf");
-    std::fs::write(&src, spec.to_gguf_bytes().unwrap()).unwrap();
-    let gguf = GgufFile::open(&src, true).unwrap();
-    let out = dir.join("tiny.pack");
     let opts = PackOptions {
         chunk_bytes: 16 << 10,
         candidates: vec![codec],
         ..PackOptions::default()
     };
-    write_pack(&gguf, &out, &opts, &mut |_| {}).unwrap();
-    (src, out)
+    common::pack_tiny_model(dir, &spec, &opts)
 }
 
 /// A model over the pack at `path` on `backend`, its layers lent coded to the device

@@ -1,6 +1,8 @@
 //! `CompressedStore` gives the forward pass the exact weights of the plain file, under
 //! each cache policy, and its counters say how often it decoded.
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 
@@ -56,16 +58,11 @@ fn pack_tiny(dir: &Path, weight_type: GgmlType) -> (std::path::PathBuf, std::pat
         weight_type,
         ..TinyModelSpec::default()
     };
-    let src = dir.join("tiny.gguf");
-    std::fs::write(&src, spec.to_gguf_bytes().unwrap()).unwrap();
-    let gguf = GgufFile::open(&src, true).unwrap();
-    let out = dir.join("tiny.pack");
     let opts = PackOptions {
         chunk_bytes: 1000,
         ..PackOptions::default()
     };
-    write_pack(&gguf, &out, &opts, &mut |_| {}).unwrap();
-    (src, out)
+    common::pack_tiny_model(dir, &spec, &opts)
 }
 
 #[test]

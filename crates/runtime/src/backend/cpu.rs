@@ -226,15 +226,8 @@ impl LinearOps for CpuBackend {
         out: &mut [f32],
     ) -> Result<()> {
         let start = Instant::now();
-        check_row_ranges(weight, rows, n_tokens, out.len())?;
+        check_row_ranges(weight, x.len(), rows, n_tokens, out.len())?;
         let k = weight.cols();
-        if x.len() != n_tokens * k {
-            return Err(Error::ShapeMismatch {
-                what: format!("input of {}", weight.name),
-                expected: n_tokens * k,
-                got: x.len(),
-            });
-        }
         let mut acts = self.acts.lock().unwrap_or_else(|e| e.into_inner());
         if acts.is_empty() {
             acts.push(QuantizedActivations::default());

@@ -131,15 +131,8 @@ impl LinearOps for WgpuBackend {
         rows: &[std::ops::Range<usize>],
         out: &mut [f32],
     ) -> Result<()> {
-        ballast_core::backend::check_row_ranges(weight, rows, n_tokens, out.len())?;
+        ballast_core::backend::check_row_ranges(weight, x.len(), rows, n_tokens, out.len())?;
         let k = weight.cols();
-        if x.len() != n_tokens * k {
-            return Err(Error::ShapeMismatch {
-                what: format!("input of {}", weight.name),
-                expected: n_tokens * k,
-                got: x.len(),
-            });
-        }
         let listed: Vec<u32> = rows
             .iter()
             .flat_map(|r| r.clone())
