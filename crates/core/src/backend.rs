@@ -13,6 +13,7 @@ use crate::error::Result;
 use crate::ffn::FeedForward;
 use crate::graph::Graph;
 use crate::kv::{KvCache, KvElement, KvShape, KvView};
+use crate::neurons::NeuronOps;
 use crate::weights::{GlobalWeights, LayerWeights, Weight};
 
 /// How RoPE pairs the dimensions it rotates; llama.cpp's rope-type table assigns one
@@ -330,7 +331,7 @@ pub trait ElementwiseOps {
 /// Bring the families into scope to call them on a `&dyn Backend`:
 /// `use ballast_core::backend::ops::*;`.
 pub trait Backend:
-    LinearOps + NormOps + RopeOps + AttentionOps + ElementwiseOps + Send + Sync
+    LinearOps + NormOps + RopeOps + AttentionOps + ElementwiseOps + NeuronOps + Send + Sync
 {
     /// A human-readable name: the device, and the SIMD level or adapter.
     fn name(&self) -> String;
@@ -353,6 +354,7 @@ pub trait Backend:
 /// The op families, to bring into scope at once: `use ballast_core::backend::ops::*;`.
 pub mod ops {
     pub use super::{AttentionOps, ElementwiseOps, LinearOps, NormOps, RopeOps};
+    pub use crate::neurons::NeuronOps;
 }
 
 /// The memory of a backend that computes from a device of its own (a GPU): stream

@@ -63,6 +63,7 @@ pub mod kv;
 pub mod kv_payload;
 pub mod kv_window;
 pub mod moe;
+pub mod neurons;
 pub mod store;
 pub mod weights;
 

@@ -379,6 +379,9 @@ fn window_of(shape: &AttentionShape) -> u32 {
         .map_or(u32::MAX, |w| u32::try_from(w).unwrap_or(u32::MAX))
 }
 
+/// No neuron stores yet: the sparse MLP falls back to row-selected products.
+impl ballast_core::neurons::NeuronOps for CpuBackend {}
+
 impl ElementwiseOps for CpuBackend {
     fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
         check_len("SwiGLU up", gate.len(), up.len())?;
