@@ -263,8 +263,103 @@ fn test() -> Result<()> {
         ]),
     )?;
     step("cargo test", cargo().args(["test", "--workspace"]))?;
+    neon_tests()?;
     openai_e2e()?;
     Ok(())
+}
+
+const AARCH64: &str = "aarch64-unknown-linux-gnu";
+
+/// The NEON kernels, cross-compiled for aarch64 (clippy on the CPU-only runtime) and
+/// their tests run under qemu user emulation against the scalar reference. Needs the
+/// aarch64 standard library (`rustup target add`), Debian's `gcc-aarch64-linux-gnu`
+/// (the linker) and `qemu-user`, which `.ci/run` installs. Under CI a missing piece
+/// fails, unless `BALLAST_NEON_UNAVAILABLE` says why it could not be installed (rustup's
+/// servers are outside the package registries some machines reach); elsewhere it is
+/// skipped with the reason.
+fn neon_tests() -> Result<()> {
+    let sysroot = Command::new("rustc")
+        .args(["--print", "sysroot"])
+        .output()
+        .context("running rustc --print sysroot")?;
+    let sysroot = String::from_utf8_lossy(&sysroot.stdout).trim().to_string();
+    let has_std = std::path::Path::new(&sysroot)
+        .join("lib/rustlib")
+        .join(AARCH64)
+        .exists();
+    let has = |tool: &str| {
+        Command::new(tool)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let missing: Vec<&str> = [
+        (!has_std).then_some(
+            "the aarch64 standard library (rustup target add aarch64-unknown-linux-gnu)",
+        ),
+        (!has("aarch64-linux-gnu-gcc"))
+            .then_some("the linker (apt-get install gcc-aarch64-linux-gnu)"),
+        (!has("qemu-aarch64")).then_some("qemu (apt-get install qemu-user)"),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if !missing.is_empty() {
+        let why = format!("missing {}", missing.join(", "));
+        if let Some(reason) = std::env::var_os("BALLAST_NEON_UNAVAILABLE") {
+            eprintln!(
+                "==> NEON tests skipped: {why} ({})",
+                reason.to_string_lossy()
+            );
+            return Ok(());
+        }
+        if std::env::var_os("CI").is_some() {
+            bail!("the NEON tests need, under CI: {why}");
+        }
+        eprintln!("==> NEON tests skipped: {why}");
+        return Ok(());
+    }
+    let cross = |cmd: &mut Command| {
+        cmd.env(
+            "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER",
+            "aarch64-linux-gnu-gcc",
+        )
+        .env(
+            "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER",
+            "qemu-aarch64 -L /usr/aarch64-linux-gnu",
+        );
+    };
+    let mut clippy = cargo();
+    clippy.args([
+        "clippy",
+        "--target",
+        AARCH64,
+        "-p",
+        "ballast-runtime",
+        "--no-default-features",
+        "--",
+        "-D",
+        "warnings",
+    ]);
+    cross(&mut clippy);
+    step("cargo clippy (ballast-runtime, aarch64)", &mut clippy)?;
+    let mut test = cargo();
+    test.args([
+        "test",
+        "--release",
+        "--target",
+        AARCH64,
+        "-p",
+        "ballast-runtime",
+        "--no-default-features",
+        "--test",
+        "quant_reference",
+    ]);
+    cross(&mut test);
+    step(
+        "NEON kernels against the scalar reference (qemu-aarch64)",
+        &mut test,
+    )
 }
 
 /// The client test of `ballast serve` with the real `openai` Python package. Under CI
