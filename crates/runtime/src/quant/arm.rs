@@ -1,15 +1,18 @@
-//! aarch64 NEON kernels for the 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1,
-//! Q8_0), one row and token at a time; the K-quants and plain types use the scalar
-//! kernels.
+//! aarch64 NEON kernels for the quantized formats the real models use (Q4_0, Q4_1,
+//! Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), one row and token at a time; the plain types
+//! use the scalar kernels.
 //!
-//! They sum in the scalar reference's order ([`super::scalar`]'s `lanes_dot`, which is
-//! llama.cpp's x86 order): each block's 32 integer products are summed in eight groups
-//! of four (exact in i32), group `j` goes into f32 lane `j` by one fused multiply-add
-//! with `d_w · d_a`, and the lanes are added as `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`,
-//! then the minimum terms. So every level gives the same bits, which a test run under
-//! qemu checks (`cargo xtask test` when the aarch64 target and qemu are installed).
+//! They sum in the scalar reference's order, so every level gives the same bits, which
+//! a test run under qemu checks (`cargo xtask test` when the aarch64 target and qemu
+//! are installed):
+//! - the 32-element formats as [`super::scalar`]'s `lanes_dot` (llama.cpp's x86 order):
+//!   each block's 32 integer products summed in eight groups of four (exact in i32),
+//!   group `j` into f32 lane `j` by one fused multiply-add with `d_w · d_a`, the lanes
+//!   added as `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`, then the minimum terms;
+//! - the K-quants block by block: the block's integer sums with NEON (exact), then the
+//!   scalar kernel's f32 expression.
 
-use super::blocks::f16_at;
+use super::blocks::{f16_at, f32_at, scale_min_k4};
 use super::{QuantizedActivations, TileFn};
 use crate::ggml_type::GgmlType;
 use std::arch::aarch64::*;
@@ -22,6 +25,9 @@ pub(crate) fn kernel_neon(ty: GgmlType) -> Option<TileFn> {
         GgmlType::Q5_0 => Some(tile::<KIND_Q5_0>),
         GgmlType::Q5_1 => Some(tile::<KIND_Q5_1>),
         GgmlType::Q8_0 => Some(tile::<KIND_Q8_0>),
+        GgmlType::Q4_K => Some(tile::<KIND_Q4_K>),
+        GgmlType::Q5_K => Some(tile::<KIND_Q5_K>),
+        GgmlType::Q6_K => Some(tile::<KIND_Q6_K>),
         _ => None,
     }
 }
@@ -31,6 +37,9 @@ const KIND_Q4_1: u8 = 1;
 const KIND_Q5_0: u8 = 2;
 const KIND_Q5_1: u8 = 3;
 const KIND_Q8_0: u8 = 4;
+const KIND_Q4_K: u8 = 5;
+const KIND_Q5_K: u8 = 6;
+const KIND_Q6_K: u8 = 7;
 
 /// Weight block bytes, activation block bytes (Q8_0: 34, Q8_1: 36) and activation
 /// scales per block (Q8_1 also carries `d · Σq`, the minimum's factor) of a kind.
@@ -187,7 +196,144 @@ unsafe fn tile<const KIND: u8>(
             let (a, s, _) = acts.parts(t0 + j);
             // SAFETY: NEON support was checked by the caller; `row` is whole blocks and
             // the activations were quantized for this type and width.
-            out[i * stride + j] = unsafe { dot::<KIND>(row, a, s) };
+            out[i * stride + j] = unsafe {
+                match KIND {
+                    KIND_Q4_K => dot_q45_k::<false>(row, a),
+                    KIND_Q5_K => dot_q45_k::<true>(row, a),
+                    KIND_Q6_K => dot_q6_k(row, a),
+                    _ => dot::<KIND>(row, a, s),
+                }
+            };
         }
     }
+}
+
+/// The sum of the 16 products of two vectors of signed bytes whose products fit i16.
+#[inline]
+#[target_feature(enable = "neon")]
+fn dot16(x: int8x16_t, y: int8x16_t) -> i32 {
+    let lo = vmull_s8(vget_low_s8(x), vget_low_s8(y));
+    let hi = vmull_s8(vget_high_s8(x), vget_high_s8(y));
+    vaddvq_s32(vpadalq_s16(vpaddlq_s16(lo), hi))
+}
+
+/// Loads 16 signed bytes at `p[at..]`.
+///
+/// # Safety
+/// `p` must hold at least `at + 16` bytes.
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn load16(p: &[u8], at: usize) -> int8x16_t {
+    debug_assert!(p.len() >= at + 16);
+    // SAFETY: the caller guarantees 16 bytes at `at`.
+    unsafe { vld1q_s8(p.as_ptr().add(at) as *const i8) }
+}
+
+/// A Q4_K (or, with `FIVE`, Q5_K) row against a Q8_K row: per block the integer sums of
+/// the scalar kernel, `si` (scales times sub-block dot products) and `sm` (minimums
+/// times the activations' 16-element sums), then its f32 expression.
+///
+/// # Safety
+/// `w` must be whole blocks and `a` at least as many Q8_K blocks.
+#[target_feature(enable = "neon")]
+unsafe fn dot_q45_k<const FIVE: bool>(w: &[u8], a: &[u8]) -> f32 {
+    let bb = if FIVE { 176 } else { 144 };
+    let mut sum = 0f32;
+    for (x, y) in w.chunks_exact(bb).zip(a.chunks_exact(292)) {
+        let qs_at = if FIVE { 48 } else { 16 };
+        let low = vdupq_n_u8(0x0F);
+        let mut si = 0i32;
+        let mut sm = 0i32;
+        for c in 0..4 {
+            let (sc1, m1) = scale_min_k4(2 * c, &x[4..16]);
+            let (sc2, m2) = scale_min_k4(2 * c + 1, &x[4..16]);
+            let (mut s1, mut s2) = (0i32, 0i32);
+            for half in 0..2 {
+                let l = 16 * half;
+                // SAFETY: the block holds 128 quant bytes at `qs_at` and, for Q5_K, 32
+                // bytes of fifth bits at 16; `y` holds 256 quants at 4.
+                let (qs, y1, y2, qh) = unsafe {
+                    (
+                        vld1q_u8(x.as_ptr().add(qs_at + 32 * c + l)),
+                        load16(y, 4 + 64 * c + l),
+                        load16(y, 4 + 64 * c + 32 + l),
+                        if FIVE {
+                            vld1q_u8(x.as_ptr().add(16 + l))
+                        } else {
+                            vdupq_n_u8(0)
+                        },
+                    )
+                };
+                let mut lo = vandq_u8(qs, low);
+                let mut hi = vshrq_n_u8::<4>(qs);
+                if FIVE {
+                    let bit = |b: u8| vandq_u8(vtstq_u8(qh, vdupq_n_u8(b)), vdupq_n_u8(0x10));
+                    lo = vorrq_u8(lo, bit(1 << (2 * c)));
+                    hi = vorrq_u8(hi, bit(1 << (2 * c + 1)));
+                }
+                s1 += dot16(vreinterpretq_s8_u8(lo), y1);
+                s2 += dot16(vreinterpretq_s8_u8(hi), y2);
+            }
+            si += sc1 as i32 * s1 + sc2 as i32 * s2;
+            let bs = |g: usize| i16::from_le_bytes([y[260 + 2 * g], y[261 + 2 * g]]) as i32;
+            sm += m1 as i32 * (bs(4 * c) + bs(4 * c + 1))
+                + m2 as i32 * (bs(4 * c + 2) + bs(4 * c + 3));
+        }
+        let dy = f32_at(y, 0);
+        sum += f16_at(x, 0) * dy * si as f32 - f16_at(x, 2) * dy * sm as f32;
+    }
+    sum
+}
+
+/// A Q6_K row against a Q8_K row: per block the scalar kernel's sixteen 16-element
+/// integer sums, times their scales, then its f32 expression.
+///
+/// # Safety
+/// `w` must be whole blocks and `a` at least as many Q8_K blocks.
+#[target_feature(enable = "neon")]
+unsafe fn dot_q6_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut sum = 0f32;
+    let low = vdupq_n_u8(0x0F);
+    let three = vdupq_n_u8(3);
+    let offset = vdupq_n_s8(32);
+    for (x, y) in w.chunks_exact(210).zip(a.chunks_exact(292)) {
+        let mut si = 0i32;
+        for n in 0..2 {
+            let (ql, qh, sc) = (64 * n, 128 + 32 * n, 192 + 8 * n);
+            let yq = 4 + 128 * n;
+            for half in 0..2 {
+                let l = 16 * half;
+                // SAFETY: the block holds 64 bytes of low bits at `ql`, 32 of high bits
+                // at `qh`; `y` holds 128 quants at `yq`.
+                let (ql0, ql1, h, y1, y2, y3, y4) = unsafe {
+                    (
+                        vld1q_u8(x.as_ptr().add(ql + l)),
+                        vld1q_u8(x.as_ptr().add(ql + 32 + l)),
+                        vld1q_u8(x.as_ptr().add(qh + l)),
+                        load16(y, yq + l),
+                        load16(y, yq + 32 + l),
+                        load16(y, yq + 64 + l),
+                        load16(y, yq + 96 + l),
+                    )
+                };
+                let six = |nib: uint8x16_t, high: uint8x16_t| {
+                    vsubq_s8(
+                        vreinterpretq_s8_u8(vorrq_u8(nib, vshlq_n_u8::<4>(vandq_u8(high, three)))),
+                        offset,
+                    )
+                };
+                let q1 = six(vandq_u8(ql0, low), h);
+                let q2 = six(vandq_u8(ql1, low), vshrq_n_u8::<2>(h));
+                let q3 = six(vshrq_n_u8::<4>(ql0), vshrq_n_u8::<4>(h));
+                let q4 = six(vshrq_n_u8::<4>(ql1), vshrq_n_u8::<6>(h));
+                let scale = |i: usize| x[sc + i] as i8 as i32;
+                si += scale(half) * dot16(q1, y1)
+                    + scale(half + 2) * dot16(q2, y2)
+                    + scale(half + 4) * dot16(q3, y3)
+                    + scale(half + 6) * dot16(q4, y4);
+            }
+        }
+        sum += f16_at(x, 208) * f32_at(y, 0) * si as f32;
+    }
+    sum
 }

@@ -14,7 +14,7 @@
 //! |---|---|
 //! | avx512 (F/BW/VL/DQ + VNNI) | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K |
 //! | avx2 (+ FMA, F16C) | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16 |
-//! | neon | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 |
+//! | neon | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K |
 //! | scalar | all weight types |
 //!
 //! Every kernel computes each block's integer dot product exactly. For the quantized
