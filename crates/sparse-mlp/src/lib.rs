@@ -34,12 +34,14 @@
 //! ```
 #![deny(missing_docs)]
 
+mod cache;
 pub mod error;
 mod ffn;
 mod linalg;
 mod predictor;
 mod profile;
 
+pub use cache::{CacheCounts, Lookup, NeuronCache};
 pub use error::{Error, Result};
 pub use ffn::{Calibration, SparseFfn, SparseStats};
 pub use predictor::{fit_layer, ActiveRegion, LayerPredictor, Predictor};
