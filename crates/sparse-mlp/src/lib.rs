@@ -40,9 +40,11 @@ mod ffn;
 mod linalg;
 mod predictor;
 mod profile;
+mod source;
 
 pub use cache::{CacheCounts, Lookup, NeuronCache};
 pub use error::{Error, Result};
 pub use ffn::{Calibration, SparseFfn, SparseStats};
 pub use predictor::{fit_layer, ActiveRegion, LayerPredictor, Predictor};
 pub use profile::{MagnitudeHistogram, SparsityProfile, QUANTILES};
+pub use source::{layer_records, MemoryNeurons, NeuronSource};
