@@ -67,6 +67,22 @@ pub struct SparsityArgs {
     /// recall, printed by `bench`). For measurement: it reads the gate twice.
     #[arg(long)]
     pub measure_recall: bool,
+    /// How --sparsity computes: `neurons` (the neuron mode: each layer's active neurons
+    /// are read from the neuron file MODEL.neurons, which `ballast sparsify --neurons`
+    /// writes, into a cache of --neuron-slots per layer, and the MLP is computed over
+    /// them, up row and down column of a neuron read together), `rows` (the row mode:
+    /// the model's own up rows of the active neurons, the down projection dense), or
+    /// `auto`: neurons when the neuron file exists, else rows.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "rows", "neurons"])]
+    pub sparse_mode: String,
+    /// The neuron file for the neuron mode. Default: MODEL.neurons beside the model.
+    #[arg(long)]
+    pub neuron_file: Option<PathBuf>,
+    /// Neuron mode: slots of the neuron cache per layer, as a fraction of the layer's
+    /// neurons (1: every neuron can stay cached; less: the least recently used are
+    /// evicted and fetched again from the file when a token needs them).
+    #[arg(long, default_value_t = 1.0)]
+    pub neuron_slots: f64,
 }
 
 impl ModelArgs {
@@ -340,6 +356,17 @@ pub fn apply_sparsity(
     )?;
     let thresholds = profile.thresholds(sparsity).context("--sparsity")?;
     let mut ffn = SparseFfn::new(thresholds);
+    if let Some(source) = neuron_source(args, path, file, &model)? {
+        anyhow::ensure!(
+            args.neuron_slots > 0.0 && args.neuron_slots <= 1.0,
+            "--neuron-slots {}: a fraction of the layer's neurons, above 0 and at most 1",
+            args.neuron_slots
+        );
+        let slots = ((config.n_ff as f64 * args.neuron_slots).ceil() as usize).max(1);
+        ffn = ffn.with_neurons(source, slots)?;
+        let stats = ffn.stats();
+        return Ok((model.share_with_ffn(Box::new(ffn)), Some(stats)));
+    }
     match profile.predictor {
         Some(predictor) if !args.no_predictor => {
             ffn = ffn.with_predictor(predictor, args.predictor_margin);
@@ -355,6 +382,44 @@ pub fn apply_sparsity(
     }
     let stats = ffn.stats();
     Ok((model.share_with_ffn(Box::new(ffn)), Some(stats)))
+}
+
+/// The neuron file `--sparse-mode` asks for (`auto`: if it exists), opened and checked
+/// against the model, or `None` for the row mode.
+fn neuron_source(
+    args: &SparsityArgs,
+    path: &Path,
+    file: &GgufFile,
+    model: &Model,
+) -> Result<Option<Arc<dyn ballast_sparse_mlp::NeuronSource>>> {
+    let neurons_path = args
+        .neuron_file
+        .clone()
+        .unwrap_or_else(|| ballast_sparse_mlp::neuron_file_path(path));
+    match args.sparse_mode.as_str() {
+        "rows" => return Ok(None),
+        "auto" if !neurons_path.exists() => return Ok(None),
+        _ => {}
+    }
+    anyhow::ensure!(
+        neurons_path.exists(),
+        "--sparse-mode neurons needs the neuron file, and {} does not exist: make it with `ballast sparsify -m {} --neurons`",
+        neurons_path.display(),
+        path.display()
+    );
+    let config = model.config();
+    // From the file's tensor table: asking a streaming store for a layer outside a
+    // pass would disturb its pipeline.
+    let up = file.tensor("blk.0.ffn_up.weight")?.ty;
+    let f = ballast_sparse_mlp::NeuronFile::open(
+        &neurons_path,
+        ballast_kv_cache::model_fingerprint(file),
+        config.n_layers,
+        config.n_ff,
+        config.d_model,
+        up,
+    )?;
+    Ok(Some(Arc::new(f)))
 }
 
 /// The sparse MLP thresholds `|silu(gate)|`: a model whose MLP has another activation
