@@ -189,6 +189,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             ctx,
             args.n_prompt.max(1),
             true,
+            common::neuron_cache_bytes(&args.sparse, &args.store, &path, &file)?,
         )?;
         let (model, sparse) = common::apply_sparsity(&args.sparse, &path, &file, built.model)?;
         // Dense MLP weight bytes a decoded token reads, for the sparse MLP's figures.
@@ -476,6 +477,19 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     "matmul": pt.matmul.as_secs_f64() * 1e3,
                     "attention": pt.attention.as_secs_f64() * 1e3,
                     "rest": pt.other.as_secs_f64() * 1e3,
+                });
+            }
+            if let Some(f) = sparse_figures
+                .iter()
+                .find(|f| f.threads == r.threads && r.test.starts_with("tg"))
+            {
+                obj["sparse"] = json!({
+                    "sparsity": f.sparsity,
+                    "skipped": f.skipped,
+                    "mlp_bytes_per_token": f.mlp_bytes_per_token,
+                    "dense_mlp_bytes": f.dense_mlp_bytes,
+                    "neuron_hit_rate": f.neurons.map(|n| n.0),
+                    "neuron_bytes_fetched_per_token": f.neurons.map(|n| n.1),
                 });
             }
             if let Some(io) = &r.io {

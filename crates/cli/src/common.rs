@@ -307,6 +307,7 @@ pub fn load(args: &ModelArgs, threads: usize, ctx: usize, batch: usize) -> Resul
         ctx,
         batch,
         false,
+        neuron_cache_bytes(&args.sparse, &args.store, &path, &file)?,
     )?;
     let (model, _) = apply_sparsity(&args.sparse, &path, &file, built.model)?;
     Ok(Loaded {
@@ -357,13 +358,7 @@ pub fn apply_sparsity(
     let thresholds = profile.thresholds(sparsity).context("--sparsity")?;
     let mut ffn = SparseFfn::new(thresholds);
     if let Some(source) = neuron_source(args, path, file, &model)? {
-        anyhow::ensure!(
-            args.neuron_slots > 0.0 && args.neuron_slots <= 1.0,
-            "--neuron-slots {}: a fraction of the layer's neurons, above 0 and at most 1",
-            args.neuron_slots
-        );
-        let slots = ((config.n_ff as f64 * args.neuron_slots).ceil() as usize).max(1);
-        ffn = ffn.with_neurons(source, slots)?;
+        ffn = ffn.with_neurons(source, neuron_slots(args, config.n_ff)?)?;
         let stats = ffn.stats();
         return Ok((model.share_with_ffn(Box::new(ffn)), Some(stats)));
     }
@@ -384,14 +379,12 @@ pub fn apply_sparsity(
     Ok((model.share_with_ffn(Box::new(ffn)), Some(stats)))
 }
 
-/// The neuron file `--sparse-mode` asks for (`auto`: if it exists), opened and checked
-/// against the model, or `None` for the row mode.
-fn neuron_source(
-    args: &SparsityArgs,
-    path: &Path,
-    file: &GgufFile,
-    model: &Model,
-) -> Result<Option<Arc<dyn ballast_sparse_mlp::NeuronSource>>> {
+/// The neuron file when `--sparsity` runs in the neuron mode (`--sparse-mode`; `auto`:
+/// if the file exists), else `None`.
+fn neurons_path(args: &SparsityArgs, path: &Path) -> Result<Option<PathBuf>> {
+    if args.sparsity.is_none() {
+        return Ok(None);
+    }
     let neurons_path = args
         .neuron_file
         .clone()
@@ -407,18 +400,79 @@ fn neuron_source(
         neurons_path.display(),
         path.display()
     );
-    let config = model.config();
-    // From the file's tensor table: asking a streaming store for a layer outside a
-    // pass would disturb its pipeline.
-    let up = file.tensor("blk.0.ffn_up.weight")?.ty;
-    let f = ballast_sparse_mlp::NeuronFile::open(
-        &neurons_path,
+    Ok(Some(neurons_path))
+}
+
+/// With tiered streaming (`--store tiered`, or `--ram`) in the neuron mode: the bytes
+/// of the neuron cache (layers × `--neuron-slots` of their neurons × a record), which
+/// the plan counts inside the RAM budget; the layers then stream without their up and
+/// down matrices. `None` otherwise.
+pub fn neuron_cache_bytes(
+    sparse: &SparsityArgs,
+    store: &crate::tiered::StoreArgs,
+    path: &Path,
+    file: &GgufFile,
+) -> Result<Option<u64>> {
+    use crate::tiered::StoreKind;
+    let tiered = match store.store {
+        StoreKind::Tiered => true,
+        StoreKind::Auto => store.ram.is_some(),
+        _ => false,
+    };
+    if !tiered {
+        return Ok(None);
+    }
+    let Some(neurons_path) = neurons_path(sparse, path)? else {
+        return Ok(None);
+    };
+    let config = ballast_runtime::model::ModelConfig::from_gguf(file)?;
+    let f = open_neurons(&neurons_path, file, &config)?;
+    Ok(Some(
+        (config.n_layers * neuron_slots(sparse, config.n_ff)?) as u64
+            * f.header().layout.record_bytes() as u64,
+    ))
+}
+
+/// The neuron file at `neurons`, checked against the model of `file`.
+fn open_neurons(
+    neurons: &Path,
+    file: &GgufFile,
+    config: &ballast_runtime::model::ModelConfig,
+) -> Result<ballast_sparse_mlp::NeuronFile> {
+    // The up type from the file's tensor table: asking a streaming store for a layer
+    // outside a pass would disturb its pipeline.
+    Ok(ballast_sparse_mlp::NeuronFile::open(
+        neurons,
         ballast_kv_cache::model_fingerprint(file),
         config.n_layers,
         config.n_ff,
         config.d_model,
-        up,
-    )?;
+        file.tensor("blk.0.ffn_up.weight")?.ty,
+    )?)
+}
+
+/// `--neuron-slots` as slots per layer of `n_ff` neurons.
+fn neuron_slots(args: &SparsityArgs, n_ff: usize) -> Result<usize> {
+    anyhow::ensure!(
+        args.neuron_slots > 0.0 && args.neuron_slots <= 1.0,
+        "--neuron-slots {}: a fraction of the layer's neurons, above 0 and at most 1",
+        args.neuron_slots
+    );
+    Ok(((n_ff as f64 * args.neuron_slots).ceil() as usize).max(1))
+}
+
+/// The neuron file `--sparse-mode` asks for (`auto`: if it exists), opened and checked
+/// against the model, or `None` for the row mode.
+fn neuron_source(
+    args: &SparsityArgs,
+    path: &Path,
+    file: &GgufFile,
+    model: &Model,
+) -> Result<Option<Arc<dyn ballast_sparse_mlp::NeuronSource>>> {
+    let Some(neurons_path) = neurons_path(args, path)? else {
+        return Ok(None);
+    };
+    let f = open_neurons(&neurons_path, file, model.config())?;
     Ok(Some(Arc::new(f)))
 }
 

@@ -380,7 +380,9 @@ impl SparseFfn {
     /// ([`NeuronCache`], least recently used out). The gate is computed whole from the
     /// model (it decides); the up and down weights read are the active neurons'
     /// records only. A layer at sparsity 0 (negative threshold) stays on the dense
-    /// path, bit for bit. A pass whose tokens use more neurons than `slots` is served
+    /// path, bit for bit, unless it comes without its `ffn_up`/`ffn_down` (a tiered
+    /// store streaming the MLP from the neuron file): then every neuron is computed
+    /// from its record. A pass whose tokens use more neurons than `slots` is served
     /// in parts of `slots` neurons (their outputs added). A predictor is not used in
     /// this mode.
     pub fn with_neurons(
@@ -612,7 +614,9 @@ impl FeedForward for SparseFfn {
     ) -> ballast_core::Result<()> {
         if self.neurons.is_some() && self.calibration.is_none() {
             let threshold = self.thresholds.get(weights.index).copied().unwrap_or(-1.0);
-            if threshold >= 0.0 {
+            // A layer lent without its up and down matrices (out of core: they live in
+            // the neuron file only) takes the neuron path at any sparsity.
+            if threshold >= 0.0 || weights.matrix(FFN_UP).is_err() {
                 return self.forward_neurons(backend, weights, x, n_tokens, out, threshold);
             }
         }
