@@ -39,13 +39,13 @@ fn run_json(ballast: &Path, model: &Path, args: &[&str]) -> Result<serde_json::V
 
 /// Each round's order of `n` runs: forwards, then backwards, and so on, so that no
 /// run always meets the machine as the previous one left it.
-fn alternating(rounds: usize, n: usize) -> impl Iterator<Item = usize> {
+pub(crate) fn alternating(rounds: usize, n: usize) -> impl Iterator<Item = usize> {
     (0..rounds)
         .flat_map(move |round| (0..n).map(move |k| if round % 2 == 0 { k } else { n - 1 - k }))
 }
 
 /// The median of a figure over runs (NaN when no run has it).
-fn median_of(
+pub(crate) fn median_of(
     runs: &[serde_json::Value],
     figure: impl Fn(&serde_json::Value) -> Option<f64>,
 ) -> f64 {

@@ -47,9 +47,11 @@ pub struct SparsityArgs {
     /// `--sparsity` alone means 0.15, the most that kept SmolLM2's perplexity on GPL-3
     /// within 3% of dense (+1.2%; 0.2 gave +3.1%). Needs the model's sparsity profile,
     /// which `ballast sparsify` makes; if the profile has a predictor (`sparsify
-    /// --rank`), only the gate rows of the neurons it predicts are computed. Today it
-    /// reads fewer MLP bytes but decodes slower than dense when the weights are
-    /// resident: it computes the MLP's parts apart, on the host side of the pass.
+    /// --rank`), only the gate rows of the neurons it predicts are computed (row mode).
+    /// With the neuron file (`ballast sparsify --neurons`) the neuron mode is used (see
+    /// --sparse-mode): with --store tiered it keeps the MLP's up and down weights out of
+    /// core and reads only the active neurons a cache lacks. Both modes read fewer MLP
+    /// bytes but decode slower than dense when the weights are resident.
     #[arg(long, num_args = 0..=1, default_missing_value = "0.15")]
     pub sparsity: Option<f32>,
     /// The sparsity profile for --sparsity. Default: MODEL.sparsity beside the model.
