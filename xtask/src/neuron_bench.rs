@@ -20,7 +20,7 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
-use crate::pack_bench::{alternating, median_of};
+use crate::pack_bench::{alternating, median_of, per_round};
 use crate::tier_bench::{bench_json, private_copy, written_back, Cgroup};
 
 const MIB: f64 = (1u64 << 20) as f64;
@@ -135,12 +135,7 @@ fn resident(bin: &Path, source: &Path, model: &Path, rounds: usize, n_gen: &str)
         let dense = median_of(&figures[0], |r| r["tokens_per_s_median"].as_f64());
         for ((label, _), runs) in sides.iter().zip(&figures) {
             let tps = median_of(runs, |r| r["tokens_per_s_median"].as_f64());
-            let each = runs
-                .iter()
-                .filter_map(|r| r["tokens_per_s_median"].as_f64())
-                .map(|t| format!("{t:.1}"))
-                .collect::<Vec<_>>()
-                .join(", ");
+            let each = per_round(runs, 1);
             let sparse = &runs.last().context("no run")?["sparse"];
             let (bytes, skipped, hits) = if sparse.is_object() {
                 (
@@ -219,12 +214,7 @@ fn out_of_core(bin: &Path, model: &Path, rounds: usize, n_gen: &str) -> Result<(
         let map = last["streaming"]["layer_map"].as_str().unwrap_or("");
         let count = |c: char| map.chars().filter(|&x| x == c).count();
         let tps = median_of(runs, |r| r["tokens_per_s_median"].as_f64());
-        let each = runs
-            .iter()
-            .filter_map(|r| r["tokens_per_s_median"].as_f64())
-            .map(|t| format!("{t:.2}"))
-            .collect::<Vec<_>>()
-            .join(", ");
+        let each = per_round(runs, 2);
         let sparse = &last["sparse"];
         println!(
             "| {label} | {} {} (`{map}`) | {:.2} MiB | {:.2} MiB | {} | {} | {tps:.2} | {each} | {:.2}x | {:.1} MiB |",
