@@ -19,6 +19,7 @@
 
 mod codec_bench;
 mod moe_bench;
+mod neuron_bench;
 mod pack_bench;
 mod serve_bench;
 mod tier_bench;
@@ -77,6 +78,14 @@ const USAGE: &str =
                 read per token, tokens/s; rounds alternated, page caches dropped before each run.
                 BALLAST_BIN=path skips the release build.
 
+  bench-neurons the sparse MLP's neuron mode on the default model (--model PATH: another):
+                resident decode tokens/s at 1 and 2 threads, dense and at sparsity 0.25 / 0.4 /
+                0.5 / 0.6, with MLP bytes read per token; then tiered streaming in an 88 MiB
+                cgroup, dense and with the MLP's up/down out of core (neuron file + cache):
+                storage bytes read per token, tokens/s, cache hits; rounds alternated, page
+                caches dropped before each run (--tiered-only: this table alone). BALLAST_BIN=path
+                skips the release build.
+
   tiny-model    write the tiny random-weight reference model NAME (llama-spm, qwen3, gemma3,
                 qwen3moe, mixtral) to FILE,
                 e.g. to compute its logits or tokens with llama.cpp";
@@ -104,6 +113,25 @@ fn main() -> Result<()> {
                 None => release_ballast()?,
             };
             pack_bench::run(&bin, &fetch_model()?, args.iter().any(|a| a == "--quick"))
+        }
+        Some("bench-neurons") => {
+            let bin = match std::env::var_os("BALLAST_BIN") {
+                Some(b) => b.into(),
+                None => release_ballast()?,
+            };
+            let model = args
+                .iter()
+                .position(|a| a == "--model")
+                .map(|i| args.get(i + 1).context("--model needs a path"))
+                .transpose()?
+                .map(std::path::PathBuf::from);
+            neuron_bench::run(
+                &bin,
+                &fetch_model()?,
+                args.iter().any(|a| a == "--quick"),
+                args.iter().any(|a| a == "--tiered-only"),
+                model,
+            )
         }
         Some("bench-codec") => {
             let level = match args.iter().position(|a| a == "--level") {

@@ -39,13 +39,22 @@ fn run_json(ballast: &Path, model: &Path, args: &[&str]) -> Result<serde_json::V
 
 /// Each round's order of `n` runs: forwards, then backwards, and so on, so that no
 /// run always meets the machine as the previous one left it.
-fn alternating(rounds: usize, n: usize) -> impl Iterator<Item = usize> {
+pub(crate) fn alternating(rounds: usize, n: usize) -> impl Iterator<Item = usize> {
     (0..rounds)
         .flat_map(move |round| (0..n).map(move |k| if round % 2 == 0 { k } else { n - 1 - k }))
 }
 
+/// Each run's median tokens/s with `digits` decimals, comma-separated.
+pub(crate) fn per_round(runs: &[serde_json::Value], digits: usize) -> String {
+    runs.iter()
+        .filter_map(|r| r["tokens_per_s_median"].as_f64())
+        .map(|t| format!("{t:.digits$}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// The median of a figure over runs (NaN when no run has it).
-fn median_of(
+pub(crate) fn median_of(
     runs: &[serde_json::Value],
     figure: impl Fn(&serde_json::Value) -> Option<f64>,
 ) -> f64 {
@@ -184,12 +193,7 @@ fn ram_tiers(
     println!("| --- | --- | ---: | ---: | ---: | --- | ---: | ---: |");
     for ((label, _, _), runs) in sides.iter().zip(&figures) {
         let s = &runs.last().context("no run")?["streaming"];
-        let each = runs
-            .iter()
-            .filter_map(|r| r["tokens_per_s_median"].as_f64())
-            .map(|t| format!("{t:.2}"))
-            .collect::<Vec<_>>()
-            .join(", ");
+        let each = per_round(runs, 2);
         let map = s["layer_map"].as_str().unwrap_or("");
         let count = |c: char| map.chars().filter(|&x| x == c).count();
         println!(
