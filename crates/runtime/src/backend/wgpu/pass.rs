@@ -107,6 +107,8 @@ impl DeviceForward for WgpuBackend {
         out: &mut Vec<f32>,
     ) -> Result<Option<u32>> {
         let start = Instant::now();
+        // Neuron records a lever's host sync points upload count as this pass's uploads.
+        let neurons_before = self.neuron_bytes_uploaded();
         let (ids, positions) = (input.ids, input.positions);
         let n = graph.n_tokens();
         if ids.len() != n || positions.len() != n {
@@ -241,6 +243,7 @@ impl DeviceForward for WgpuBackend {
                 + m.positions.size();
         }
         report.kv_device_bytes = device_bytes;
+        report.bytes_uploaded += self.neuron_bytes_uploaded() - neurons_before;
         report.wall = start.elapsed();
         report.tokens = n;
         *self.report.lock().unwrap_or_else(|p| p.into_inner()) = report;
