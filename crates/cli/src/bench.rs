@@ -75,6 +75,9 @@ struct SparseFigures {
     recall: Option<f64>,
     /// Fraction of the down projection's input blocks whose neurons were all skipped.
     idle_down_blocks: f64,
+    /// Neuron mode: (fraction of active neurons found in the cache, record bytes
+    /// fetched per decoded token).
+    neurons: Option<(f64, f64)>,
 }
 
 struct IoFigures {
@@ -186,6 +189,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             ctx,
             args.n_prompt.max(1),
             true,
+            common::neuron_cache_bytes(&args.sparse, &args.store, &path, &file)?,
         )?;
         let (model, sparse) = common::apply_sparsity(&args.sparse, &path, &file, built.model)?;
         // Dense MLP weight bytes a decoded token reads, for the sparse MLP's figures.
@@ -293,6 +297,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     dense_mlp_bytes,
                     idle_down_blocks: (now.down_blocks_idle - before.down_blocks_idle) as f64
                         / (now.down_blocks - before.down_blocks).max(1) as f64,
+                    neurons: {
+                        let (hits, misses) = (
+                            now.neuron_hits - before.neuron_hits,
+                            now.neuron_misses - before.neuron_misses,
+                        );
+                        (hits + misses > 0).then(|| {
+                            (
+                                hits as f64 / (hits + misses) as f64,
+                                (now.bytes_fetched - before.bytes_fetched) as f64 / n as f64,
+                            )
+                        })
+                    },
                 });
             }
             let process_read_per_token = ballast_tier_stream::io::process_read_bytes()
@@ -463,6 +479,19 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     "rest": pt.other.as_secs_f64() * 1e3,
                 });
             }
+            if let Some(f) = sparse_figures
+                .iter()
+                .find(|f| f.threads == r.threads && r.test.starts_with("tg"))
+            {
+                obj["sparse"] = json!({
+                    "sparsity": f.sparsity,
+                    "skipped": f.skipped,
+                    "mlp_bytes_per_token": f.mlp_bytes_per_token,
+                    "dense_mlp_bytes": f.dense_mlp_bytes,
+                    "neuron_hit_rate": f.neurons.map(|n| n.0),
+                    "neuron_bytes_fetched_per_token": f.neurons.map(|n| n.1),
+                });
+            }
             if let Some(io) = &r.io {
                 obj["process_read_bytes_per_token"] = json!(io.process_read_per_token);
                 if let Some(s) = &io.streaming {
@@ -580,6 +609,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
             100.0 * f.mlp_bytes_per_token / f.dense_mlp_bytes.max(1) as f64,
             100.0 * f.idle_down_blocks,
         );
+        if let Some((hit_rate, fetched)) = f.neurons {
+            println!(
+                "neuron mode ({} threads): {:.1}% of active neurons found in the cache while decoding; {} of records fetched per token",
+                f.threads,
+                100.0 * hit_rate,
+                human_bytes(fetched as u64)
+            );
+        }
         if f.gate_rows_computed < 1.0 || f.recall.is_some() {
             println!(
                 "predictor ({} threads): {:.1}% of gate rows computed while decoding{}",

@@ -67,6 +67,22 @@ pub struct SparsityArgs {
     /// recall, printed by `bench`). For measurement: it reads the gate twice.
     #[arg(long)]
     pub measure_recall: bool,
+    /// How --sparsity computes: `neurons` (the neuron mode: each layer's active neurons
+    /// are read from the neuron file MODEL.neurons, which `ballast sparsify --neurons`
+    /// writes, into a cache of --neuron-slots per layer, and the MLP is computed over
+    /// them, up row and down column of a neuron read together), `rows` (the row mode:
+    /// the model's own up rows of the active neurons, the down projection dense), or
+    /// `auto`: neurons when the neuron file exists, else rows.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "rows", "neurons"])]
+    pub sparse_mode: String,
+    /// The neuron file for the neuron mode. Default: MODEL.neurons beside the model.
+    #[arg(long)]
+    pub neuron_file: Option<PathBuf>,
+    /// Neuron mode: slots of the neuron cache per layer, as a fraction of the layer's
+    /// neurons (1: every neuron can stay cached; less: the least recently used are
+    /// evicted and fetched again from the file when a token needs them).
+    #[arg(long, default_value_t = 1.0)]
+    pub neuron_slots: f64,
 }
 
 impl ModelArgs {
@@ -291,6 +307,7 @@ pub fn load(args: &ModelArgs, threads: usize, ctx: usize, batch: usize) -> Resul
         ctx,
         batch,
         false,
+        neuron_cache_bytes(&args.sparse, &args.store, &path, &file)?,
     )?;
     let (model, _) = apply_sparsity(&args.sparse, &path, &file, built.model)?;
     Ok(Loaded {
@@ -340,6 +357,11 @@ pub fn apply_sparsity(
     )?;
     let thresholds = profile.thresholds(sparsity).context("--sparsity")?;
     let mut ffn = SparseFfn::new(thresholds);
+    if let Some(source) = neuron_source(args, path, file, &model)? {
+        ffn = ffn.with_neurons(source, neuron_slots(args, config.n_ff)?)?;
+        let stats = ffn.stats();
+        return Ok((model.share_with_ffn(Box::new(ffn)), Some(stats)));
+    }
     match profile.predictor {
         Some(predictor) if !args.no_predictor => {
             ffn = ffn.with_predictor(predictor, args.predictor_margin);
@@ -355,6 +377,103 @@ pub fn apply_sparsity(
     }
     let stats = ffn.stats();
     Ok((model.share_with_ffn(Box::new(ffn)), Some(stats)))
+}
+
+/// The neuron file when `--sparsity` runs in the neuron mode (`--sparse-mode`; `auto`:
+/// if the file exists), else `None`.
+fn neurons_path(args: &SparsityArgs, path: &Path) -> Result<Option<PathBuf>> {
+    if args.sparsity.is_none() {
+        return Ok(None);
+    }
+    let neurons_path = args
+        .neuron_file
+        .clone()
+        .unwrap_or_else(|| ballast_sparse_mlp::neuron_file_path(path));
+    match args.sparse_mode.as_str() {
+        "rows" => return Ok(None),
+        "auto" if !neurons_path.exists() => return Ok(None),
+        _ => {}
+    }
+    anyhow::ensure!(
+        neurons_path.exists(),
+        "--sparse-mode neurons needs the neuron file, and {} does not exist: make it with `ballast sparsify -m {} --neurons`",
+        neurons_path.display(),
+        path.display()
+    );
+    Ok(Some(neurons_path))
+}
+
+/// With tiered streaming (`--store tiered`, or `--ram`) in the neuron mode: the bytes
+/// of the neuron cache (layers × `--neuron-slots` of their neurons × a record), which
+/// the plan counts inside the RAM budget; the layers then stream without their up and
+/// down matrices. `None` otherwise.
+pub fn neuron_cache_bytes(
+    sparse: &SparsityArgs,
+    store: &crate::tiered::StoreArgs,
+    path: &Path,
+    file: &GgufFile,
+) -> Result<Option<u64>> {
+    use crate::tiered::StoreKind;
+    let tiered = match store.store {
+        StoreKind::Tiered => true,
+        StoreKind::Auto => store.ram.is_some(),
+        _ => false,
+    };
+    if !tiered {
+        return Ok(None);
+    }
+    let Some(neurons_path) = neurons_path(sparse, path)? else {
+        return Ok(None);
+    };
+    let config = ballast_runtime::model::ModelConfig::from_gguf(file)?;
+    let f = open_neurons(&neurons_path, file, &config)?;
+    Ok(Some(
+        (config.n_layers * neuron_slots(sparse, config.n_ff)?) as u64
+            * f.header().layout.record_bytes() as u64,
+    ))
+}
+
+/// The neuron file at `neurons`, checked against the model of `file`.
+fn open_neurons(
+    neurons: &Path,
+    file: &GgufFile,
+    config: &ballast_runtime::model::ModelConfig,
+) -> Result<ballast_sparse_mlp::NeuronFile> {
+    // The up type from the file's tensor table: asking a streaming store for a layer
+    // outside a pass would disturb its pipeline.
+    Ok(ballast_sparse_mlp::NeuronFile::open(
+        neurons,
+        ballast_kv_cache::model_fingerprint(file),
+        config.n_layers,
+        config.n_ff,
+        config.d_model,
+        file.tensor("blk.0.ffn_up.weight")?.ty,
+    )?)
+}
+
+/// `--neuron-slots` as slots per layer of `n_ff` neurons.
+fn neuron_slots(args: &SparsityArgs, n_ff: usize) -> Result<usize> {
+    anyhow::ensure!(
+        args.neuron_slots > 0.0 && args.neuron_slots <= 1.0,
+        "--neuron-slots {}: a fraction of the layer's neurons, above 0 and at most 1",
+        args.neuron_slots
+    );
+    Ok(((n_ff as f64 * args.neuron_slots).ceil() as usize).max(1))
+}
+
+/// The neuron file `--sparse-mode` asks for (`auto`: if it exists), opened and checked
+/// against the model, or `None` for the row mode.
+fn neuron_source(
+    args: &SparsityArgs,
+    path: &Path,
+    file: &GgufFile,
+    model: &Model,
+) -> Result<Option<Arc<dyn ballast_sparse_mlp::NeuronSource>>> {
+    let Some(neurons_path) = neurons_path(args, path)? else {
+        return Ok(None);
+    };
+    let f = open_neurons(&neurons_path, file, model.config())?;
+    Ok(Some(Arc::new(f)))
 }
 
 /// The sparse MLP thresholds `|silu(gate)|`: a model whose MLP has another activation

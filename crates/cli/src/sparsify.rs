@@ -39,6 +39,80 @@ pub struct SparsifyArgs {
     /// row and, with its own bytes, reads about what the dense MLP reads.
     #[arg(long, default_value_t = 0)]
     pub rank: usize,
+    /// Instead of calibrating, write the neuron file MODEL.neurons (or -o): each MLP
+    /// neuron's up row as stored and its down column as Q8_0 side by side, with a
+    /// checksum per neuron, so that --sparsity reads a neuron's weights in one place
+    /// (the neuron mode). About the size of the model's up and down projections.
+    #[arg(long)]
+    pub neurons: bool,
+}
+
+/// Writes the neuron file of the model of `args` (`sparsify --neurons`).
+fn write_neurons(args: &SparsifyArgs) -> Result<()> {
+    use ballast_runtime::blocks::{FFN_DOWN, FFN_UP};
+    use ballast_sparse_mlp::{layer_records, NeuronFileHeader, NeuronFileWriter};
+    let path = common::resolve_model(args.model.model.as_deref())?;
+    let threads = common::threads(args.model.threads);
+    let loaded = common::load(&args.model, threads, 16, 16)?;
+    common::ensure_silu_mlp(&loaded.model, &path)?;
+    let config = loaded.model.config().clone();
+    let out = args
+        .output
+        .clone()
+        .unwrap_or_else(|| ballast_sparse_mlp::neuron_file_path(&path));
+    let store = loaded.model.store();
+    let first = store.layer(ballast_runtime::store::PassId(u64::MAX), 0)?;
+    let layout = ballast_runtime::neurons::NeuronLayout {
+        n_embd: config.d_model,
+        up_type: first.matrix(FFN_UP)?.ty,
+        down_type: ballast_runtime::ggml_type::GgmlType::Q8_0,
+    };
+    drop(first);
+    let header = NeuronFileHeader {
+        fingerprint: ballast_kv_cache::model_fingerprint(&loaded.file),
+        n_layers: config.n_layers,
+        n_ff: config.n_ff,
+        layout,
+    };
+    let mut writer = NeuronFileWriter::create(&out, header)?;
+    let bar = indicatif::ProgressBar::new(config.n_layers as u64);
+    bar.set_message("writing neuron records");
+    let mut down = Vec::new();
+    let mut records = Vec::new();
+    for l in 0..config.n_layers {
+        let w = store.layer(ballast_runtime::store::PassId(u64::MAX), l)?;
+        let (up, down_w) = (w.matrix(FFN_UP)?, w.matrix(FFN_DOWN)?);
+        anyhow::ensure!(
+            up.ty == layout.up_type,
+            "layer {l}'s ffn_up is {:?}, layer 0's {:?}: the neuron file holds one up type",
+            up.ty,
+            layout.up_type
+        );
+        down.resize(down_w.rows() * down_w.cols(), 0.0);
+        ballast_runtime::quant::dequantize(down_w.ty, down_w.bytes.as_slice(), &mut down)?;
+        records.clear();
+        layer_records(
+            &layout,
+            up.bytes.as_slice(),
+            &down,
+            config.n_ff,
+            &mut records,
+        )?;
+        writer.write_layer(&records)?;
+        bar.inc(1);
+    }
+    writer.finish()?;
+    bar.finish_and_clear();
+    eprintln!(
+        "wrote {} ({}: {} layers of {} neurons, {} bytes a record: {:?} up row, Q8_0 down column)",
+        out.display(),
+        common::human_bytes(header.file_len()),
+        config.n_layers,
+        config.n_ff,
+        layout.record_bytes(),
+        layout.up_type
+    );
+    Ok(())
 }
 
 pub fn run(args: SparsifyArgs) -> Result<()> {
@@ -46,6 +120,9 @@ pub fn run(args: SparsifyArgs) -> Result<()> {
         args.model.sparse.sparsity.is_none(),
         "calibration runs the dense MLP: drop --sparsity"
     );
+    if args.neurons {
+        return write_neurons(&args);
+    }
     anyhow::ensure!(args.ctx >= 2, "--ctx must be at least 2");
     let path = common::resolve_model(args.model.model.as_deref())?;
     let text_path = args

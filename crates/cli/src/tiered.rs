@@ -189,6 +189,7 @@ pub fn build(
     ctx: usize,
     batch: usize,
     quiet: bool,
+    neuron_cache: Option<u64>,
 ) -> Result<Built> {
     // A backend with its own device (wgpu) gets a plan with a device tier.
     let separate_device = backend.device_forward().is_some();
@@ -197,7 +198,7 @@ pub fn build(
     }
     let config =
         ModelConfig::from_gguf(file).with_context(|| format!("loading {}", path.display()))?;
-    let (globals, layers) =
+    let (globals, mut layers) =
         load_weights(file, &config).with_context(|| format!("loading {}", path.display()))?;
     let mut shape = model_shape(&config, &globals, &layers);
     if separate_device {
@@ -287,6 +288,34 @@ pub fn build(
         });
     }
     let (ram, source) = ram_budget(args.ram.as_deref())?;
+    // The MLP out of core (the sparse MLP's neuron mode): no layer holds its up and
+    // down matrices, which the neuron file serves neuron by neuron into a cache that
+    // lives inside the RAM budget.
+    let neuron_cache = match neuron_cache {
+        Some(bytes) if tiered_pack.is_none() && !separate_device => {
+            use ballast_runtime::blocks::{FFN_DOWN, FFN_UP};
+            for l in &mut layers {
+                l.matrices
+                    .retain(|(role, _)| role != FFN_UP && role != FFN_DOWN);
+            }
+            let kv_windows = shape.kv_windows.clone();
+            shape = model_shape(&config, &globals, &layers);
+            shape.kv_windows = kv_windows;
+            if args.whole_experts {
+                shape.expert_bytes.clear();
+            }
+            if bytes >= ram {
+                bail!(
+                    "the neuron cache ({}) does not fit the RAM budget ({}): lower --neuron-slots",
+                    human_bytes(bytes),
+                    human_bytes(ram)
+                );
+            }
+            Some(bytes)
+        }
+        _ => None,
+    };
+    let ram_for_weights = ram - neuron_cache.unwrap_or(0);
     let device = if separate_device {
         let vram = args.vram.as_deref().context(
             "tiered streaming on the GPU needs --vram (wgpu cannot tell how much memory the GPU has)",
@@ -318,7 +347,10 @@ pub fn build(
     };
     let p = plan(&PlanRequest {
         shape: shape.clone(),
-        budgets: Budgets { device, ram },
+        budgets: Budgets {
+            device,
+            ram: ram_for_weights,
+        },
         ctx: ctx as u64,
         batch: batch as u64,
         depth: args.depth.max(1),
@@ -365,6 +397,12 @@ pub fn build(
             eprintln!("GPU budget {} (given)", human_bytes(d));
         }
         eprintln!("RAM budget {} ({source})", human_bytes(ram));
+        if let Some(bytes) = neuron_cache {
+            eprintln!(
+                "MLP up/down out of core: neuron cache {} of it, the rest planned for the other weights",
+                human_bytes(bytes)
+            );
+        }
         eprint!("{}", describe(&info.plan, None, None));
         eprintln!("disk reads: {}", info.read_mode);
     }

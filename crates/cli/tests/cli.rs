@@ -763,6 +763,17 @@ fn gpu_tiered_streaming_keeps_the_device_budget_and_the_tokens() {
     assert!(stderr(&o).contains("--ram"), "{}", stderr(&o));
 }
 
+/// A calibration text in `dir`.
+fn calibration_text(dir: &Path) -> PathBuf {
+    let text = dir.join("calibration.txt");
+    std::fs::write(
+        &text,
+        "the quick brown fox jumps over the lazy dog. ".repeat(20),
+    )
+    .unwrap();
+    text
+}
+
 /// `sparsify` saves a profile beside the model that `--sparsity` then uses; without
 /// one, or with a damaged one, `--sparsity` is an error that names the file; sparsity 0
 /// gives the dense tokens.
@@ -771,12 +782,7 @@ fn sparsify_then_sparsity_runs_and_bad_profiles_are_named() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
     let m = model.to_str().unwrap();
-    let text = dir.path().join("calibration.txt");
-    std::fs::write(
-        &text,
-        "the quick brown fox jumps over the lazy dog. ".repeat(20),
-    )
-    .unwrap();
+    let text = calibration_text(dir.path());
     let greedy = ["-n", "6", "--temp", "0", "--ignore-eos"];
     let tokens = |extra: &[&str]| {
         let mut args = vec!["run", "-m", m, "Hello"];
@@ -863,6 +869,98 @@ fn sparsify_then_sparsity_runs_and_bad_profiles_are_named() {
         !ok && err.contains("tiny.gguf.sparsity") && err.contains("checksum"),
         "{err}"
     );
+}
+
+/// The neuron mode end to end: `sparsify --neurons` writes MODEL.neurons, which
+/// `--sparsity` then uses (auto); tiered streaming with the MLP out of core (layers
+/// without their up and down matrices, the neuron cache in the budget) gives the
+/// tokens of the mapped neuron mode; a damaged neuron file or one of another model is
+/// refused by name.
+#[test]
+fn neuron_mode_runs_mapped_and_out_of_core_and_bad_neuron_files_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = layered_model(dir.path());
+    let m = model.to_str().unwrap();
+    let text = calibration_text(dir.path());
+    let t = text.to_str().unwrap();
+    let o = ballast(&["sparsify", "-m", m, "--text", t, "-c", "64"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let greedy = ["--temp", "0", "-c", "64", "-b", "64", "--sparsity", "0.4"];
+    fn with<'a>(greedy: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
+        [greedy, extra].concat()
+    }
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", "-m", m, "xyz", "-n", "8", "--ignore-eos", "--json"];
+        let flags = with(&greedy, extra);
+        args.extend_from_slice(&flags);
+        let o = ballast(&args);
+        (o.status.success(), strip_timings(&stdout(&o)), stderr(&o))
+    };
+    let (ok, _, err) = run(&["--sparse-mode", "neurons"]);
+    assert!(
+        !ok && err.contains("layered.gguf.neurons") && err.contains("--neurons"),
+        "{err}"
+    );
+    let rows = generated_tokens(m, "xyz", 8, &with(&greedy, &[]));
+    let o = ballast(&["sparsify", "-m", m, "--neurons"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let neurons = dir.path().join("layered.gguf.neurons");
+    assert!(
+        neurons.exists() && stderr(&o).contains("Q8_0 down column"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(
+        rows,
+        generated_tokens(m, "xyz", 8, &with(&greedy, &["--sparse-mode", "rows"]))
+    );
+    let mapped = generated_tokens(m, "xyz", 8, &with(&greedy, &["--sparse-mode", "neurons"]));
+    assert_eq!(
+        mapped,
+        generated_tokens(m, "xyz", 8, &with(&greedy, &[])),
+        "auto uses the neuron file"
+    );
+    // Out of core: some budget streams layers; its tokens are the mapped run's.
+    let streamed = (4..40)
+        .map(|mib| format!("{mib}M"))
+        .find_map(|ram| {
+            let (ok, out, err) = run(&["--store", "tiered", "--ram", &ram]);
+            (ok && err.contains("| C disk |") && err.contains("neuron cache")).then_some(out)
+        })
+        .expect("some budget streams layers");
+    assert_eq!(streamed, mapped);
+    let (ok, _, err) = run(&["--store", "tiered", "--ram", "40M", "--neuron-slots", "0"]);
+    assert!(!ok && err.contains("--neuron-slots"), "{err}");
+    // A damaged record is named when a token needs it.
+    let good = std::fs::read(&neurons).unwrap();
+    let mut bytes = good.clone();
+    for b in bytes.iter_mut().skip(48).step_by(97) {
+        *b ^= 0x10;
+    }
+    std::fs::write(&neurons, &bytes).unwrap();
+    let (ok, _, err) = run(&[]);
+    assert!(
+        !ok && err.contains("layered.gguf.neurons")
+            && err.contains("layer")
+            && err.contains("damaged"),
+        "{err}"
+    );
+    // Another model's neuron file, and a truncated one.
+    std::fs::write(&neurons, &good[..good.len() - 1]).unwrap();
+    let (ok, _, err) = run(&[]);
+    assert!(!ok && err.contains("truncated"), "{err}");
+    let other = tiny_model(dir.path());
+    let o = ballast(&[
+        "sparsify",
+        "-m",
+        other.to_str().unwrap(),
+        "--neurons",
+        "-o",
+        neurons.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (ok, _, err) = run(&[]);
+    assert!(!ok && err.contains("another model"), "{err}");
 }
 
 #[test]

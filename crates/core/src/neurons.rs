@@ -123,12 +123,17 @@ impl NeuronMlpJob<'_> {
         shape("gate values", self.n_tokens * k, self.gate.len())?;
         shape("keep mask", self.n_tokens * k, self.keep.len())?;
         shape("output", self.n_tokens * layout.n_embd, self.out.len())?;
-        if let Some(&s) = self.slots.iter().find(|&&s| s as usize >= capacity) {
-            return Err(crate::Error::InvalidArgument {
-                what: format!("slot {s} of a neuron store of {capacity} slots"),
-            });
-        }
-        Ok(())
+        check_slots(self.slots, capacity)
+    }
+}
+
+/// Every slot must be below `capacity`.
+pub fn check_slots(slots: &[u32], capacity: usize) -> Result<()> {
+    match slots.iter().find(|&&s| s as usize >= capacity) {
+        Some(&s) => Err(crate::Error::InvalidArgument {
+            what: format!("slot {s} of a neuron store of {capacity} slots"),
+        }),
+        None => Ok(()),
     }
 }
 

@@ -587,3 +587,35 @@ pub const REFERENCE_SPECS: &[&str] = &[
     "llama-freqs",
     "qwen2moe",
 ];
+
+/// Deterministic values in [-scale, scale) from a seed (xorshift), for tests.
+pub fn seeded_values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// A `rows × cols` weight of `ty` named `name`, of [`seeded_values`] in [-1, 1).
+pub fn seeded_weight(
+    name: &str,
+    ty: crate::ggml_type::GgmlType,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> crate::weights::Weight {
+    let bytes = crate::quant::quantize(ty, &seeded_values(seed, rows * cols, 1.0))
+        .expect("a weight type and whole blocks");
+    crate::weights::Weight {
+        name: name.to_string(),
+        id: crate::weights::WeightId::fresh(),
+        ty,
+        dims: vec![cols, rows],
+        bytes: crate::weights::WeightBytes::from_vec(bytes),
+    }
+}

@@ -59,28 +59,18 @@ fn reference() -> Arc<dyn Backend> {
     cpu().expect("the CPU backend always exists")
 }
 
-/// Deterministic values in [-scale, scale) from a seed.
 fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
+    ballast_runtime::testing::seeded_values(seed, n, scale)
 }
 
 fn weight(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Weight {
-    let bytes = quant::quantize(ty, &values(seed, rows * cols, 1.0)).unwrap();
-    Weight {
-        name: format!("test.{}.weight", ty.name()),
-        id: WeightId::fresh(),
+    ballast_runtime::testing::seeded_weight(
+        &format!("test.{}.weight", ty.name()),
         ty,
-        dims: vec![cols, rows],
-        bytes: WeightBytes::from_vec(bytes),
-    }
+        rows,
+        cols,
+        seed,
+    )
 }
 
 fn dequantized(w: &Weight) -> Vec<f32> {

@@ -21,6 +21,24 @@ pub enum Error {
         /// What is wrong.
         why: String,
     },
+    /// A neuron file that is not one, is damaged, or is for another model or layout.
+    #[error("{}: {why}", .path.display())]
+    NeuronFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
+    /// A record of a neuron file whose checksum does not match.
+    #[error("{}: the record of neuron {neuron} of layer {layer} is damaged (checksum mismatch)", .path.display())]
+    DamagedRecord {
+        /// The file.
+        path: PathBuf,
+        /// The layer.
+        layer: usize,
+        /// The neuron.
+        neuron: usize,
+    },
     /// A sparsity outside [0, 1), or a profile that does not fit the model.
     #[error("{what}")]
     InvalidArgument {

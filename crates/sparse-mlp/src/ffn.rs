@@ -6,11 +6,14 @@ use std::sync::{Arc, Mutex};
 
 use ballast_core::backend::{Backend, MatmulJob};
 use ballast_core::blocks::{FFN_DOWN, FFN_GATE, FFN_UP};
+use ballast_core::neurons::NeuronMlpJob;
 use ballast_core::weights::LayerWeights;
 use ballast_core::FeedForward;
 
+use crate::cache::{Lookup, NeuronCache};
 use crate::predictor::{self, silu, ActiveRegion, LayerPredictor, Predictor};
 use crate::profile::{MagnitudeHistogram, SparsityProfile};
+use crate::source::NeuronSource;
 
 /// What the sparse MLP did, summed over the passes since it was made.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -46,6 +49,17 @@ pub struct SparseStats {
     pub truly_active: u64,
     /// Of those, the ones whose gate row the predictor skipped (lost neurons).
     pub missed: u64,
+    /// Neuron mode: weight bytes of the down projection not read against a dense MLP
+    /// (the dense down matrix, less the down columns of the neurons computed; negative
+    /// if the records' columns are wider than the model's blocks).
+    pub down_bytes_skipped: i64,
+    /// Neuron mode: active neurons found in the cache.
+    pub neuron_hits: u64,
+    /// Neuron mode: active neurons the cache lacked, whose records were fetched.
+    pub neuron_misses: u64,
+    /// Neuron mode: record bytes fetched from the [`NeuronSource`] (what it read from
+    /// its file; records already in RAM count their size).
+    pub bytes_fetched: u64,
 }
 
 impl SparseStats {
@@ -76,12 +90,23 @@ impl SparseStats {
         self.predictor_bytes += o.predictor_bytes;
         self.truly_active += o.truly_active;
         self.missed += o.missed;
+        self.down_bytes_skipped += o.down_bytes_skipped;
+        self.neuron_hits += o.neuron_hits;
+        self.neuron_misses += o.neuron_misses;
+        self.bytes_fetched += o.bytes_fetched;
+    }
+
+    /// Neuron mode: the fraction of active neurons found in the cache.
+    pub fn hit_rate(&self) -> f64 {
+        let asked = self.neuron_hits + self.neuron_misses;
+        self.neuron_hits as f64 / asked.max(1) as f64
     }
 
     /// MLP weight bytes not read against a dense MLP (gate and up rows skipped, less
     /// what the predictor read), over the passes counted.
     pub fn bytes_saved(&self) -> i64 {
         (self.gate_bytes_skipped + self.up_bytes_skipped) as i64 - self.predictor_bytes as i64
+            + self.down_bytes_skipped
     }
 }
 
@@ -225,6 +250,39 @@ pub struct SparseFfn {
     predicted: Vec<f32>,
     predictor_hidden: Vec<f32>,
     dense_gate: Vec<f32>,
+    neurons: Option<NeuronMode>,
+}
+
+/// The neuron mode ([`SparseFfn::with_neurons`]): records, the cache's books, and the
+/// backend's slot stores (one per layer, made at the layer's first sparse pass).
+struct NeuronMode {
+    source: Arc<dyn NeuronSource>,
+    cache: NeuronCache,
+    /// Store number of layer 0; layer `l` is `store_base + l`.
+    store_base: u64,
+    created: Vec<bool>,
+    active: Vec<u32>,
+    lookup: Lookup,
+    fill_neurons: Vec<u32>,
+    fill_slots: Vec<u32>,
+    records: Vec<u8>,
+    gate: Vec<f32>,
+    keep: Vec<bool>,
+    part: Vec<f32>,
+}
+
+/// Store numbers of the neuron stores of all sparse MLPs made by this process: 2^16
+/// per MLP, so two MLPs sharing a backend never write each other's slots.
+static NEXT_STORE_BASE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1 << 32);
+
+/// This crate's error as the engine's (a neuron file's error keeps its words).
+fn to_core(e: crate::Error) -> ballast_core::Error {
+    match e {
+        crate::Error::Core(e) => e,
+        e => ballast_core::Error::Store {
+            source: Box::new(e),
+        },
+    }
 }
 
 /// The runs of `true` in `keep`, as ranges, into `ranges`.
@@ -240,6 +298,34 @@ fn runs_of(keep: &[bool], ranges: &mut Vec<Range<usize>>) {
             ranges.push(start..j);
         } else {
             j += 1;
+        }
+    }
+}
+
+/// The whole gate projection of `x` into `gate`.
+fn dense_gate(
+    backend: &dyn Backend,
+    x: &[f32],
+    n_tokens: usize,
+    weight: &ballast_core::weights::Weight,
+    gate: &mut [f32],
+) -> ballast_core::Result<()> {
+    backend.matmul(x, n_tokens, &mut [MatmulJob { weight, out: gate }])
+}
+
+/// Per (token, neuron): whether `|silu(gate)|` passes `threshold` (CATS).
+fn keep_of(gate: &[f32], threshold: f32, keep: &mut Vec<bool>) {
+    keep.clear();
+    keep.extend(gate.iter().map(|&g| silu(g).abs() > threshold));
+}
+
+/// Per neuron: whether any token of `token_keep` (`n_ff` per token) keeps it.
+fn union_of(token_keep: &[bool], n_ff: usize, keep: &mut Vec<bool>) {
+    keep.clear();
+    keep.resize(n_ff, false);
+    for row in token_keep.chunks_exact(n_ff) {
+        for (k, &t) in keep.iter_mut().zip(row) {
+            *k |= t;
         }
     }
 }
@@ -284,7 +370,186 @@ impl SparseFfn {
             predicted: Vec::new(),
             predictor_hidden: Vec::new(),
             dense_gate: Vec::new(),
+            neurons: None,
         }
+    }
+
+    /// The neuron mode: each sparse layer computes its MLP over neuron records
+    /// ([`ballast_core::neurons`]) held in `slots` slots per layer of the backend's
+    /// neuron store, fetching from `source` only the active neurons the cache lacks
+    /// ([`NeuronCache`], least recently used out). The gate is computed whole from the
+    /// model (it decides); the up and down weights read are the active neurons'
+    /// records only. A layer at sparsity 0 (negative threshold) stays on the dense
+    /// path, bit for bit, unless it comes without its `ffn_up`/`ffn_down` (a tiered
+    /// store streaming the MLP from the neuron file): then every neuron is computed
+    /// from its record. A pass whose tokens use more neurons than `slots` is served
+    /// in parts of `slots` neurons (their outputs added). A predictor is not used in
+    /// this mode.
+    pub fn with_neurons(
+        mut self,
+        source: Arc<dyn NeuronSource>,
+        slots: usize,
+    ) -> crate::Result<SparseFfn> {
+        let n_layers = source.n_layers();
+        if n_layers >= 1 << 16 {
+            return Err(crate::Error::InvalidArgument {
+                what: format!("{n_layers} layers of neurons"),
+            });
+        }
+        let cache = NeuronCache::new(n_layers, source.n_ff(), slots)?;
+        let store_base = NEXT_STORE_BASE.fetch_add(1 << 16, std::sync::atomic::Ordering::Relaxed);
+        self.neurons = Some(NeuronMode {
+            source,
+            cache,
+            store_base,
+            created: vec![false; n_layers],
+            active: Vec::new(),
+            lookup: Lookup::default(),
+            fill_neurons: Vec::new(),
+            fill_slots: Vec::new(),
+            records: Vec::new(),
+            gate: Vec::new(),
+            keep: Vec::new(),
+            part: Vec::new(),
+        });
+        Ok(self)
+    }
+
+    /// The MLP of one layer in the neuron mode (see [`SparseFfn::with_neurons`]).
+    #[allow(clippy::too_many_arguments)]
+    fn forward_neurons(
+        &mut self,
+        backend: &dyn Backend,
+        weights: &LayerWeights,
+        x: &[f32],
+        n_tokens: usize,
+        out: &mut [f32],
+        threshold: f32,
+    ) -> ballast_core::Result<()> {
+        let gate_w = weights.matrix(FFN_GATE)?;
+        let (n_ff, layer) = (gate_w.rows(), weights.index);
+        let nm = self.neurons.as_mut().expect("called in the neuron mode");
+        let layout = nm.source.layout();
+        if nm.source.n_ff() != n_ff || layout.n_embd != gate_w.cols() || layer >= nm.created.len() {
+            return Err(to_core(crate::Error::InvalidArgument {
+                what: format!(
+                    "neuron records of {} layers of {} neurons of width {} for layer {layer} of {n_ff} neurons of width {}",
+                    nm.source.n_layers(),
+                    nm.source.n_ff(),
+                    layout.n_embd,
+                    gate_w.cols()
+                ),
+            }));
+        }
+        self.gate.resize(n_tokens * n_ff, 0.0);
+        dense_gate(backend, x, n_tokens, gate_w, &mut self.gate)?;
+        keep_of(&self.gate, threshold, &mut self.token_keep);
+        union_of(&self.token_keep, n_ff, &mut self.keep);
+        nm.active.clear();
+        nm.active
+            .extend((0..n_ff as u32).filter(|&j| self.keep[j as usize]));
+        let store = nm.store_base + layer as u64;
+        if !nm.created[layer] {
+            backend.neuron_slots_create(store, nm.cache.capacity(), &layout)?;
+            nm.created[layer] = true;
+        }
+        let mut stats = SparseStats::default();
+        let d = layout.n_embd;
+        if nm.active.is_empty() {
+            out.fill(0.0);
+        }
+        let active = std::mem::take(&mut nm.active);
+        for (p, part) in active.chunks(nm.cache.capacity()).enumerate() {
+            nm.cache
+                .lookup(layer, part, &mut nm.lookup)
+                .map_err(to_core)?;
+            if !nm.lookup.fills.is_empty() {
+                nm.fill_neurons.clear();
+                nm.fill_slots.clear();
+                for &(n, s) in &nm.lookup.fills {
+                    nm.fill_neurons.push(n);
+                    nm.fill_slots.push(s);
+                }
+                nm.records.clear();
+                let written = nm
+                    .source
+                    .read(layer, &nm.fill_neurons, &mut nm.records)
+                    .map_err(to_core)
+                    .and_then(|read| {
+                        backend.neuron_slots_write(store, &nm.fill_slots, &nm.records)?;
+                        Ok(read)
+                    });
+                match written {
+                    Ok(read) => {
+                        stats.bytes_fetched += if read > 0 {
+                            read
+                        } else {
+                            nm.records.len() as u64
+                        };
+                    }
+                    Err(e) => {
+                        nm.cache.forget(layer, &nm.lookup.fills);
+                        nm.active = active;
+                        return Err(e);
+                    }
+                }
+            }
+            stats.neuron_misses += nm.lookup.fills.len() as u64;
+            stats.neuron_hits += (part.len() - nm.lookup.fills.len()) as u64;
+            let k = part.len();
+            nm.gate.clear();
+            nm.keep.clear();
+            for t in 0..n_tokens {
+                for &j in part {
+                    nm.gate.push(self.gate[t * n_ff + j as usize]);
+                    nm.keep.push(self.token_keep[t * n_ff + j as usize]);
+                }
+            }
+            let target: &mut [f32] = if p == 0 {
+                out
+            } else {
+                nm.part.resize(n_tokens * d, 0.0);
+                &mut nm.part
+            };
+            backend.neuron_mlp(NeuronMlpJob {
+                store,
+                x,
+                n_tokens,
+                slots: &nm.lookup.slots,
+                gate: &nm.gate,
+                keep: &nm.keep,
+                out: target,
+            })?;
+            if p > 0 {
+                for (o, v) in out.iter_mut().zip(&nm.part) {
+                    *o += v;
+                }
+            }
+            debug_assert_eq!(k, nm.lookup.slots.len());
+        }
+        let k = active.len();
+        nm.active = active;
+        let dense_down = weights
+            .matrix(FFN_DOWN)
+            .map(|w| w.bytes.len())
+            .unwrap_or(n_ff * layout.down_bytes());
+        let up_row = weights
+            .matrix(FFN_UP)
+            .map(|w| w.row_bytes())
+            .unwrap_or(layout.up_bytes());
+        stats.neurons = (n_tokens * n_ff) as u64;
+        stats.active = self.token_keep.iter().filter(|&&k| k).count() as u64;
+        stats.up_rows = n_ff as u64;
+        stats.up_rows_computed = k as u64;
+        stats.up_bytes_skipped = ((n_ff - k) * up_row) as u64;
+        stats.down_bytes_skipped = dense_down as i64 - (k * layout.down_bytes()) as i64;
+        stats.gate_rows = n_ff as u64;
+        stats.gate_rows_computed = n_ff as u64;
+        self.stats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .add(&stats);
+        Ok(())
     }
 
     /// A dense MLP that records the distribution of `|silu(gate)|` of each layer: run
@@ -347,6 +612,14 @@ impl FeedForward for SparseFfn {
         n_tokens: usize,
         out: &mut [f32],
     ) -> ballast_core::Result<()> {
+        if self.neurons.is_some() && self.calibration.is_none() {
+            let threshold = self.thresholds.get(weights.index).copied().unwrap_or(-1.0);
+            // A layer lent without its up and down matrices (out of core: they live in
+            // the neuron file only) takes the neuron path at any sparsity.
+            if threshold >= 0.0 || weights.matrix(FFN_UP).is_err() {
+                return self.forward_neurons(backend, weights, x, n_tokens, out, threshold);
+            }
+        }
         let (gate_w, up_w, down_w) = (
             weights.matrix(FFN_GATE)?,
             weights.matrix(FFN_UP)?,
@@ -406,14 +679,7 @@ impl FeedForward for SparseFfn {
             }
             computed
         } else {
-            backend.matmul(
-                x,
-                n_tokens,
-                &mut [MatmulJob {
-                    weight: gate_w,
-                    out: &mut self.gate,
-                }],
-            )?;
+            dense_gate(backend, x, n_tokens, gate_w, &mut self.gate)?;
             n_ff
         };
         if let Some(c) = &self.calibration {
@@ -422,9 +688,7 @@ impl FeedForward for SparseFfn {
         // Which (token, neuron) pairs are kept, decided once on the gate rows computed
         // (a row not computed holds 0, which no threshold keeps); a neuron's up row is
         // computed if any token keeps it.
-        self.token_keep.clear();
-        self.token_keep
-            .extend(self.gate.iter().map(|&g| silu(g).abs() > threshold));
+        keep_of(&self.gate, threshold, &mut self.token_keep);
         if gate_rows_computed < n_ff {
             for row in self.token_keep.chunks_exact_mut(n_ff) {
                 for (t, &k) in row.iter_mut().zip(&self.keep) {
@@ -433,13 +697,7 @@ impl FeedForward for SparseFfn {
             }
         }
         let active = self.token_keep.iter().filter(|&&k| k).count() as u64;
-        self.keep.clear();
-        self.keep.resize(n_ff, false);
-        for row in self.token_keep.chunks_exact(n_ff) {
-            for (k, &t) in self.keep.iter_mut().zip(row) {
-                *k |= t;
-            }
-        }
+        union_of(&self.token_keep, n_ff, &mut self.keep);
         runs_of(&self.keep, &mut self.ranges);
         let computed = rows_or_all(backend, x, n_tokens, up_w, &self.ranges, &mut self.up)?;
         backend.swiglu(&self.gate, &self.up, &mut self.hidden)?;

@@ -34,13 +34,19 @@
 //! ```
 #![deny(missing_docs)]
 
+mod cache;
 pub mod error;
 mod ffn;
+mod file;
 mod linalg;
 mod predictor;
 mod profile;
+mod source;
 
+pub use cache::{CacheCounts, Lookup, NeuronCache};
 pub use error::{Error, Result};
 pub use ffn::{Calibration, SparseFfn, SparseStats};
+pub use file::{neuron_file_path, NeuronFile, NeuronFileHeader, NeuronFileWriter, HEADER_BYTES};
 pub use predictor::{fit_layer, ActiveRegion, LayerPredictor, Predictor};
 pub use profile::{MagnitudeHistogram, SparsityProfile, QUANTILES};
+pub use source::{layer_records, MemoryNeurons, NeuronSource};

@@ -1,48 +1,17 @@
 //! The sparse MLP in a real forward pass on tiny random models: exact at sparsity 0,
 //! at the calibrated sparsity elsewhere, fewer up-projection rows computed.
 
-use std::sync::Arc;
-
-use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::store::PassId;
-use ballast_runtime::testing::TinyModelSpec;
-use ballast_runtime::{CpuBackend, Model, Session};
+use ballast_runtime::{Model, Session};
 use ballast_sparse_mlp::{Predictor, SparseFfn, SparsityProfile};
 use proptest::prelude::*;
 
+mod common;
+use common::{calibrate, run, text, tiny, PROMPT};
+
 fn model(seed: u64) -> Model {
-    let spec = TinyModelSpec {
-        n_layers: 3,
-        n_ff: 256,
-        seed,
-        ..TinyModelSpec::default()
-    };
-    let file = Arc::new(GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap());
-    Model::load(file, Arc::new(CpuBackend::new(2)), false).unwrap()
+    tiny(seed, ballast_runtime::ggml_type::GgmlType::Q8_0)
 }
-
-/// Logits after `prompt`, then after each of `steps` greedy tokens.
-fn run(model: Model, prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {
-    let mut session = Session::new(model, 64).unwrap();
-    let mut out = vec![session.feed(prompt).unwrap().to_vec()];
-    for _ in 0..steps {
-        let last = out.last().unwrap();
-        let next = (0..last.len())
-            .max_by(|&a, &b| last[a].total_cmp(&last[b]))
-            .unwrap() as u32;
-        out.push(session.feed(&[next]).unwrap().to_vec());
-    }
-    out
-}
-
-fn calibrate(model: &Model, text: &[u32]) -> SparsityProfile {
-    let (ffn, calibration) = SparseFfn::calibrating();
-    let mut session = Session::new(model.share_with_ffn(Box::new(ffn)), 64).unwrap();
-    session.feed(text).unwrap();
-    calibration.profile(1, text.len() as u64)
-}
-
-const PROMPT: [u32; 6] = [72, 101, 108, 108, 111, 44];
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]
@@ -120,10 +89,6 @@ fn calibrate_with_predictor(model: &Model, text: &[u32], rank: usize) -> Sparsit
         .collect();
     profile.predictor = Some(Predictor { layers });
     profile
-}
-
-fn text() -> Vec<u32> {
-    (0..48).map(|i| (i * 37 % 250) as u32 + 3).collect()
 }
 
 /// A full-rank predictor is the gate itself (to f16): it loses almost no neuron, and

@@ -2,7 +2,8 @@
 //! split across a [`ThreadPool`], and plain loops for the small ops.
 
 use std::cell::RefCell;
-use std::sync::Mutex;
+use std::collections::HashMap;
+use std::sync::{Mutex, RwLock};
 use std::time::Instant;
 
 use super::attention::{attend_head, HeadSlot};
@@ -16,6 +17,7 @@ use crate::quant::{self, QuantizedActivations};
 use crate::threadpool::{split_range, ThreadPool};
 use crate::weights::Weight;
 use ballast_core::backend::check_row_ranges;
+use ballast_core::neurons::{axpy_row, check_slots, NeuronLayout, NeuronMlpJob, NeuronOps};
 
 /// Rows a thread takes at a time; keeps every split a whole number of cache lines of
 /// output and lets the kernels run several rows per loop iteration.
@@ -121,6 +123,11 @@ pub struct CpuBackend {
     /// Quantized copies of the current matmul input, one per activation type, reused
     /// across calls so decode allocates nothing.
     acts: Mutex<Vec<QuantizedActivations>>,
+    /// Neuron stores by number ([`NeuronOps`]).
+    neurons: RwLock<HashMap<u64, NeuronStore>>,
+    /// A neuron MLP's up values, their token-major copy and the hidden values, reused
+    /// across calls.
+    neuron_scratch: Mutex<(Vec<f32>, Vec<f32>, Vec<f32>)>,
 }
 
 impl CpuBackend {
@@ -130,6 +137,8 @@ impl CpuBackend {
             pool: ThreadPool::new(n_threads),
             times: OpTimes::default(),
             acts: Mutex::new(Vec::new()),
+            neurons: RwLock::default(),
+            neuron_scratch: Mutex::default(),
         }
     }
 
@@ -379,8 +388,188 @@ fn window_of(shape: &AttentionShape) -> u32 {
         .map_or(u32::MAX, |w| u32::try_from(w).unwrap_or(u32::MAX))
 }
 
-/// No neuron stores yet: the sparse MLP falls back to row-selected products.
-impl ballast_core::neurons::NeuronOps for CpuBackend {}
+/// A neuron store of the CPU backend: `capacity` records of `layout` back to back in RAM.
+struct NeuronStore {
+    layout: NeuronLayout,
+    capacity: usize,
+    bytes: Vec<u8>,
+}
+
+impl CpuBackend {
+    fn no_store(store: u64) -> Error {
+        Error::InvalidArgument {
+            what: format!("no neuron store {store} on this backend"),
+        }
+    }
+}
+
+/// Neuron stores in RAM; the MLP over their slots computed on the pool.
+impl NeuronOps for CpuBackend {
+    fn neuron_slots_create(
+        &self,
+        store: u64,
+        capacity: usize,
+        layout: &NeuronLayout,
+    ) -> Result<()> {
+        layout.check()?;
+        let len =
+            capacity
+                .checked_mul(layout.record_bytes())
+                .ok_or_else(|| Error::InvalidArgument {
+                    what: format!("{capacity} neuron slots overflow"),
+                })?;
+        let mut stores = self.neurons.write().unwrap_or_else(|e| e.into_inner());
+        // The old store (if any) goes first, so both are never held at once.
+        stores.remove(&store);
+        stores.insert(
+            store,
+            NeuronStore {
+                layout: *layout,
+                capacity,
+                bytes: vec![0; len],
+            },
+        );
+        Ok(())
+    }
+
+    fn neuron_slots_write(&self, store: u64, slots: &[u32], records: &[u8]) -> Result<()> {
+        let mut stores = self.neurons.write().unwrap_or_else(|e| e.into_inner());
+        let s = stores
+            .get_mut(&store)
+            .ok_or_else(|| Self::no_store(store))?;
+        let rb = s.layout.record_bytes();
+        check_len("neuron records", slots.len() * rb, records.len())?;
+        check_slots(slots, s.capacity)?;
+        for (&slot, record) in slots.iter().zip(records.chunks_exact(rb)) {
+            s.bytes[slot as usize * rb..][..rb].copy_from_slice(record);
+        }
+        Ok(())
+    }
+
+    fn neuron_slots_free(&self, store: u64) {
+        self.neurons
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&store);
+    }
+
+    fn neuron_mlp(&self, job: NeuronMlpJob<'_>) -> Result<()> {
+        let start = Instant::now();
+        let stores = self.neurons.read().unwrap_or_else(|e| e.into_inner());
+        let store = stores
+            .get(&job.store)
+            .ok_or_else(|| Self::no_store(job.store))?;
+        let layout = store.layout;
+        job.check(&layout, store.capacity)?;
+        let (n, k, d) = (job.n_tokens, job.slots.len(), layout.n_embd);
+        let (rb, up_bytes) = (layout.record_bytes(), layout.up_bytes());
+        let record = |i: usize| &store.bytes[job.slots[i] as usize * rb..][..rb];
+        let mut scratch = self
+            .neuron_scratch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let (up, hidden, h) = &mut *scratch;
+        up.clear();
+        up.resize(k * n, 0.0);
+        hidden.clear();
+        hidden.resize(k * n, 0.0);
+        let failure: Mutex<Option<Error>> = Mutex::new(None);
+        let fail = |e: Error| *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+
+        // Up: each neuron's row against the input quantized as `matmul` quantizes it,
+        // neuron-major (`up[i * n + t]`), the neurons split over the threads.
+        {
+            let mut acts = self.acts.lock().unwrap_or_else(|e| e.into_inner());
+            if acts.is_empty() {
+                acts.push(QuantizedActivations::default());
+            }
+            quant::quantize_activations(layout.up_type, job.x, n, d, &mut acts[0])?;
+            let act = &acts[0];
+            let up_ptr = SyncPtr(up.as_mut_ptr());
+            let waited = self.pool.run(&|thread, n_threads| {
+                let mine = split_range(k, 4, thread, n_threads);
+                if mine.is_empty() {
+                    return;
+                }
+                // SAFETY: the values of neurons `mine` belong to this thread alone.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(up_ptr.get().add(mine.start * n), mine.len() * n)
+                };
+                let first = mine.start;
+                let row = |i: usize| &record(first + i)[..up_bytes];
+                if let Err(e) = quant::matmul_gathered(layout.up_type, mine.len(), row, d, act, dst)
+                {
+                    fail(e);
+                }
+            });
+            if let Some(waited) = waited {
+                self.times.add_region_wait(waited);
+            }
+        }
+        if let Some(e) = failure.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            return Err(e);
+        }
+        // SwiGLU token-major, as the gate is given, with the dense MLP's roundings; a
+        // neuron a token does not keep adds nothing.
+        for t in 0..n {
+            for i in 0..k {
+                hidden[t * k + i] = up[i * n + t];
+            }
+        }
+        h.clear();
+        h.resize(k * n, 0.0);
+        elementwise::swiglu(job.gate, hidden, h);
+        let h: &[f32] = h;
+        // Down: each thread owns a range of output columns and adds the neurons' down
+        // columns into it in the order given, token by token.
+        let out = job.out;
+        out.fill(0.0);
+        let out_ptr = SyncPtr(out.as_mut_ptr());
+        let down_type = layout.down_type;
+        let (block_len, block_bytes) = (down_type.block_len(), down_type.block_bytes());
+        let keep = job.keep;
+        let waited = self.pool.run(&|thread, n_threads| {
+            let cols = split_range(d, 32, thread, n_threads);
+            if cols.is_empty() {
+                return;
+            }
+            let bytes = cols.start / block_len * block_bytes..cols.end / block_len * block_bytes;
+            for i in 0..k {
+                let down = &record(i)[up_bytes..][bytes.clone()];
+                for t in 0..n {
+                    if !keep[t * k + i] {
+                        continue;
+                    }
+                    // SAFETY: columns `cols` of every token belong to this thread alone.
+                    let acc = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            out_ptr.get().add(t * d + cols.start),
+                            cols.len(),
+                        )
+                    };
+                    let scale = h[t * k + i];
+                    let r = if down_type == GgmlType::Q8_0 {
+                        quant::axpy_q8_0(down, scale, acc)
+                    } else {
+                        axpy_row(down_type, down, scale, acc)
+                    };
+                    if let Err(e) = r {
+                        fail(e);
+                        return;
+                    }
+                }
+            }
+        });
+        if let Some(waited) = waited {
+            self.times.add_region_wait(waited);
+        }
+        self.times.add(OpKind::Matmul, start.elapsed());
+        match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
 
 impl ElementwiseOps for CpuBackend {
     fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {

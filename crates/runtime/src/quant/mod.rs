@@ -650,6 +650,79 @@ pub fn matmul_at(
     Ok(())
 }
 
+/// [`matmul`] over rows that need not be adjacent: `row(i)` for `i` in `0..n_rows` is
+/// row `i` (`row_bytes(ty, k)` bytes), and `out[i * n_tokens + t]` its product with
+/// token `t`. Each row is computed by the kernel [`matmul`] uses, one row at a time, so
+/// a row's values equal what [`matmul`] gives for it in any matrix (the kernels
+/// accumulate each row alone, whatever the tile).
+pub fn matmul_gathered<'a>(
+    ty: GgmlType,
+    n_rows: usize,
+    row: impl Fn(usize) -> &'a [u8],
+    k: usize,
+    acts: &QuantizedActivations,
+    out: &mut [f32],
+) -> Result<()> {
+    let n = acts.n_tokens;
+    if out.len() != n_rows.saturating_mul(n) {
+        return Err(Error::QuantValueCount {
+            what: "gathered matmul output",
+            expected: n_rows.saturating_mul(n),
+            got: out.len(),
+        });
+    }
+    if n == 0 || n_rows == 0 {
+        return Ok(());
+    }
+    let level = current_simd_level();
+    let kernel = tile_kernel(level, ty);
+    let shape = tile_shape(level, ty, n);
+    for (i, dst) in out.chunks_exact_mut(n).enumerate() {
+        let w = row(i);
+        let rb = check_matmul_sizes(ty, w, k, acts, n)?;
+        for_each_tile(1, n, shape, |_, _, t0, nt| match kernel {
+            // SAFETY: the kernel was selected for a level this CPU supports, and the
+            // lengths of `w` (one row) and the activation rows were validated above.
+            Some(f) => unsafe { f(w, rb, acts, t0, nt, &mut dst[t0..], n) },
+            None => scalar_tile(ty, w, rb, acts, t0, nt, &mut dst[t0..], n),
+        });
+    }
+    Ok(())
+}
+
+/// `acc += scale · row` for a Q8_0 row of `acc.len()` values (the down sum of a neuron
+/// MLP): on the SIMD level in use, bit for bit what
+/// [`ballast_core::neurons::axpy_row`] gives (the product `(d · scale) · q` and the
+/// add rounded apart).
+pub fn axpy_q8_0(row: &[u8], scale: f32, acc: &mut [f32]) -> Result<()> {
+    axpy_q8_0_at(current_simd_level(), row, scale, acc)
+}
+
+/// [`axpy_q8_0`] at a given level (tests); an unsupported level falls back to scalar.
+pub fn axpy_q8_0_at(level: SimdLevel, row: &[u8], scale: f32, acc: &mut [f32]) -> Result<()> {
+    if acc.len() % 32 != 0 || row.len() != acc.len() / 32 * 34 {
+        return Err(Error::QuantLength {
+            ty: GgmlType::Q8_0,
+            expected: acc.len().div_ceil(32) * 34,
+            got: row.len(),
+        });
+    }
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the level is supported and the lengths were checked above.
+        SimdLevel::Avx512 if level.is_supported() => unsafe {
+            x86::axpy_q8_0_avx512(row, scale, acc)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        SimdLevel::Avx2 | SimdLevel::Avx512 if SimdLevel::Avx2.is_supported() => unsafe {
+            x86::axpy_q8_0_avx2(row, scale, acc)
+        },
+        _ => ballast_core::neurons::axpy_row(GgmlType::Q8_0, row, scale, acc)?,
+    }
+    Ok(())
+}
+
 /// Walks `rows` x `n` outputs in tiles of `(rows, tokens)` = `shape` where they fit:
 /// whole tiles of rows, then single rows; whole tiles of tokens, then tails of at most
 /// 4 tokens (every kernel has those shapes). Calls `tile(first row, rows, first token,

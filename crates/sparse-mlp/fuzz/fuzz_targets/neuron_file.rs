@@ -1,0 +1,47 @@
+//! Fuzzes the neuron-file reader: any bytes must open or give a typed error, and a file
+//! that opens must read every record (all of a layer at once, and every other one) or
+//! give a typed error, never a panic.
+#![no_main]
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use ballast_sparse_mlp::{NeuronFile, NeuronFileHeader, NeuronSource};
+use libfuzzer_sys::fuzz_target;
+
+fn path() -> &'static PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let dir = std::env::var_os("NEURON_FUZZ_DIR").unwrap_or_else(|| "/dev/shm".into());
+        PathBuf::from(dir).join(format!("ballast-neuron-fuzz-{}", std::process::id()))
+    })
+}
+
+fuzz_target!(|data: &[u8]| {
+    let path = path();
+    if std::fs::write(path, data).is_err() {
+        return;
+    }
+    let Ok(h) = NeuronFileHeader::from_bytes(data, path) else {
+        return;
+    };
+    // Open with the header's own shape, and with another fingerprint (refused).
+    let open = |fp| NeuronFile::open(path, fp, h.n_layers, h.n_ff, h.layout.n_embd, h.layout.up_type);
+    assert!(open(h.fingerprint ^ 1).is_err());
+    let Ok(file) = open(h.fingerprint) else {
+        return;
+    };
+    if h.file_len() > 1 << 24 {
+        return;
+    }
+    let mut out = Vec::new();
+    for layer in 0..file.n_layers() {
+        let all: Vec<u32> = (0..file.n_ff() as u32).collect();
+        out.clear();
+        let _ = file.read(layer, &all, &mut out);
+        let odd: Vec<u32> = all.iter().copied().filter(|n| n % 2 == 1).collect();
+        out.clear();
+        let _ = file.read(layer, &odd, &mut out);
+    }
+    let _ = file.read(file.n_layers(), &[0], &mut out);
+});

@@ -1,0 +1,127 @@
+//! The neuron mode in a real forward pass on tiny random models: exact at sparsity 0;
+//! a cache far smaller than the layer, churning every token, gives the logits of a
+//! cache that holds every neuron (no stale or missing record is ever used); a pass
+//! served in parts stays close; counters add up.
+
+use std::sync::Arc;
+
+use ballast_runtime::ggml_type::GgmlType;
+use ballast_runtime::neurons::NeuronLayout;
+use ballast_runtime::store::PassId;
+use ballast_runtime::{quant, Model};
+use ballast_sparse_mlp::{layer_records, MemoryNeurons, NeuronSource, SparseFfn};
+use proptest::prelude::*;
+
+mod common;
+use common::{calibrate, run_chunked as run, text, tiny as model, PROMPT};
+
+/// Every neuron record of `model`, in RAM.
+fn records(model: &Model) -> Arc<dyn NeuronSource> {
+    let config = model.config();
+    let mut layout = None;
+    let layers = (0..config.n_layers)
+        .map(|l| {
+            let w = model.store().layer(PassId(0), l).unwrap();
+            let up = w.matrix("ffn_up.weight").unwrap();
+            let down = w.matrix("ffn_down.weight").unwrap();
+            let mut values = vec![0f32; down.rows() * down.cols()];
+            quant::dequantize(down.ty, down.bytes.as_slice(), &mut values).unwrap();
+            let lay = NeuronLayout {
+                n_embd: config.d_model,
+                up_type: up.ty,
+                down_type: GgmlType::Q8_0,
+            };
+            layout = Some(lay);
+            let mut out = Vec::new();
+            layer_records(&lay, up.bytes.as_slice(), &values, up.rows(), &mut out).unwrap();
+            out
+        })
+        .collect();
+    Arc::new(MemoryNeurons::new(layout.unwrap(), config.n_ff, layers).unwrap())
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter()
+        .map(|r| r.iter().map(|x| x.to_bits()).collect())
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 4, ..ProptestConfig::default() })]
+
+    /// At sparsity 0 the neuron mode is the dense MLP, bit for bit.
+    #[test]
+    fn sparsity_zero_is_dense_bit_for_bit(seed in any::<u64>()) {
+        let dense = model(seed, GgmlType::Q4_1);
+        let profile = calibrate(&dense, &PROMPT);
+        let ffn = SparseFfn::new(profile.thresholds(0.0).unwrap()).with_neurons(records(&dense), 64).unwrap();
+        let stats = ffn.stats();
+        let sparse = dense.share_with_ffn(Box::new(ffn));
+        let (a, b) = (run(dense, &PROMPT, 6, 3), run(sparse, &PROMPT, 6, 3));
+        prop_assert_eq!(bits(&a), bits(&b));
+        prop_assert_eq!(stats.lock().unwrap().neuron_misses, 0);
+    }
+
+    /// Token by token at 50%, a cache of 60% of the neurons (evicting on almost every
+    /// token) gives exactly the logits of one holding them all: the records it serves
+    /// are always the right ones.
+    #[test]
+    fn a_churning_cache_serves_the_right_neurons(seed in any::<u64>(), q4 in any::<bool>()) {
+        let ty = if q4 { GgmlType::Q4_1 } else { GgmlType::Q8_0 };
+        let dense = model(seed, ty);
+        let profile = calibrate(&dense, &text());
+        let thresholds = profile.thresholds(0.5).unwrap();
+        let source = records(&dense);
+        let whole = SparseFfn::new(thresholds.clone()).with_neurons(source.clone(), 256).unwrap();
+        let small = SparseFfn::new(thresholds).with_neurons(source, 154).unwrap();
+        let (ws, ss) = (whole.stats(), small.stats());
+        let a = run(dense.share_with_ffn(Box::new(whole)), &text()[..24], 1, 4);
+        let b = run(dense.share_with_ffn(Box::new(small)), &text()[..24], 1, 4);
+        let (ws, ss) = (*ws.lock().unwrap(), *ss.lock().unwrap());
+        // Every pass fits the small cache in one part (else the sums are split).
+        prop_assume!(ss.neuron_hits + ss.neuron_misses == ws.neuron_hits + ws.neuron_misses);
+        prop_assert_eq!(bits(&a), bits(&b));
+        prop_assert!(ss.neuron_misses > ws.neuron_misses, "the small cache evicted");
+        prop_assert!(ws.neuron_misses <= 3 * 256, "a cache of every neuron fetches each once");
+        let rb = (64 / 32 * GgmlType::Q8_0.block_bytes()) as u64 + (64 / ty.block_len() * ty.block_bytes()) as u64;
+        prop_assert_eq!(ss.bytes_fetched, ss.neuron_misses * rb);
+    }
+}
+
+/// Calibrated to 50%: about half the neurons skipped; the neuron mode's logits are
+/// close to the row mode's (they differ by the down column's Q8_0 rounding and the sum's
+/// order); a prompt served in parts (a cache smaller than the pass's union) stays close
+/// to one served whole.
+#[test]
+fn neuron_mode_follows_the_row_mode() {
+    let dense = model(3, GgmlType::Q4_1);
+    let profile = calibrate(&dense, &text());
+    let thresholds = profile.thresholds(0.5).unwrap();
+    let source = records(&dense);
+    let ffn = SparseFfn::new(thresholds.clone())
+        .with_neurons(source.clone(), 256)
+        .unwrap();
+    let stats = ffn.stats();
+    let neuron = run(dense.share_with_ffn(Box::new(ffn)), &text(), 48, 2);
+    let s = *stats.lock().unwrap();
+    assert!((s.sparsity() - 0.5).abs() < 0.05, "{}", s.sparsity());
+    assert!(s.hit_rate() > 0.0 && s.hit_rate() < 1.0);
+    let rows = run(
+        dense.share_with_ffn(Box::new(SparseFfn::new(thresholds.clone()))),
+        &text(),
+        48,
+        2,
+    );
+    let parts = SparseFfn::new(thresholds).with_neurons(source, 40).unwrap();
+    let parted = run(dense.share_with_ffn(Box::new(parts)), &text(), 48, 2);
+    for (other, what) in [(&rows, "row mode"), (&parted, "served in parts")] {
+        for (a, b) in neuron.iter().zip(other) {
+            let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                diff < 0.05 * scale,
+                "{what}: logits moved by {diff} (scale {scale})"
+            );
+        }
+    }
+}
