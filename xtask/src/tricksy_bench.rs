@@ -7,11 +7,13 @@
 //! - **partial dense offload**: the tiered store's plan for the device budget (as
 //!   `ballast bench --device gpu --store tiered --vram X`): as many whole layers as fit
 //!   stay on the device, the others are uploaded per use from RAM;
-//! - **neuron cache with diff fetch**: the MLP at a host sync point computes the gate,
+//! - **neuron cache with diff fetch**: the sparse MLP's neuron mode
+//!   ([`SparseFfn::with_neurons`]) at a host sync point computes the gate (resident),
 //!   keeps the neurons whose `|silu(gate)|` passes the layer's threshold at the given
-//!   sparsity (the model's sparsity profile), and runs them through the backend's
-//!   [`NeuronOps`]: one neuron store per layer of `capacity` records, least recently
-//!   used out, only the missing records written (the diff).
+//!   sparsity (the model's sparsity profile: CATS; the gate is exact, so no predictor
+//!   and a recall of 1), and runs them through the backend's `NeuronOps`: one neuron
+//!   store per layer of `capacity` records, least recently used out, only the missing
+//!   records written (the diff) from the records held in RAM.
 //!
 //! The device budget is what the neuron cache's run held at its peak; the partial dense
 //! plan gets it as `--vram`. Each scheme runs on a GPU context of its own (its own
@@ -27,18 +29,17 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use ballast_runtime::backend::DeviceMemory;
-use ballast_runtime::backend::MatmulJob;
-use ballast_runtime::ffn::FeedForward;
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::gpu::GpuContext;
 use ballast_runtime::model::blocks::{FFN_DOWN, FFN_GATE, FFN_UP};
 use ballast_runtime::model::{load_weights, Model, ModelConfig};
-use ballast_runtime::neurons::{quantize_q8_0, NeuronLayout, NeuronMlpJob};
+use ballast_runtime::neurons::NeuronLayout;
 use ballast_runtime::store::{PassId, ResidentStore, TierBytes, WeightStore};
 use ballast_runtime::tokenizer::Tokenizer;
 use ballast_runtime::weights::{ByteSource, GlobalWeights, LayerWeights, WeightBytes};
 use ballast_runtime::{Backend, Session, WgpuBackend};
+use ballast_sparse_mlp::{layer_records, MemoryNeurons, NeuronSource, SparseFfn, SparseStats};
 use ballast_tier_stream::io::DirectFile;
 use ballast_tier_stream::{
     model_shape, plan, Budgets, PlanRequest, RamTier, TieredOptions, TieredStore,
@@ -124,205 +125,29 @@ impl WeightStore for MlpOffload {
     }
 }
 
-/// One layer's slots: which neuron each holds and when it was last used.
-struct LayerSlots {
-    owner: Vec<u32>,
-    last_used: Vec<u64>,
-    slot_of: Vec<u32>,
-    created: bool,
-}
-
-const EMPTY: u32 = u32::MAX;
-
-/// Hits and misses of the neuron cache.
-#[derive(Default, Clone, Copy)]
-struct CacheCounts {
-    hits: u64,
-    misses: u64,
-}
-
-/// The neuron cache with diff fetch, as a [`FeedForward`]: CATS thresholds on the gate
-/// (computed whole, resident on the device), the kept neurons' records in a per-layer
-/// LRU store of the backend, only the missing ones written.
-struct NeuronCacheFfn {
-    thresholds: Vec<f32>,
-    layout: NeuronLayout,
-    /// Per layer, every neuron's record, one after another (the neuron file, in RAM).
-    records: Vec<Vec<u8>>,
-    capacity: usize,
-    layers: Vec<LayerSlots>,
-    clock: u64,
-    counts: Arc<Mutex<CacheCounts>>,
-    gate: Vec<f32>,
-}
-
-/// Neuron stores are numbered from here, one per layer.
-const STORE_BASE: u64 = 0x7471_0000;
-
-/// Every neuron's record of every layer: the up row as stored, the down column as Q8_0.
-fn neuron_records(layers: &[LayerWeights], n_embd: usize) -> Result<(NeuronLayout, Vec<Vec<u8>>)> {
+/// Every neuron's record of every layer, in RAM (Tricksy keeps the MLPs in CPU RAM):
+/// the up row as stored, the down column as Q8_0 ([`layer_records`]).
+fn neuron_records(layers: &[LayerWeights], n_embd: usize) -> Result<MemoryNeurons> {
     let mut layout = None;
     let mut all = Vec::new();
+    let mut n_ff = 0;
     for l in layers {
-        let up = l.matrix(FFN_UP)?;
-        let down = l.matrix(FFN_DOWN)?;
-        let n_ff = up.rows();
+        let (up, down) = (l.matrix(FFN_UP)?, l.matrix(FFN_DOWN)?);
+        n_ff = up.rows();
         let lay = NeuronLayout {
             n_embd,
             up_type: up.ty,
             down_type: GgmlType::Q8_0,
         };
-        lay.check()?;
         let mut dense = vec![0f32; down.rows() * down.cols()];
         ballast_runtime::quant::dequantize(down.ty, down.bytes.as_slice(), &mut dense)?;
-        let mut recs = Vec::with_capacity(n_ff * lay.record_bytes());
-        let mut column = vec![0f32; n_embd];
-        for j in 0..n_ff {
-            recs.extend_from_slice(
-                &up.bytes.as_slice()[j * up.row_bytes()..(j + 1) * up.row_bytes()],
-            );
-            for (e, c) in column.iter_mut().enumerate() {
-                *c = dense[e * n_ff + j];
-            }
-            quantize_q8_0(&column, &mut recs);
-        }
+        let mut records = Vec::with_capacity(n_ff * lay.record_bytes());
+        layer_records(&lay, up.bytes.as_slice(), &dense, n_ff, &mut records)?;
         layout = Some(lay);
-        all.push(recs);
+        all.push(records);
     }
-    Ok((layout.context("a model without layers")?, all))
-}
-
-fn silu(g: f32) -> f32 {
-    g / (1.0 + (-g).exp())
-}
-
-impl NeuronCacheFfn {
-    /// The slots of `part` (sorted neurons) in `layer`, after writing the missing ones.
-    fn place(
-        &mut self,
-        backend: &dyn Backend,
-        layer: usize,
-        part: &[u32],
-    ) -> ballast_runtime::Result<Vec<u32>> {
-        self.clock += 1;
-        let clock = self.clock;
-        let rb = self.layout.record_bytes();
-        let l = &mut self.layers[layer];
-        let mut slots = vec![EMPTY; part.len()];
-        let mut missing = Vec::new();
-        for (i, &n) in part.iter().enumerate() {
-            let s = l.slot_of[n as usize];
-            if s == EMPTY {
-                missing.push(i);
-            } else {
-                slots[i] = s;
-                l.last_used[s as usize] = clock;
-            }
-        }
-        // The least recently used slots this part does not use (empty ones first: their
-        // last use is 0).
-        let mut free: Vec<u32> = (0..l.owner.len() as u32)
-            .filter(|&s| l.last_used[s as usize] != clock)
-            .collect();
-        free.sort_by_key(|&s| l.last_used[s as usize]);
-        let mut fill_slots = Vec::with_capacity(missing.len());
-        let mut fill = Vec::with_capacity(missing.len() * rb);
-        for (&i, &s) in missing.iter().zip(&free) {
-            let n = part[i];
-            let old = l.owner[s as usize];
-            if old != EMPTY {
-                l.slot_of[old as usize] = EMPTY;
-            }
-            l.owner[s as usize] = n;
-            l.slot_of[n as usize] = s;
-            l.last_used[s as usize] = clock;
-            slots[i] = s;
-            fill_slots.push(s);
-            fill.extend_from_slice(&self.records[layer][n as usize * rb..(n as usize + 1) * rb]);
-        }
-        if let Err(e) = backend.neuron_slots_write(STORE_BASE + layer as u64, &fill_slots, &fill) {
-            // The slots hold what they held before (or garbage): believe none of them.
-            for &s in &fill_slots {
-                let n = l.owner[s as usize];
-                l.slot_of[n as usize] = EMPTY;
-                l.owner[s as usize] = EMPTY;
-            }
-            return Err(e);
-        }
-        let mut c = self.counts.lock().unwrap_or_else(|p| p.into_inner());
-        c.hits += (part.len() - missing.len()) as u64;
-        c.misses += missing.len() as u64;
-        Ok(slots)
-    }
-}
-
-impl FeedForward for NeuronCacheFfn {
-    fn needs_prepare(&self) -> bool {
-        false
-    }
-
-    fn forward(
-        &mut self,
-        backend: &dyn Backend,
-        weights: &LayerWeights,
-        x: &[f32],
-        n_tokens: usize,
-        out: &mut [f32],
-    ) -> ballast_runtime::Result<()> {
-        let layer = weights.index;
-        let gate_w = weights.matrix(FFN_GATE)?;
-        let n_ff = gate_w.rows();
-        if !self.layers[layer].created {
-            backend.neuron_slots_create(STORE_BASE + layer as u64, self.capacity, &self.layout)?;
-            self.layers[layer].created = true;
-        }
-        self.gate.resize(n_tokens * n_ff, 0.0);
-        backend.matmul(
-            x,
-            n_tokens,
-            &mut [MatmulJob {
-                weight: gate_w,
-                out: &mut self.gate,
-            }],
-        )?;
-        let threshold = self.thresholds.get(layer).copied().unwrap_or(-1.0);
-        let kept: Vec<bool> = self
-            .gate
-            .iter()
-            .map(|&g| silu(g).abs() > threshold)
-            .collect();
-        let active: Vec<u32> = (0..n_ff)
-            .filter(|&j| (0..n_tokens).any(|t| kept[t * n_ff + j]))
-            .map(|j| j as u32)
-            .collect();
-        out.fill(0.0);
-        let mut part_out = vec![0f32; out.len()];
-        // A pass needing more neurons than the store holds goes in parts.
-        for part in active.chunks(self.capacity) {
-            let slots = self.place(backend, layer, part)?;
-            let mut gate = Vec::with_capacity(n_tokens * part.len());
-            let mut keep = Vec::with_capacity(n_tokens * part.len());
-            for t in 0..n_tokens {
-                for &j in part {
-                    gate.push(self.gate[t * n_ff + j as usize]);
-                    keep.push(kept[t * n_ff + j as usize]);
-                }
-            }
-            backend.neuron_mlp(NeuronMlpJob {
-                store: STORE_BASE + layer as u64,
-                x,
-                n_tokens,
-                slots: &slots,
-                gate: &gate,
-                keep: &keep,
-                out: &mut part_out,
-            })?;
-            for (o, p) in out.iter_mut().zip(&part_out) {
-                *o += p;
-            }
-        }
-        Ok(())
-    }
+    let layout = layout.context("a model without layers")?;
+    Ok(MemoryNeurons::new(layout, n_ff, all)?)
 }
 
 /// Runs the prompt, then `n_gen` greedy tokens, on `model` (on `backend`, whose context
@@ -334,14 +159,18 @@ fn measure(
     ctx: &GpuContext,
     prompt: &[u32],
     n_gen: usize,
-    counts: Option<&Arc<Mutex<CacheCounts>>>,
+    stats: Option<&Arc<Mutex<SparseStats>>>,
 ) -> Result<Run> {
     let mut session = Session::new(model, CTX)?;
     let mut next = session.feed_greedy(prompt)?;
     let mut ids = vec![next];
-    if let Some(c) = counts {
-        *c.lock().unwrap() = CacheCounts::default();
-    }
+    let hits_misses = || {
+        stats.map(|s| {
+            let s = s.lock().unwrap_or_else(|p| p.into_inner());
+            (s.neuron_hits, s.neuron_misses)
+        })
+    };
+    let before = hits_misses();
     let mut uploaded = 0u64;
     let start = Instant::now();
     for _ in 0..n_gen {
@@ -350,10 +179,9 @@ fn measure(
         uploaded += backend.last_pass().map_or(0, |r| r.bytes_uploaded);
     }
     let secs = start.elapsed().as_secs_f64();
-    let hit_rate = counts.map(|c| {
-        let c = *c.lock().unwrap();
-        c.hits as f64 / (c.hits + c.misses).max(1) as f64
-    });
+    let hit_rate = before
+        .zip(hits_misses())
+        .map(|((h0, m0), (h1, m1))| (h1 - h0) as f64 / ((h1 - h0) + (m1 - m0)).max(1) as f64);
     Ok(Run {
         scheme: scheme.to_string(),
         peak_device: ctx.memory().peak(),
@@ -436,7 +264,8 @@ pub fn run(ballast: &Path, model_path: &Path, opts: &Options) -> Result<()> {
         .map(|(_, w)| w.bytes.len() as u64)
         .sum();
     let capacity = ((config.n_ff as f64 * opts.cache).round() as usize).clamp(1, config.n_ff);
-    let (layout, records) = neuron_records(&layers, config.d_model)?;
+    let records = neuron_records(&layers, config.d_model)?;
+    let layout = records.layout();
     println!(
         "\n## Tricksy's comparison on wgpu ({})\n",
         fresh_backend()?.1.name()
@@ -459,24 +288,8 @@ pub fn run(ballast: &Path, model_path: &Path, opts: &Options) -> Result<()> {
     // The neuron cache first: its peak device bytes are everyone's budget.
     {
         let (ctx, backend) = fresh_backend()?;
-        let counts = Arc::new(Mutex::new(CacheCounts::default()));
-        let ffn = NeuronCacheFfn {
-            thresholds: thresholds.clone(),
-            layout,
-            records,
-            capacity,
-            layers: (0..config.n_layers)
-                .map(|_| LayerSlots {
-                    owner: vec![EMPTY; capacity],
-                    last_used: vec![0; capacity],
-                    slot_of: vec![EMPTY; config.n_ff],
-                    created: false,
-                })
-                .collect(),
-            clock: 0,
-            counts: counts.clone(),
-            gate: Vec::new(),
-        };
+        let ffn = SparseFfn::new(thresholds.clone()).with_neurons(Arc::new(records), capacity)?;
+        let stats = ffn.stats();
         let store = ResidentStore::new(globals.clone(), layers.clone(), true);
         let model = Model::from_parts(
             config.clone(),
@@ -491,7 +304,7 @@ pub fn run(ballast: &Path, model_path: &Path, opts: &Options) -> Result<()> {
             &ctx,
             &prompt,
             n_gen,
-            Some(&counts),
+            Some(&stats),
         )?;
         r.note = format!("sparsity {}, {capacity} slots/layer", opts.sparsity);
         runs.push(r);

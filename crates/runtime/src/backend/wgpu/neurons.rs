@@ -18,7 +18,7 @@
 
 use std::sync::atomic::Ordering;
 
-use ballast_core::neurons::{NeuronLayout, NeuronMlpJob, NeuronOps};
+use ballast_core::neurons::{check_slots, NeuronLayout, NeuronMlpJob, NeuronOps};
 
 use super::weights::gpu_supports;
 use super::*;
@@ -266,11 +266,7 @@ impl NeuronOps for WgpuBackend {
                 got: records.len(),
             });
         }
-        if let Some(&bad) = slots.iter().find(|&&x| x as usize >= s.capacity) {
-            return Err(Error::InvalidArgument {
-                what: format!("slot {bad} of a neuron store of {} slots", s.capacity),
-            });
-        }
+        check_slots(slots, s.capacity)?;
         let mut uploaded = 0u64;
         let mut padded = Vec::new();
         let mut i = 0;
