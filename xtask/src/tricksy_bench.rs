@@ -382,7 +382,7 @@ pub fn run(ballast: &Path, model_path: &Path, opts: &Options) -> Result<()> {
         runs.push(r);
     }
 
-    println!("| scheme | device bytes (peak) | uploaded per token | tokens/s | cache hit rate | greedy ids = dense | plan, 6.5 GB/s: tokens/s | notes |");
+    println!("| scheme | device bytes (peak) | uploaded per token | tokens/s | cache hit rate | greedy ids as dense (from the start) | plan, 6.5 GB/s: tokens/s | notes |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |");
     let dense_ids = runs[1].ids.clone();
     for (i, r) in runs.iter().enumerate() {

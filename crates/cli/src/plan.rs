@@ -378,7 +378,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     );
     if let Some(u) = &uploaded {
         println!(
-            "{} uploaded per token over {}: compute {:.2} ms, link {:.2} ms per token; predicted {:.1} tokens/s with the transfers overlapped, {:.1} tokens/s serial ({})",
+            "{} uploaded per token over {}/s: compute {:.2} ms, link {:.2} ms per token; predicted {:.1} tokens/s with the transfers overlapped, {:.1} tokens/s serial ({})",
             human_bytes(u.bytes),
             human_rate(h2d),
             u.compute_s * 1e3,
