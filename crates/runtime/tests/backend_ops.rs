@@ -20,7 +20,7 @@ use ballast_runtime::kv::{
     DenseKv, KvCache, KvRows, KvSegment, KvShape, KvView, MASKED_POSITION, Q8_BLOCK,
 };
 use ballast_runtime::quant;
-use ballast_runtime::weights::{Weight, WeightBytes, WeightId};
+use ballast_runtime::weights::Weight;
 #[cfg(feature = "gpu")]
 use ballast_runtime::WgpuBackend;
 use ballast_runtime::{Backend, CpuBackend};
@@ -804,10 +804,13 @@ fn an_activation_type_as_weight_is_a_named_error() {
     let Some(be) = wgpu() else { return };
     let w = Weight {
         name: "blk.0.odd.weight".into(),
-        id: WeightId::fresh(),
+        id: ballast_runtime::weights::WeightId::fresh(),
         ty: GgmlType::Q8_K,
         dims: vec![256, 1],
-        bytes: WeightBytes::from_vec(vec![0; GgmlType::Q8_K.block_bytes()]),
+        bytes: ballast_runtime::weights::WeightBytes::from_vec(vec![
+            0;
+            GgmlType::Q8_K.block_bytes()
+        ]),
     };
     let mut out = vec![0.0; 1];
     let err = be
