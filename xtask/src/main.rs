@@ -14,6 +14,11 @@
 //! - `bench-codec`: per tensor type, the ratio and decode speed of each codec of
 //!   `ballast-weight-codec`.
 //! - `bench-moe`: expert-granular streaming of a mixture of experts against whole layers.
+//! - `bench-pack`: the compressed-weights lever's tables (cache policies, a RAM tier
+//!   held compressed under a memory limit).
+//! - `bench-neurons`: the sparse MLP's neuron mode, resident and out of core.
+//! - `bench-tricksy`: Tricksy's comparison on wgpu: naive offload, partial dense offload
+//!   and a neuron cache with diff fetch, same device memory.
 //! - `tiny-model NAME FILE`: write one of the tiny reference models (`llama-spm`,
 //!   `qwen3`, `gemma3`, `qwen3moe`, `mixtral`) whose llama.cpp logits the runtime's tests hold Ballast to.
 
@@ -23,6 +28,7 @@ mod neuron_bench;
 mod pack_bench;
 mod serve_bench;
 mod tier_bench;
+mod tricksy_bench;
 
 use ballast_runtime::backend::ops::*;
 use std::process::Command;
@@ -32,6 +38,8 @@ use anyhow::{bail, Context, Result};
 const USAGE: &str =
     "usage: cargo xtask <fetch-model [NAME] | test | bench [--quick] | bench-tiered [--quick] | bench-kv
                     | bench-codec [MODEL] [--level N] | bench-serve [--quick] | bench-moe [--quick]
+                    | bench-pack | bench-neurons [--model PATH] [--tiered-only]
+                    | bench-tricksy [--quick] [--sparsity S] [--cache F] [-n N]
                     | tiny-model NAME FILE>
 
   fetch-model [NAME]  fetch the default model, or NAME (smollm2-135m, qwen2.5-coder-0.5b,
@@ -85,6 +93,15 @@ const USAGE: &str =
                 storage bytes read per token, tokens/s, cache hits; rounds alternated, page
                 caches dropped before each run (--tiered-only: this table alone). BALLAST_BIN=path
                 skips the release build.
+  bench-tricksy Tricksy's comparison on wgpu on the default model, same device memory for each:
+                naive offload (attention resident, every MLP matrix uploaded per use), partial
+                dense offload (the tiered plan for that budget), and a neuron cache with diff
+                fetch (CATS at --sparsity, default 0.5; --cache, default 0.6 of each MLP's neurons
+                in a per-layer LRU store of the backend's NeuronOps, only missing records
+                written): peak device bytes, bytes uploaded per token, tokens/s, hit rate,
+                greedy ids against dense, and ballast plan's tokens/s on a 6.5 GB/s link from
+                the measured bytes (-n: decoded tokens, default 64, --quick 16).
+                BALLAST_BIN=path skips the release build.
 
   tiny-model    write the tiny random-weight reference model NAME (llama-spm, qwen3, gemma3,
                 qwen3moe, mixtral) to FILE,
@@ -156,6 +173,41 @@ fn main() -> Result<()> {
                 None => release_ballast()?,
             };
             serve_bench::run(&bin, args.iter().any(|a| a == "--quick"))
+        }
+        Some("bench-tricksy") => {
+            let bin = match std::env::var_os("BALLAST_BIN") {
+                Some(b) => b.into(),
+                None => release_ballast()?,
+            };
+            let flag = |name: &str| -> Result<Option<String>> {
+                match args.iter().position(|a| a == name) {
+                    Some(i) => Ok(Some(
+                        args.get(i + 1)
+                            .with_context(|| format!("{name} needs a value"))?
+                            .clone(),
+                    )),
+                    None => Ok(None),
+                }
+            };
+            let quick = args.iter().any(|a| a == "--quick");
+            let opts = tricksy_bench::Options {
+                n_gen: flag("-n")?
+                    .map(|v| v.parse())
+                    .transpose()
+                    .context("-n")?
+                    .unwrap_or(if quick { 16 } else { 64 }),
+                sparsity: flag("--sparsity")?
+                    .map(|v| v.parse())
+                    .transpose()
+                    .context("--sparsity")?
+                    .unwrap_or(0.5),
+                cache: flag("--cache")?
+                    .map(|v| v.parse())
+                    .transpose()
+                    .context("--cache")?
+                    .unwrap_or(0.6),
+            };
+            tricksy_bench::run(&bin, &fetch_model()?, &opts)
         }
         Some("tiny-model") => tiny_model(&args[1..]),
         Some("-h" | "--help" | "help") | None => {

@@ -74,6 +74,7 @@ const PRESETS: &[Preset] = &[
   ballast plan -m big.gguf --ram 8G              # a model file under a RAM budget
   ballast plan --preset llama-70b-q6_k --vram 24G --ram 48G --h2d 6.5GB/s --disk 3GB/s -c 4096
   ballast plan --layers 80 --hidden 8192 --heads 64 --kv-heads 8 --ff 28672 --bits 6.5625 --vram 24G --ram 48G
+  ballast plan --vram 64M --h2d 6.5GB/s --uploaded-per-token 1.2M   # a measured upload per token
 
 Presets: llama-70b-q6_k, llama-70b-q4_k, llama-8b-q8_0, llama-13b-q4_k, mistral-7b-q4_k.")]
 pub struct PlanArgs {
@@ -126,6 +127,13 @@ pub struct PlanArgs {
     /// with --vram; 20GB/s (assumed) otherwise.
     #[arg(long)]
     pub compute: Option<String>,
+    /// Host-to-device bytes per token measured for a scheme this plan does not place
+    /// (e.g. 1.2M: every MLP uploaded per use, a neuron cache's misses): predicts that
+    /// scheme instead, every layer computed on the device and these bytes over the link
+    /// (--h2d) per token, overlapped with the compute (a transfer hidden under it where
+    /// it can be) and serial (each one waited for, as at a host sync point).
+    #[arg(long)]
+    pub uploaded_per_token: Option<String>,
     /// Context size in tokens (sizes the KV cache).
     #[arg(short = 'c', long = "ctx", default_value_t = 2048)]
     pub ctx: u64,
@@ -146,6 +154,32 @@ pub struct PlanArgs {
     /// One JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+}
+
+/// A scheme that computes every layer on the device and moves a measured number of bytes
+/// over the link per token (--uploaded-per-token).
+struct Uploaded {
+    bytes: u64,
+    compute_s: f64,
+    h2d_s: f64,
+}
+
+impl Uploaded {
+    fn predict(bytes: u64, compute_s: f64, h2d: f64) -> Uploaded {
+        Uploaded {
+            bytes,
+            compute_s,
+            h2d_s: if h2d > 0.0 { bytes as f64 / h2d } else { 0.0 },
+        }
+    }
+    /// The busier of the two: transfers hidden under the compute.
+    fn overlapped_s(&self) -> f64 {
+        self.compute_s.max(self.h2d_s)
+    }
+    /// Each transfer waited for.
+    fn serial_s(&self) -> f64 {
+        self.compute_s + self.h2d_s
+    }
 }
 
 pub fn run(args: PlanArgs) -> Result<()> {
@@ -266,7 +300,26 @@ pub fn run(args: PlanArgs) -> Result<()> {
         Vec::new()
     };
     let pr = p.predict(&speeds, args.ctx);
+    let uploaded = args
+        .uploaded_per_token
+        .as_deref()
+        .map(probe::parse_size)
+        .transpose()?
+        .map(|bytes| Uploaded::predict(bytes, pr.compute_s, h2d));
     let (a, b, c) = p.counts();
+    if let (true, Some(u)) = (args.json, &uploaded) {
+        println!(
+            "{}",
+            json!({
+                "model": label, "layers": shape.n_layers(),
+                "uploaded_bytes_per_token": u.bytes,
+                "speeds": {"compute": compute, "h2d": h2d},
+                "predicted": {"seconds_per_token": u.overlapped_s(), "serial_seconds_per_token": u.serial_s(),
+                    "compute_s": u.compute_s, "h2d_s": u.h2d_s},
+            })
+        );
+        return Ok(());
+    }
     if args.json {
         let bpt = p.bytes_per_token();
         println!(
@@ -323,6 +376,19 @@ pub fn run(args: PlanArgs) -> Result<()> {
         },
         args.ctx
     );
+    if let Some(u) = &uploaded {
+        println!(
+            "{} uploaded per token over {}/s: compute {:.2} ms, link {:.2} ms per token; predicted {:.1} tokens/s with the transfers overlapped, {:.1} tokens/s serial ({})",
+            human_bytes(u.bytes),
+            human_rate(h2d),
+            u.compute_s * 1e3,
+            u.h2d_s * 1e3,
+            1.0 / u.overlapped_s(),
+            1.0 / u.serial_s(),
+            notes.join(", ")
+        );
+        return Ok(());
+    }
     print!(
         "{}",
         describe(&p, Some((&speeds, args.ctx)), Some(&notes.join(", ")))
@@ -334,6 +400,5 @@ pub fn run(args: PlanArgs) -> Result<()> {
         );
         print!("{}", tiered::describe_ram_tiers(&ram_tiers));
     }
-    let _ = human_rate;
     Ok(())
 }

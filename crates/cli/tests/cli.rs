@@ -436,6 +436,30 @@ fn plan_reports_split_speed_and_bottleneck_for_a_machine_given_by_flags() {
     );
 }
 
+/// `--uploaded-per-token`: a measured upload per token over the given link, beside the
+/// compute of every layer: the busier of the two when overlapped, their sum when serial.
+#[test]
+fn plan_predicts_a_measured_upload_per_token() {
+    let plan = |uploaded: &str| {
+        let machine = "--preset llama-8b-q8_0 --vram 24G --ram 48G --h2d 6.5GB/s --compute 900GB/s";
+        let mut args: Vec<&str> = ["plan"].into_iter().chain(machine.split(' ')).collect();
+        args.extend(["--uploaded-per-token", uploaded, "--json"]);
+        ballast(&args)
+    };
+    let o = plan("650MB");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let p = &v["predicted"];
+    let f = |k: &str| p[k].as_f64().unwrap();
+    assert!((f("h2d_s") - 0.1).abs() < 1e-9, "{v}");
+    assert!(f("compute_s") > 0.0 && f("compute_s") < f("h2d_s"), "{v}");
+    assert_eq!(f("seconds_per_token"), f("h2d_s"));
+    assert!((f("serial_seconds_per_token") - f("compute_s") - f("h2d_s")).abs() < 1e-12);
+    let o = plan("lots");
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("lots"), "{}", stderr(&o));
+}
+
 /// Save, new process, load, continue: the same tokens as one uninterrupted run, for
 /// every update mode and with a StreamingLLM policy evicting across the break. Then
 /// the session file's errors: another model, another dtype, truncation, a flipped

@@ -512,6 +512,65 @@ fn streamed_layers_go_through_stream_slots() {
     assert_eq!(live.now.load(Ordering::SeqCst), 0);
 }
 
+/// A lever's MLP: the model's own, run at a host sync point (`Op::FeedForward`) on the
+/// backend's host-slice ops, as the sparse MLP runs.
+struct AtHostSync(Box<dyn ballast_runtime::ffn::FeedForward>);
+
+impl ballast_runtime::ffn::FeedForward for AtHostSync {
+    fn needs_prepare(&self) -> bool {
+        false
+    }
+    fn forward(
+        &mut self,
+        backend: &dyn Backend,
+        weights: &LayerWeights,
+        x: &[f32],
+        n_tokens: usize,
+        out: &mut [f32],
+    ) -> ballast_runtime::Result<()> {
+        self.0.forward(backend, weights, x, n_tokens, out)
+    }
+}
+
+/// A lever's MLP computes from its own matrices at its host sync point: the pass puts
+/// on the device only the matrices its ops multiply by, so a streamed layer uploads its
+/// attention alone (a neuron cache's MLP is then on the device only as the records it
+/// wrote), and the logits are the dense device pass's.
+#[test]
+fn a_lever_mlp_leaves_its_matrices_off_the_device() {
+    let Some(ctx) = gpu() else { return };
+    let spec = TinyModelSpec {
+        n_layers: 3,
+        weight_type: GgmlType::Q4_0,
+        ..Default::default()
+    };
+    let want = all_logits(
+        &mut load(&spec, Arc::new(WgpuBackend::new(ctx.clone()))),
+        &IDS,
+    );
+    let attention_bytes: u64 = {
+        let file = GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap();
+        file.tensors()
+            .iter()
+            .filter(|t| t.name.starts_with("blk.") && t.dims.len() == 2)
+            .filter(|t| !t.name.contains(".ffn_"))
+            .map(|t| t.n_bytes)
+            .sum()
+    };
+    let backend = Arc::new(WgpuBackend::new(ctx));
+    let (model, live) = lending_model(&spec, backend.clone(), vec![true; 3]);
+    let dense = ballast_runtime::ffn::for_config(model.config());
+    let mut model = model.share_with_ffn(Box::new(AtHostSync(dense)));
+    let got = all_logits(&mut model, &IDS);
+    assert!(
+        max_rel_diff(&got, &want) < 1e-5,
+        "logits differ by {}",
+        max_rel_diff(&got, &want)
+    );
+    assert_eq!(backend.last_pass().unwrap().bytes_uploaded, attention_bytes);
+    assert_eq!(live.now.load(Ordering::SeqCst), 0);
+}
+
 /// Keeps the most recent `window` tokens, evicting before each pass only.
 struct RecentWindow {
     window: usize,

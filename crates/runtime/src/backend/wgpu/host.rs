@@ -314,9 +314,6 @@ impl AttentionOps for WgpuBackend {
     }
 }
 
-/// No neuron stores yet: the sparse MLP falls back to row-selected products.
-impl ballast_core::neurons::NeuronOps for WgpuBackend {}
-
 impl ElementwiseOps for WgpuBackend {
     fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
         check_len("SwiGLU up", gate.len(), up.len())?;

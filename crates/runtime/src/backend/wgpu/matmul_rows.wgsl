@@ -3,16 +3,27 @@
 // `partial`): a workgroup of 64 computes 8 output rows, 8 lanes per row, and
 // workgroup z is the activation row.
 
-// Sums the 8 lanes of each row of the workgroup; the first lane writes `out[at]` if
-// `keep`. Every invocation calls it (it holds a barrier).
-fn finish(lid: u32, keep: bool, at: u32, acc: f32) {
+// The sum of the 8 lanes of each row of the workgroup, in lane order, returned to the
+// row's first lane (the others get 0). Every invocation calls it (it holds a barrier).
+// The neuron MLP (neuron_hidden.wgsl) sums its up products here too, so they are the
+// same bits as a row of `matmul_rows`.
+fn row_sum(lid: u32, acc: f32) -> f32 {
     partial[lid] = acc;
     workgroupBarrier();
-    if ((lid & 7u) == 0u && keep) {
-        var s = 0.0;
+    var s = 0.0;
+    if ((lid & 7u) == 0u) {
         for (var i = 0u; i < 8u; i++) {
             s += partial[lid + i];
         }
+    }
+    return s;
+}
+
+// Sums the 8 lanes of each row of the workgroup; the first lane writes `out[at]` if
+// `keep`. Every invocation calls it (it holds a barrier).
+fn finish(lid: u32, keep: bool, at: u32, acc: f32) {
+    let s = row_sum(lid, acc);
+    if ((lid & 7u) == 0u && keep) {
         out[at] = s;
     }
 }

@@ -24,17 +24,21 @@
 //! block sums are identical and only float summation order differs.
 //!
 //! The module is split by idea: `weights` (device copies of weights and vectors),
-//! `stream` (the stream-slot ring), `decode` (coded weights decoded into a stream slot), `device_kv` (the device-resident KV cache), `kv`
-//! (device mirrors of host caches), `ops` (one encoder per
-//! op), `moe` (a mixture of experts inside the pass: routing and expert-id products), `record` (the command encoder, traffic counts, timestamps), `pass` (a `Graph`
-//! recorded whole), `host` (the `Backend` ops on host slices). Every kernel takes the
-//! parameter block of `params.wgsl`, prepended to its source.
+//! `stream` (the stream-slot ring), `decode` (coded weights decoded into a stream
+//! slot), `device_kv` (the device-resident KV cache), `kv` (device mirrors of host
+//! caches), `ops` (one encoder per op), `moe` (a mixture of experts inside the pass:
+//! routing and expert-id products), `neurons` (neuron slot stores and the SwiGLU MLP
+//! over some of their records), `record` (the command encoder, traffic counts,
+//! timestamps), `pass` (a `Graph` recorded whole), `host` (the `Backend` ops on host
+//! slices). Every kernel takes the parameter block of `params.wgsl`, prepended to its
+//! source.
 
 mod decode;
 mod device_kv;
 mod host;
 mod kv;
 mod moe;
+mod neurons;
 mod ops;
 mod pass;
 mod record;
@@ -107,7 +111,38 @@ pub(crate) const ELEMENTWISE: Shader = Shader {
     name: "ballast.elementwise",
     source: concat!(
         include_str!("params.wgsl"),
-        include_str!("elementwise.wgsl")
+        include_str!("elementwise.wgsl"),
+        include_str!("silu.wgsl")
+    ),
+};
+pub(crate) const NEURON_HIDDEN: Shader = Shader {
+    name: "ballast.neuron_hidden",
+    source: concat!(
+        include_str!("params.wgsl"),
+        include_str!("matmul.wgsl"),
+        include_str!("matmul_rows.wgsl"),
+        include_str!("neuron_hidden.wgsl"),
+        include_str!("blocks.wgsl"),
+        include_str!("silu.wgsl")
+    ),
+};
+pub(crate) const NEURON_HIDDEN_F: Shader = Shader {
+    name: "ballast.neuron_hidden_f",
+    source: concat!(
+        include_str!("params.wgsl"),
+        include_str!("matmul_f.wgsl"),
+        include_str!("matmul_rows.wgsl"),
+        include_str!("neuron_hidden.wgsl"),
+        include_str!("blocks.wgsl"),
+        include_str!("silu.wgsl")
+    ),
+};
+pub(crate) const NEURON_DOWN: Shader = Shader {
+    name: "ballast.neuron_down",
+    source: concat!(
+        include_str!("params.wgsl"),
+        include_str!("neuron_down.wgsl"),
+        include_str!("blocks.wgsl")
     ),
 };
 pub(crate) const ATTENTION: Shader = Shader {
@@ -144,6 +179,11 @@ pub struct WgpuBackend {
     report: Mutex<PassReport>,
     /// The device pass's buffers, kept from one pass to the next.
     arena: PassArena,
+    /// Neuron slot stores by number (`neurons.rs`).
+    neuron_stores: Mutex<HashMap<u64, Arc<neurons::NeuronStore>>>,
+    /// Bytes of neuron records uploaded so far: a device pass counts what its host sync
+    /// points uploaded as its own.
+    neuron_uploads: std::sync::atomic::AtomicU64,
 }
 
 impl WgpuBackend {
@@ -173,6 +213,8 @@ impl WgpuBackend {
             profile: Default::default(),
             report: Mutex::default(),
             arena: PassArena::default(),
+            neuron_stores: Mutex::default(),
+            neuron_uploads: Default::default(),
         }
     }
 

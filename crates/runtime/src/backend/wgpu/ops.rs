@@ -86,35 +86,7 @@ impl WgpuBackend {
             let at = quant::activation_type(w.ty);
             let float = at == GgmlType::F32;
             if !float && !acts.iter().any(|a| a.0 == at) {
-                let bl = at.block_len();
-                if k % bl != 0 {
-                    return Err(Error::QuantBlockAlign {
-                        ty: at,
-                        len: k,
-                        block_len: bl,
-                    });
-                }
-                let nb = n * k / bl;
-                // One pair per activation type: a batch may need two at once.
-                let tag = at.id();
-                let aq = rec.scratch("quantized activations", tag, (n * k * 4) as u64)?;
-                let asc = rec.scratch(
-                    "activation scales",
-                    tag,
-                    (nb * scales_per_block(at) * 4) as u64,
-                )?;
-                rec.dispatch(
-                    &QUANTIZE,
-                    "quantize",
-                    &[("ATYPE", at.id() as f64)],
-                    &[x, &aq, &asc],
-                    Params::new([n as u32, k as u32, 0, 0], [0; 4], [0.0; 4]),
-                    [nb.div_ceil(64) as u32, 1, 1],
-                    "quantize",
-                    (n * k * 4) as u64,
-                    (n * k * 4 + nb * scales_per_block(at) * 4) as u64,
-                    0,
-                );
+                let (aq, asc) = self.record_quantize(rec, x, n, k, at)?;
                 acts.push((at, aq, asc));
             }
             let rows_total = w.rows as u32;
@@ -199,6 +171,49 @@ impl WgpuBackend {
             }
         }
         Ok(())
+    }
+
+    /// Records the quantization of `x` (`n` rows of `k`) to activation type `at` (Q8_0,
+    /// Q8_1 or Q8_K) as the CPU backend quantizes it: the quantized values and their
+    /// scales, in scratch buffers shared by the pass's products of that type.
+    pub(super) fn record_quantize(
+        &self,
+        rec: &mut Recorder<'_>,
+        x: &wgpu::Buffer,
+        n: usize,
+        k: usize,
+        at: GgmlType,
+    ) -> Result<(wgpu::Buffer, wgpu::Buffer)> {
+        let bl = at.block_len();
+        if k % bl != 0 {
+            return Err(Error::QuantBlockAlign {
+                ty: at,
+                len: k,
+                block_len: bl,
+            });
+        }
+        let nb = n * k / bl;
+        // One pair per activation type: a batch may need two at once.
+        let tag = at.id();
+        let aq = rec.scratch("quantized activations", tag, (n * k * 4) as u64)?;
+        let asc = rec.scratch(
+            "activation scales",
+            tag,
+            (nb * scales_per_block(at) * 4) as u64,
+        )?;
+        rec.dispatch(
+            &QUANTIZE,
+            "quantize",
+            &[("ATYPE", at.id() as f64)],
+            &[x, &aq, &asc],
+            Params::new([n as u32, k as u32, 0, 0], [0; 4], [0.0; 4]),
+            [nb.div_ceil(64) as u32, 1, 1],
+            "quantize",
+            (n * k * 4) as u64,
+            (n * k * 4 + nb * scales_per_block(at) * 4) as u64,
+            0,
+        );
+        Ok((aq, asc))
     }
 
     pub(super) fn record_embed(

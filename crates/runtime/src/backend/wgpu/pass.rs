@@ -25,7 +25,40 @@ use crate::weights::LayerWeights;
 /// device copies in table order.
 struct CurrentLayer {
     host: Arc<LayerWeights>,
-    device: Vec<Arc<DeviceWeight>>,
+    /// `None` for a matrix no op of the pass multiplies by.
+    device: Vec<Option<Arc<DeviceWeight>>>,
+}
+
+/// The layer matrices the ops of `graph` multiply by on the device, by role: what a
+/// layer's table must have on the device for the pass. A lever's MLP (a host sync point)
+/// names none, so its matrices stay wherever the store keeps them.
+fn device_roles(graph: &Graph) -> Vec<&'static str> {
+    let mut roles = Vec::new();
+    let mut add = |r: &WeightRef| {
+        if let WeightRef::Layer(role) = r {
+            if !roles.contains(role) {
+                roles.push(*role);
+            }
+        }
+    };
+    for op in graph.ops() {
+        match op {
+            Op::Matmul { jobs, .. } => jobs.iter().for_each(|(r, _)| add(r)),
+            Op::Moe { weights, .. } => {
+                for r in [&weights.router, &weights.gate, &weights.up, &weights.down] {
+                    add(r);
+                }
+                if let Some(s) = &weights.shared {
+                    for r in [&s.gate_inp, &s.gate, &s.up, &s.down] {
+                        add(r);
+                    }
+                }
+            }
+            Op::Embed { table, .. } => add(table),
+            _ => {}
+        }
+    }
+    roles
 }
 
 impl WgpuBackend {
@@ -40,7 +73,9 @@ impl WgpuBackend {
         match (r, layer) {
             (WeightRef::Layer(role), Some(cur)) => {
                 match cur.host.matrices.iter().position(|(name, _)| name == role) {
-                    Some(i) => Ok(cur.device[i].clone()),
+                    Some(i) => cur.device[i].clone().ok_or_else(|| Error::InvalidArgument {
+                        what: format!("{role} of layer {} is not on the device", cur.host.index),
+                    }),
                     None => cur
                         .host
                         .matrix(role)
@@ -107,6 +142,8 @@ impl DeviceForward for WgpuBackend {
         out: &mut Vec<f32>,
     ) -> Result<Option<u32>> {
         let start = Instant::now();
+        // Neuron records a lever's host sync points upload count as this pass's uploads.
+        let neurons_before = self.neuron_bytes_uploaded();
         let (ids, positions) = (input.ids, input.positions);
         let n = graph.n_tokens();
         if ids.len() != n || positions.len() != n {
@@ -241,6 +278,7 @@ impl DeviceForward for WgpuBackend {
                 + m.positions.size();
         }
         report.kv_device_bytes = device_bytes;
+        report.bytes_uploaded += self.neuron_bytes_uploaded() - neurons_before;
         report.wall = start.elapsed();
         report.tokens = n;
         *self.report.lock().unwrap_or_else(|p| p.into_inner()) = report;
@@ -431,6 +469,7 @@ impl WgpuBackend {
         // One cos/sin table per distinct RoPE of the pass.
         let mut rope_tables: Vec<(Rope, usize, wgpu::Buffer)> = Vec::new();
 
+        let used = device_roles(graph);
         let mut layer: Option<CurrentLayer> = None;
         // Stream slots written since the last submission.
         let mut slots_in_use = Vec::new();
@@ -452,7 +491,7 @@ impl WgpuBackend {
                     // The store gets a streamed layer's slot back before the next is asked.
                     drop(layer.take());
                     let host = layers(*l)?;
-                    let device = self.layer_weights(&mut rec, &host, &mut slots_in_use)?;
+                    let device = self.layer_weights(&mut rec, &host, &used, &mut slots_in_use)?;
                     layer = Some(CurrentLayer { host, device });
                 }
                 Op::EndLayer => layer = None,

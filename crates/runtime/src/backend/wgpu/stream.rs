@@ -114,18 +114,26 @@ impl WgpuBackend {
         ring.next = 0;
     }
 
-    /// The device weights of `layer`'s matrices, in table order, for one device pass.
-    /// Cacheable ones come from the cache; the others are uploaded into the next stream
-    /// slot, after submitting what `rec` holds if that slot is still in use by recorded
-    /// commands (`in_use`: slots written since the last submission).
+    /// The device weights of `layer`'s matrices, in table order, for one device pass:
+    /// those whose role is in `used` (what the pass's ops multiply by; a lever's MLP
+    /// computes its own at a host sync point, so its matrices are not put on the device
+    /// here), `None` for the others. Cacheable ones come from the cache; the others are
+    /// uploaded into the next stream slot, after submitting what `rec` holds if that
+    /// slot is still in use by recorded commands (`in_use`: slots written since the
+    /// last submission).
     pub(super) fn layer_weights(
         &self,
         rec: &mut Recorder<'_>,
         layer: &crate::weights::LayerWeights,
+        used: &[&str],
         in_use: &mut Vec<bool>,
-    ) -> Result<Vec<Arc<DeviceWeight>>> {
-        let mats: Vec<&Weight> = layer.weights().collect();
-        let streamed = mats.iter().any(|w| !w.bytes.cache_on_device());
+    ) -> Result<Vec<Option<Arc<DeviceWeight>>>> {
+        let mats: Vec<Option<&Weight>> = layer
+            .matrices
+            .iter()
+            .map(|(role, w)| used.contains(&role.as_str()).then_some(w))
+            .collect();
+        let streamed = mats.iter().flatten().any(|w| !w.bytes.cache_on_device());
         let mut ring = self.stream.lock().unwrap_or_else(|p| p.into_inner());
         let slot = if streamed {
             let slot = ring.next;
@@ -150,6 +158,10 @@ impl WgpuBackend {
         let mut next_coded = 0usize;
         let mut out = Vec::with_capacity(mats.len());
         for w in mats {
+            let Some(w) = w else {
+                out.push(None);
+                continue;
+            };
             let d = match slot {
                 Some(slot) if !w.bytes.cache_on_device() => {
                     let ring = &mut *ring;
@@ -167,7 +179,7 @@ impl WgpuBackend {
                             coded_slot(&self.ctx, &mut ring.coded[slot], next_coded, &layout)?;
                         next_coded += 1;
                         self.upload_and_decode(rec, &layout, staging, &target);
-                        out.push(Arc::new(self.whole_weight(w, target)?));
+                        out.push(Some(Arc::new(self.whole_weight(w, target)?)));
                         continue;
                     }
                     Arc::new(self.split_weight(w, |piece| {
@@ -189,7 +201,7 @@ impl WgpuBackend {
                 }
                 _ => self.weight(w)?,
             };
-            out.push(d);
+            out.push(Some(d));
         }
         Ok(out)
     }
