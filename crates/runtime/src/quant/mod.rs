@@ -315,8 +315,9 @@ impl QuantizedActivations {
     /// Tokens `8 * g .. 8 * g + 8` (a whole group) repacked: per block `b`, at byte
     /// `b * packed_block`, the 8 tokens' 32 quants (256 bytes); then for Q8_0
     /// ([`PACKED_BLOCK`] bytes a block) per token the negated sums of its 8 groups of four
-    /// quants as i32 (256 bytes; the offset correction of the unsigned-weight kernels,
-    /// computed once per batch instead of once per weight tile) and the 8 tokens' f32
+    /// quants times 16 as i32 (256 bytes; the offset correction of the unsigned-weight
+    /// kernels, computed once per batch instead of once per weight tile, and Q5_0's as it
+    /// stands) and the 8 tokens' f32
     /// scales; for Q8_1 ([`PACKED_BLOCK_Q8_1`] bytes) the 8 tokens' f32 `d` and `s`
     /// pairs. One pointer and constant offsets serve the whole tile. Empty unless Q8_0 or
     /// Q8_1 with at least 8 tokens; `g` must be a whole group.
@@ -436,7 +437,7 @@ pub fn quantize_activations(
 
 /// Tokens per group of [`QuantizedActivations::packed_group`].
 pub(crate) const PACK_TOKENS: usize = 8;
-/// Bytes per block of a packed group: quants, negated group sums, scales.
+/// Bytes per block of a packed group: quants, negated group sums (times 16), scales.
 pub(crate) const PACKED_BLOCK: usize = PACK_TOKENS * (32 + 32 + 4);
 /// Bytes per block of a packed Q8_1 group: quants, then `d` and `s` of each token.
 pub(crate) const PACKED_BLOCK_Q8_1: usize = PACK_TOKENS * (32 + 8);
@@ -464,7 +465,7 @@ impl QuantizedActivations {
                     for (i, four) in src.chunks_exact(4).enumerate() {
                         let s: i32 = four.iter().map(|&q| q as i8 as i32).sum();
                         sums[32 * j + 4 * i..32 * j + 4 * i + 4]
-                            .copy_from_slice(&(-s).to_le_bytes());
+                            .copy_from_slice(&(-16 * s).to_le_bytes());
                     }
                     let sc = self.scales[t * nb + b];
                     scales[4 * j..4 * j + 4].copy_from_slice(&sc.to_le_bytes());
@@ -705,23 +706,30 @@ pub unsafe fn matmul_token_major(
     let level = current_simd_level();
     let kernel = tile_kernel(level, ty);
     let shape = tile_shape(level, ty, n);
-    const TILE: usize = 32;
-    debug_assert!(shape.0 * shape.1 <= TILE && shape.1 <= 8 && shape.0 <= 4);
-    let mut buf = [0f32; TILE];
+    debug_assert!(shape.0 <= 4);
+    // The tile's rows at stride `st` in `buf` (rr <= 4, nt <= st).
+    let st = shape.1.max(4);
+    let mut small = [0f32; 32];
+    let mut large = Vec::new();
+    let buf: &mut [f32] = if 4 * st <= small.len() {
+        &mut small
+    } else {
+        large.resize(4 * st, 0f32);
+        &mut large
+    };
     for_each_tile(rows, n, shape, |r, rr, t0, nt| {
         let w = &weights[r * rb..(r + rr) * rb];
-        // The tile's rows at stride 8 in `buf` (rr <= 4, nt <= 8).
         match kernel {
             // SAFETY: the kernel was selected for a level this CPU supports, and the
             // lengths of `w` and the activation rows were validated above.
-            Some(f) => unsafe { f(w, rb, acts, t0, nt, &mut buf, 8) },
-            None => scalar_tile(ty, w, rb, acts, t0, nt, &mut buf, 8),
+            Some(f) => unsafe { f(w, rb, acts, t0, nt, buf, st) },
+            None => scalar_tile(ty, w, rb, acts, t0, nt, buf, st),
         }
         for j in 0..nt {
             for i in 0..rr {
                 // SAFETY: row r + i < rows and token t0 + j < n: in the caller's
                 // region by the contract.
-                unsafe { *out.add((t0 + j) * ld + r + i) = buf[i * 8 + j] };
+                unsafe { *out.add((t0 + j) * ld + r + i) = buf[i * st + j] };
             }
         }
     });
@@ -730,15 +738,17 @@ pub unsafe fn matmul_token_major(
 
 /// The (rows, tokens) tile `matmul_at` hands a kernel. Decode (one token): 4 rows share
 /// each activation block load and the final reductions. Prefill reuses each decoded
-/// weight block for several tokens: on AVX-512 the 32-element formats take 4 rows x 8
-/// tokens (two 512-bit row pairs, sixteen accumulators), the K-quants 2 rows x 4 tokens.
+/// weight block for several tokens: on AVX-512 the 32-element formats take 4 rows x all
+/// whole groups of 8 tokens (two 512-bit row pairs, sixteen accumulators per group; the
+/// Q8_0-like kernels decode the 4 rows once for every group), the K-quants 2 rows x 4
+/// tokens.
 fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
     match (n, level) {
         (1, _) => (4, 1),
         (_, SimdLevel::Avx512)
             if matches!(activation_type(ty), GgmlType::Q8_0 | GgmlType::Q8_1) =>
         {
-            (4, 8)
+            (4, (n / PACK_TOKENS * PACK_TOKENS).max(PACK_TOKENS))
         }
         (_, SimdLevel::Avx512) => (2, 4),
         _ => (1, 4),

@@ -151,9 +151,9 @@ tile_fn!(tile_q4_k_avx512, q4_k_avx512, 144);
 tile_fn!(tile_q5_k_avx512, q5_k_avx512, 176);
 tile_fn!(tile_q6_k_avx512, q6_k_avx512, 210);
 
-/// Expands the prefill tile of a 32-element format: 4 rows x 8 tokens through its wide
-/// kernel ([`q8_0_like_wide_avx512`], [`q41_like_wide_avx512`]), any other shape through the narrow kernel (tokens split
-/// into groups of at most 4).
+/// Expands the prefill tile of a 32-element format: 4 rows x whole groups of 8 tokens
+/// through its wide kernel ([`q8_0_like_wide_avx512`], [`q41_like_wide_groups`]), any
+/// other shape through the narrow kernel (tokens split into groups of at most 4).
 macro_rules! tile_wide_fn {
     ($name:ident, $narrow:ident, $wide:expr, $bb:expr) => {
         /// # Safety
@@ -168,14 +168,12 @@ macro_rules! tile_wide_fn {
             stride: usize,
         ) {
             let rr = w.len() / rb;
-            if rr == 4 && nt == PACK_TOKENS && t0 % PACK_TOKENS == 0 {
+            if rr == 4 && nt >= PACK_TOKENS && nt % PACK_TOKENS == 0 && t0 % PACK_TOKENS == 0 {
                 let wp: Rows<4> = std::array::from_fn(|i| w[i * rb..].as_ptr());
-                let y = acts.packed_group(t0 / PACK_TOKENS).as_ptr();
-                // SAFETY: forwarded from the caller; the packed group holds every block.
-                let res = unsafe { $wide(wp, rb / $bb, y) };
-                for (i, row) in res.iter().enumerate() {
-                    out[i * stride..i * stride + PACK_TOKENS].copy_from_slice(row);
-                }
+                let g0 = t0 / PACK_TOKENS;
+                let y = |g: usize| acts.packed_group(g0 + g).as_ptr();
+                // SAFETY: forwarded from the caller; each packed group holds every block.
+                unsafe { $wide(wp, rb / $bb, y, nt / PACK_TOKENS, out, stride) };
                 return;
             }
             let mut j = 0;
@@ -210,13 +208,13 @@ tile_wide_fn!(
 tile_wide_fn!(
     tile_q4_1_avx512,
     tile_q4_1_avx512_narrow,
-    q41_like_wide_avx512::<false>,
+    q41_like_wide_groups::<false>,
     20
 );
 tile_wide_fn!(
     tile_q5_1_avx512,
     tile_q5_1_avx512_narrow,
-    q41_like_wide_avx512::<true>,
+    q41_like_wide_groups::<true>,
     24
 );
 
@@ -870,6 +868,41 @@ unsafe fn q41_like_avx512<const RR: usize, const NT: usize, const FIVE: bool>(
     res
 }
 
+/// Block `b` (of `bb` bytes) of each of 4 rows, each prefetched `PREFETCH` bytes ahead.
+///
+/// # Safety
+/// Block `b` of each row must be in bounds.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn blocks4(w: Rows<4>, b: usize, bb: usize) -> [*const u8; 4] {
+    // SAFETY: block b of each row is in bounds (the contract).
+    let wb: [*const u8; 4] = std::array::from_fn(|r| unsafe { w[r].add(b * bb) });
+    for p in wb {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH) as *const i8);
+    }
+    wb
+}
+
+/// [`q41_like_wide_avx512`] for each of `groups` groups of 8 tokens, group `g` (packed at
+/// `y(g)`) written to `out[i * stride + 8 * g + j]`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q41_like_wide_groups<const FIVE: bool>(
+    w: Rows<4>,
+    nb: usize,
+    y: impl Fn(usize) -> *const u8,
+    groups: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    for g in 0..groups {
+        // SAFETY: forwarded from the caller.
+        let res = unsafe { q41_like_wide_avx512::<FIVE>(w, nb, y(g)) };
+        for (i, row) in res.iter().enumerate() {
+            out[i * stride + PACK_TOKENS * g..][..PACK_TOKENS].copy_from_slice(row);
+        }
+    }
+}
+
 /// The prefill form of [`q41_like_avx512`]: rows 0..4 (two 512-bit pairs) against 8
 /// tokens of packed Q8_1 activations (`QuantizedActivations::packed_group`), with the
 /// same per-row f32 operations in the same order, so the same bits. The `m_w * s_a`
@@ -897,10 +930,7 @@ unsafe fn q41_like_wide_avx512<const FIVE: bool>(
         // SAFETY: block b of each row and of the packed activations is in bounds.
         unsafe {
             let yb = y.add(b * PACKED_BLOCK_Q8_1);
-            let wb: [*const u8; 4] = std::array::from_fn(|r| w[r].add(b * bb));
-            for p in wb {
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH) as *const i8);
-            }
+            let wb = blocks4(w, b, bb);
             let h = _mm_set_epi32(
                 (wb[3] as *const i32).read_unaligned(),
                 (wb[2] as *const i32).read_unaligned(),
@@ -1000,23 +1030,7 @@ unsafe fn q8_0_like_avx512<const RR: usize, const NT: usize, const KIND: u8>(
                 let h = (wa as *const u16).read_unaligned() as i32
                     | (((wb as *const u16).read_unaligned() as i32) << 16);
                 let d = halves(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), idx);
-                // The weights plus the offset, as unsigned bytes.
-                let x = match KIND {
-                    1 => nibbles_pair(wa.add(2), wb.add(2)),
-                    2 => {
-                        let qa = (wa.add(2) as *const u32).read_unaligned();
-                        let qb = (wb.add(2) as *const u32).read_unaligned();
-                        let q = nibbles_pair(wa.add(6), wb.add(6));
-                        _mm512_or_si512(q, high_bits_pair(qa, qb))
-                    }
-                    _ => _mm512_xor_si512(
-                        _mm512_inserti64x4::<1>(
-                            _mm512_castsi256_si512(_mm256_loadu_si256(wa.add(2) as *const __m256i)),
-                            _mm256_loadu_si256(wb.add(2) as *const __m256i),
-                        ),
-                        offset,
-                    ),
-                };
+                let x = q8_0_like_pair::<KIND>(wa, wb);
                 for t in 0..NT {
                     let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg_corr[t], x, y[t]));
                     acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, sy[t]), xy, acc[t]);
@@ -1035,99 +1049,165 @@ unsafe fn q8_0_like_avx512<const RR: usize, const NT: usize, const KIND: u8>(
     res
 }
 
-/// The prefill form of [`q8_0_like_avx512`]: rows 0..4 (two 512-bit pairs) against 8
-/// tokens, each decoded weight block used for all 8 tokens and each activation block
-/// for both pairs; the same per-row f32 operations in the same order (one `d_w * d_a`
-/// product and one FMA per block and lane, then ggml's horizontal sum), so the same bits.
-/// The activations come packed (`QuantizedActivations::packed_group`: one pointer,
-/// constant offsets); the offset correction is their precomputed negated group sums
-/// shifted by log2 of the offset (128, 8 and 16 are powers of two), not recomputed per
-/// tile.
+/// Most blocks per row [`q8_0_like_wide_avx512`] decodes once for all token groups (k up
+/// to 2048; the decoded rows take 16 KiB of stack). Longer rows decode per group.
+const WIDE_MAX_BLOCKS: usize = 64;
+
+/// Block `b` of rows 0..4 of a 32-element format with a Q8_0-like dot (`KIND` 0, 1, 2:
+/// Q8_0, Q4_0, Q5_0) decoded for [`q8_0_like_wide_avx512`]: the scales `d` of rows
+/// 0 / 1 and 2 / 3 in the two 256-bit halves of each vector, and the weights plus the
+/// offset as unsigned bytes, rows 0 / 1 and 2 / 3 side by side.
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn q8_0_like_wide_avx512<const KIND: u8>(
-    w: Rows<4>,
-    nb: usize,
-    y: *const u8,
-) -> [[f32; PACK_TOKENS]; 4] {
-    const NT: usize = PACK_TOKENS;
+unsafe fn q8_0_like_decode4<const KIND: u8>(w: Rows<4>, b: usize) -> ([__m512; 2], [__m512i; 2]) {
     let bb = [34, 18, 22][KIND as usize];
-    let offset = _mm512_set1_epi8([-128i8, 8, 16][KIND as usize]);
     // Lanes 0 / 2 (d of rows 0 / 2) and 1 / 3 (rows 1 / 3) in the two 256-bit halves.
     let idx = [
         _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
         _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),
     ];
-    let mut acc = [[_mm512_setzero_ps(); NT]; 2];
-    for b in 0..nb {
-        // SAFETY: block b of each row and of the packed activations is in bounds.
+    // SAFETY: block b of each row is in bounds (the caller's contract).
+    unsafe {
+        let wb = blocks4(w, b, bb);
+        let h = _mm_set_epi16(
+            0,
+            0,
+            0,
+            0,
+            (wb[3] as *const i16).read_unaligned(),
+            (wb[2] as *const i16).read_unaligned(),
+            (wb[1] as *const i16).read_unaligned(),
+            (wb[0] as *const i16).read_unaligned(),
+        );
+        let d4 = _mm512_castps128_ps512(_mm_cvtph_ps(h));
+        let d = [
+            _mm512_permutexvar_ps(idx[0], d4),
+            _mm512_permutexvar_ps(idx[1], d4),
+        ];
+        let x: [__m512i; 2] =
+            std::array::from_fn(|p| q8_0_like_pair::<KIND>(wb[2 * p], wb[2 * p + 1]));
+        (d, x)
+    }
+}
+
+/// One block of [`q8_0_like_wide_avx512`]: the decoded rows `(d, x)` against the 8
+/// tokens of packed block `yb`, one FMA per pair, token and lane.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_0_like_wide_block<const KIND: u8>(
+    d: [__m512; 2],
+    x: [__m512i; 2],
+    yb: *const u8,
+    acc: &mut [[__m512; PACK_TOKENS]; 2],
+) {
+    const NT: usize = PACK_TOKENS;
+    // `t` also gives the byte offsets of the token in the packed block.
+    #[allow(clippy::needless_range_loop)]
+    for t in 0..NT {
+        // SAFETY: the packed block holds 8 tokens' quants, sums and scales.
         unsafe {
-            let yb = y.add(b * PACKED_BLOCK);
-            let wb: [*const u8; 4] = std::array::from_fn(|r| w[r].add(b * bb));
-            for p in wb {
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH) as *const i8);
+            let y = broadcast32(yb.add(32 * t));
+            let sums = broadcast32(yb.add(32 * NT + 32 * t));
+            // -offset * (sum of each group of four activations); the packed sums are
+            // already times 16 (Q5_0's offset).
+            let corr = match KIND {
+                1 => _mm512_srai_epi32::<1>(sums),
+                2 => sums,
+                _ => _mm512_slli_epi32::<3>(sums),
+            };
+            let sy = _mm512_set1_ps((yb.add(64 * NT + 4 * t) as *const f32).read_unaligned());
+            for p in 0..2 {
+                let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, x[p], y));
+                acc[p][t] = _mm512_fmadd_ps(_mm512_mul_ps(d[p], sy), xy, acc[p][t]);
             }
-            let h = _mm_set_epi16(
-                0,
-                0,
-                0,
-                0,
-                (wb[3] as *const i16).read_unaligned(),
-                (wb[2] as *const i16).read_unaligned(),
-                (wb[1] as *const i16).read_unaligned(),
-                (wb[0] as *const i16).read_unaligned(),
-            );
-            let d4 = _mm512_castps128_ps512(_mm_cvtph_ps(h));
-            let d = [
-                _mm512_permutexvar_ps(idx[0], d4),
-                _mm512_permutexvar_ps(idx[1], d4),
-            ];
-            // The weights plus the offset, as unsigned bytes.
-            let x: [__m512i; 2] = std::array::from_fn(|p| {
-                let (wa, wb) = (wb[2 * p], wb[2 * p + 1]);
-                match KIND {
-                    1 => nibbles_pair(wa.add(2), wb.add(2)),
-                    2 => {
-                        let qa = (wa.add(2) as *const u32).read_unaligned();
-                        let qb = (wb.add(2) as *const u32).read_unaligned();
-                        let q = nibbles_pair(wa.add(6), wb.add(6));
-                        _mm512_or_si512(q, high_bits_pair(qa, qb))
-                    }
-                    _ => _mm512_xor_si512(
-                        _mm512_inserti64x4::<1>(
-                            _mm512_castsi256_si512(_mm256_loadu_si256(wa.add(2) as *const __m256i)),
-                            _mm256_loadu_si256(wb.add(2) as *const __m256i),
-                        ),
-                        offset,
-                    ),
-                }
-            });
-            // `t` also gives the byte offsets of the token in the packed block.
-            #[allow(clippy::needless_range_loop)]
-            for t in 0..NT {
-                let y = broadcast32(yb.add(32 * t));
-                let sums = broadcast32(yb.add(32 * NT + 32 * t));
-                // -offset * (sum of each group of four activations).
-                let corr = match KIND {
-                    1 => _mm512_slli_epi32::<3>(sums),
-                    2 => _mm512_slli_epi32::<4>(sums),
-                    _ => _mm512_slli_epi32::<7>(sums),
+        }
+    }
+}
+
+/// The 32 weights of blocks `wa` and `wb` (`KIND` 0, 1, 2: Q8_0, Q4_0, Q5_0) plus the
+/// format's offset (128, 8, 16) as unsigned bytes, `wa`'s in the low 256 bits.
+///
+/// # Safety
+/// `wa` and `wb` must each point to a whole block.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_0_like_pair<const KIND: u8>(wa: *const u8, wb: *const u8) -> __m512i {
+    // SAFETY: whole blocks at wa and wb (the contract).
+    unsafe {
+        match KIND {
+            1 => nibbles_pair(wa.add(2), wb.add(2)),
+            2 => {
+                let qa = (wa.add(2) as *const u32).read_unaligned();
+                let qb = (wb.add(2) as *const u32).read_unaligned();
+                let q = nibbles_pair(wa.add(6), wb.add(6));
+                _mm512_or_si512(q, high_bits_pair(qa, qb))
+            }
+            _ => _mm512_xor_si512(
+                _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(wa.add(2) as *const __m256i)),
+                    _mm256_loadu_si256(wb.add(2) as *const __m256i),
+                ),
+                _mm512_set1_epi8(-128),
+            ),
+        }
+    }
+}
+
+/// The prefill form of [`q8_0_like_avx512`]: rows 0..4 (two 512-bit pairs) against
+/// `groups` groups of 8 tokens, each decoded weight block used for all 8 tokens of a
+/// group and each activation block for both pairs; the same per-row f32 operations in
+/// the same order (one `d_w * d_a` product and one FMA per block and lane, then ggml's
+/// horizontal sum), so the same bits. Rows of at most [`WIDE_MAX_BLOCKS`] blocks are
+/// decoded once (weights and scales, into a buffer on the stack) for every group rather
+/// than once per group. The activations come packed
+/// (`QuantizedActivations::packed_group`: one pointer, constant offsets); the offset
+/// correction is their precomputed negated group sums times 16, shifted to the offset
+/// (128, 8 and 16 are powers of two), not recomputed per tile. Group `g` writes
+/// `out[i * stride + 8 * g + j]` for row `i`, token `j` of the group.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_0_like_wide_avx512<const KIND: u8>(
+    w: Rows<4>,
+    nb: usize,
+    y: impl Fn(usize) -> *const u8,
+    groups: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    const NT: usize = PACK_TOKENS;
+    let cached = nb <= WIDE_MAX_BLOCKS;
+    let mut rows =
+        [std::mem::MaybeUninit::<([__m512; 2], [__m512i; 2])>::uninit(); WIDE_MAX_BLOCKS];
+    if cached {
+        for (b, r) in rows.iter_mut().enumerate().take(nb) {
+            // SAFETY: block b < nb of each row is in bounds.
+            r.write(unsafe { q8_0_like_decode4::<KIND>(w, b) });
+        }
+    }
+    for g in 0..groups {
+        let yg = y(g);
+        let mut acc = [[_mm512_setzero_ps(); NT]; 2];
+        // `b` indexes the decoded rows only when they were cached.
+        #[allow(clippy::needless_range_loop)]
+        for b in 0..nb {
+            // SAFETY: blocks 0..nb were written above when `cached`; block b of each
+            // row and of the packed group is in bounds.
+            unsafe {
+                let (d, x) = if cached {
+                    rows[b].assume_init()
+                } else {
+                    q8_0_like_decode4::<KIND>(w, b)
                 };
-                let sy = _mm512_set1_ps((yb.add(64 * NT + 4 * t) as *const f32).read_unaligned());
-                for p in 0..2 {
-                    let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, x[p], y));
-                    acc[p][t] = _mm512_fmadd_ps(_mm512_mul_ps(d[p], sy), xy, acc[p][t]);
-                }
+                q8_0_like_wide_block::<KIND>(d, x, yg.add(b * PACKED_BLOCK), &mut acc);
+            }
+        }
+        for (p, acc) in acc.iter().enumerate() {
+            for t in 0..NT {
+                out[(2 * p + 1) * stride + NT * g + t] =
+                    hsum256(_mm512_extractf32x8_ps::<1>(acc[t]));
+                out[2 * p * stride + NT * g + t] = hsum256(_mm512_castps512_ps256(acc[t]));
             }
         }
     }
-    let mut res = [[0f32; NT]; 4];
-    for (p, acc) in acc.iter().enumerate() {
-        for t in 0..NT {
-            res[2 * p + 1][t] = hsum256(_mm512_extractf32x8_ps::<1>(acc[t]));
-            res[2 * p][t] = hsum256(_mm512_castps512_ps256(acc[t]));
-        }
-    }
-    res
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
@@ -1668,13 +1748,18 @@ mod tests {
                 GgmlType::Q8_0 | GgmlType::Q8_1
             );
         let mut shapes = vec![(4, 1), (2, 4), (1, 4), (1, 3), (1, 2), (1, 1), (3, 2)];
+        let (mut blocks, mut tokens) = (vec![1, 2, 3, 7], 1..10);
         if wide {
-            shapes.extend([(4, 8), (1, 8), (4, 5), (2, 7)]);
+            // Whole groups of 8 tokens, one or several; rows of more blocks than the
+            // kernels decode once for all groups (`WIDE_MAX_BLOCKS`).
+            shapes.extend([(4, 8), (1, 8), (4, 5), (2, 7), (4, 16), (4, 24), (1, 16)]);
+            blocks.push(WIDE_MAX_BLOCKS + 3);
+            tokens = 1..26;
         }
-        for nb in [1, 2, 3, 7] {
+        for nb in blocks {
             let k = bl * nb;
             let rb = ty.block_bytes() * nb;
-            for n in 1..10 {
+            for n in tokens.clone() {
                 let rows = 5;
                 let wq = random_rows(ty, rows * rb, (nb * 31 + n) as u64);
                 let x: Vec<f32> = (0..n * k)
