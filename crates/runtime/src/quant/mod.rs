@@ -570,6 +570,35 @@ pub(crate) type TileFn = unsafe fn(
     stride: usize,
 );
 
+/// Where a wide tile's results go: row `i`, token `j` at `ptr + i * rs + j * ts` (a
+/// row-major tile: `rs` = stride, `ts` = 1; a batch's token-major output: `rs` = 1,
+/// `ts` = values per token).
+#[derive(Clone, Copy)]
+pub(crate) struct TileOut {
+    pub ptr: *mut f32,
+    pub rs: usize,
+    pub ts: usize,
+}
+
+impl TileOut {
+    /// Writes the result of row `i`, token `j`.
+    ///
+    /// # Safety
+    /// The element must be valid for writes and not accessed by another thread.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[inline(always)]
+    pub(crate) unsafe fn put(self, i: usize, j: usize, v: f32) {
+        // SAFETY: the caller's contract.
+        unsafe { *self.ptr.add(i * self.rs + j * self.ts) = v };
+    }
+}
+
+/// Signature of a wide prefill kernel: 4 weight rows `w` against tokens `t0..t0 + nt`,
+/// both whole groups of [`PACK_TOKENS`], written through `out`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) type WideFn =
+    unsafe fn(w: &[u8], rb: usize, acts: &QuantizedActivations, t0: usize, nt: usize, out: TileOut);
+
 #[allow(clippy::too_many_arguments)]
 fn scalar_tile(
     ty: GgmlType,
@@ -717,8 +746,30 @@ pub unsafe fn matmul_token_major(
         large.resize(4 * st, 0f32);
         &mut large
     };
+    #[cfg(target_arch = "x86_64")]
+    let wide = match level {
+        SimdLevel::Avx512 => x86::wide_avx512(ty),
+        _ => None,
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let wide: Option<WideFn> = None;
     for_each_tile(rows, n, shape, |r, rr, t0, nt| {
         let w = &weights[r * rb..(r + rr) * rb];
+        if let Some(f) = wide.filter(|_| {
+            rr == 4 && nt >= PACK_TOKENS && nt % PACK_TOKENS == 0 && t0 % PACK_TOKENS == 0
+        }) {
+            let out = TileOut {
+                // SAFETY: row r of token 0 is in the caller's region.
+                ptr: unsafe { out.add(r) },
+                rs: 1,
+                ts: ld,
+            };
+            // SAFETY: the kernel was selected for a level this CPU supports; the tile is
+            // 4 rows x whole groups; every (t, r + i) written is in the caller's region
+            // by the contract.
+            unsafe { f(w, rb, acts, t0, nt, out) };
+            return;
+        }
         match kernel {
             // SAFETY: the kernel was selected for a level this CPU supports, and the
             // lengths of `w` and the activation rows were validated above.

@@ -4,7 +4,9 @@
 //! activations produced by [`super::quantize_activations`], whose quants lie in
 //! -127..=127) and differ from the scalar path only in the order of f32 accumulation.
 
-use super::{QuantizedActivations, TileFn, PACKED_BLOCK, PACKED_BLOCK_Q8_1, PACK_TOKENS};
+use super::{
+    QuantizedActivations, TileFn, TileOut, WideFn, PACKED_BLOCK, PACKED_BLOCK_Q8_1, PACK_TOKENS,
+};
 use crate::ggml_type::GgmlType;
 use half::f16;
 use std::arch::x86_64::*;
@@ -51,6 +53,20 @@ pub(crate) fn kernel_avx512(ty: GgmlType) -> Option<TileFn> {
         GgmlType::Q4_K => tile_q4_k_avx512,
         GgmlType::Q5_K => tile_q5_k_avx512,
         GgmlType::Q6_K => tile_q6_k_avx512,
+        _ => return None,
+    })
+}
+
+/// The prefill kernel writing 4 rows x whole groups of 8 tokens through a [`TileOut`]
+/// (what `matmul_token_major` calls for those tiles, so results go straight to the
+/// batch's layout), for the types that have one.
+pub(crate) fn wide_avx512(ty: GgmlType) -> Option<WideFn> {
+    Some(match ty {
+        GgmlType::Q4_0 => wide_q4_0_avx512,
+        GgmlType::Q4_1 => wide_q4_1_avx512,
+        GgmlType::Q8_0 => wide_q8_0_avx512,
+        GgmlType::Q5_0 => wide_q5_0_avx512,
+        GgmlType::Q5_1 => wide_q5_1_avx512,
         _ => return None,
     })
 }
@@ -152,10 +168,29 @@ tile_fn!(tile_q5_k_avx512, q5_k_avx512, 176);
 tile_fn!(tile_q6_k_avx512, q6_k_avx512, 210);
 
 /// Expands the prefill tile of a 32-element format: 4 rows x whole groups of 8 tokens
-/// through its wide kernel ([`q8_0_like_wide_avx512`], [`q41_like_wide_groups`]), any
-/// other shape through the narrow kernel (tokens split into groups of at most 4).
+/// through its wide kernel (`$wide_name`, also called by itself for the token-major
+/// output: [`q8_0_like_wide_avx512`], [`q41_like_wide_groups`]), any other shape through
+/// the narrow kernel (tokens split into groups of at most 4).
 macro_rules! tile_wide_fn {
-    ($name:ident, $narrow:ident, $wide:expr, $bb:expr) => {
+    ($name:ident, $wide_name:ident, $narrow:ident, $wide:expr, $bb:expr) => {
+        /// # Safety
+        /// The CPU must support AVX-512 VNNI; `w` (4 rows) and `acts` must be validated;
+        /// `t0` and `nt` whole groups of 8 tokens; `out` valid for every result.
+        unsafe fn $wide_name(
+            w: &[u8],
+            rb: usize,
+            acts: &QuantizedActivations,
+            t0: usize,
+            nt: usize,
+            out: TileOut,
+        ) {
+            let wp: Rows<4> = std::array::from_fn(|i| w[i * rb..].as_ptr());
+            let g0 = t0 / PACK_TOKENS;
+            let y = |g: usize| acts.packed_group(g0 + g).as_ptr();
+            // SAFETY: forwarded from the caller; each packed group holds every block.
+            unsafe { $wide(wp, rb / $bb, y, nt / PACK_TOKENS, out) };
+        }
+
         /// # Safety
         /// The CPU must support AVX-512 VNNI; `w` and `acts` must be validated.
         unsafe fn $name(
@@ -169,11 +204,15 @@ macro_rules! tile_wide_fn {
         ) {
             let rr = w.len() / rb;
             if rr == 4 && nt >= PACK_TOKENS && nt % PACK_TOKENS == 0 && t0 % PACK_TOKENS == 0 {
-                let wp: Rows<4> = std::array::from_fn(|i| w[i * rb..].as_ptr());
-                let g0 = t0 / PACK_TOKENS;
-                let y = |g: usize| acts.packed_group(g0 + g).as_ptr();
-                // SAFETY: forwarded from the caller; each packed group holds every block.
-                unsafe { $wide(wp, rb / $bb, y, nt / PACK_TOKENS, out, stride) };
+                assert!(out.len() >= 3 * stride + nt);
+                let out = TileOut {
+                    ptr: out.as_mut_ptr(),
+                    rs: stride,
+                    ts: 1,
+                };
+                // SAFETY: forwarded from the caller; every result lands in `out`
+                // (checked just above).
+                unsafe { $wide_name(w, rb, acts, t0, nt, out) };
                 return;
             }
             let mut j = 0;
@@ -189,30 +228,35 @@ macro_rules! tile_wide_fn {
 
 tile_wide_fn!(
     tile_q8_0_avx512,
+    wide_q8_0_avx512,
     tile_q8_0_avx512_narrow,
     q8_0_like_wide_avx512::<0>,
     34
 );
 tile_wide_fn!(
     tile_q4_0_avx512,
+    wide_q4_0_avx512,
     tile_q4_0_avx512_narrow,
     q8_0_like_wide_avx512::<1>,
     18
 );
 tile_wide_fn!(
     tile_q5_0_avx512,
+    wide_q5_0_avx512,
     tile_q5_0_avx512_narrow,
     q8_0_like_wide_avx512::<2>,
     22
 );
 tile_wide_fn!(
     tile_q4_1_avx512,
+    wide_q4_1_avx512,
     tile_q4_1_avx512_narrow,
     q41_like_wide_groups::<false>,
     20
 );
 tile_wide_fn!(
     tile_q5_1_avx512,
+    wide_q5_1_avx512,
     tile_q5_1_avx512_narrow,
     q41_like_wide_groups::<true>,
     24
@@ -884,21 +928,23 @@ unsafe fn blocks4(w: Rows<4>, b: usize, bb: usize) -> [*const u8; 4] {
 }
 
 /// [`q41_like_wide_avx512`] for each of `groups` groups of 8 tokens, group `g` (packed at
-/// `y(g)`) written to `out[i * stride + 8 * g + j]`.
+/// `y(g)`) written to tokens `8 * g ..` of `out`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn q41_like_wide_groups<const FIVE: bool>(
     w: Rows<4>,
     nb: usize,
     y: impl Fn(usize) -> *const u8,
     groups: usize,
-    out: &mut [f32],
-    stride: usize,
+    out: TileOut,
 ) {
     for g in 0..groups {
         // SAFETY: forwarded from the caller.
         let res = unsafe { q41_like_wide_avx512::<FIVE>(w, nb, y(g)) };
         for (i, row) in res.iter().enumerate() {
-            out[i * stride + PACK_TOKENS * g..][..PACK_TOKENS].copy_from_slice(row);
+            for (j, &v) in row.iter().enumerate() {
+                // SAFETY: the caller's `out` holds rows 0..4 of tokens 0..8 * groups.
+                unsafe { out.put(i, PACK_TOKENS * g + j, v) };
+            }
         }
     }
 }
@@ -1162,16 +1208,15 @@ unsafe fn q8_0_like_pair<const KIND: u8>(wa: *const u8, wb: *const u8) -> __m512
 /// than once per group. The activations come packed
 /// (`QuantizedActivations::packed_group`: one pointer, constant offsets); the offset
 /// correction is their precomputed negated group sums times 16, shifted to the offset
-/// (128, 8 and 16 are powers of two), not recomputed per tile. Group `g` writes
-/// `out[i * stride + 8 * g + j]` for row `i`, token `j` of the group.
+/// (128, 8 and 16 are powers of two), not recomputed per tile. Group `g` writes tokens
+/// `8 * g ..` of `out` as it ends (stores spread over the work, not in one burst).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn q8_0_like_wide_avx512<const KIND: u8>(
     w: Rows<4>,
     nb: usize,
     y: impl Fn(usize) -> *const u8,
     groups: usize,
-    out: &mut [f32],
-    stride: usize,
+    out: TileOut,
 ) {
     const NT: usize = PACK_TOKENS;
     let cached = nb <= WIDE_MAX_BLOCKS;
@@ -1201,10 +1246,16 @@ unsafe fn q8_0_like_wide_avx512<const KIND: u8>(
             }
         }
         for (p, acc) in acc.iter().enumerate() {
-            for t in 0..NT {
-                out[(2 * p + 1) * stride + NT * g + t] =
-                    hsum256(_mm512_extractf32x8_ps::<1>(acc[t]));
-                out[2 * p * stride + NT * g + t] = hsum256(_mm512_castps512_ps256(acc[t]));
+            for (t, &v) in acc.iter().enumerate() {
+                // SAFETY: the caller's `out` holds rows 0..4 of tokens 0..8 * groups.
+                unsafe {
+                    out.put(
+                        2 * p + 1,
+                        NT * g + t,
+                        hsum256(_mm512_extractf32x8_ps::<1>(v)),
+                    );
+                    out.put(2 * p, NT * g + t, hsum256(_mm512_castps512_ps256(v)));
+                }
             }
         }
     }
