@@ -791,8 +791,8 @@ pub unsafe fn matmul_token_major(
 /// each activation block load and the final reductions. Prefill reuses each decoded
 /// weight block for several tokens: on AVX-512 the 32-element formats take 4 rows x all
 /// whole groups of 8 tokens (two 512-bit row pairs, sixteen accumulators per group; the
-/// Q8_0-like kernels decode the 4 rows once for every group), the K-quants 2 rows x 4
-/// tokens.
+/// Q8_0-like kernels decode the 4 rows once for every group), the K-quants 2 rows x all
+/// tokens (the rows decoded once, the tokens taken 4 at a time).
 fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
     match (n, level) {
         (1, _) => (4, 1),
@@ -801,7 +801,7 @@ fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
         {
             (4, (n / PACK_TOKENS * PACK_TOKENS).max(PACK_TOKENS))
         }
-        (_, SimdLevel::Avx512) => (2, 4),
+        (_, SimdLevel::Avx512) => (2, n),
         _ => (1, 4),
     }
 }
