@@ -30,8 +30,10 @@
 //! [`matmul_token_major`] writes `out[t * ld + r]` (a batch's layout) through a pointer,
 //! for threads sharing one output. Decode (one token) processes 4 rows at a time; prefill
 //! reuses each decoded weight block for several tokens: on AVX-512 the 32-element formats
-//! take 4 rows x 8 tokens against activations repacked once per batch (8 tokens' blocks
-//! side by side), the K-quants 2 rows x 4 tokens; AVX2 1 row x 4 tokens.
+//! take 4 rows x every whole group of 8 tokens against activations repacked once per batch
+//! (8 tokens' blocks side by side; Q8_0, Q4_0 and Q5_0 decode the 4 rows once for all the
+//! groups), the K-quants 2 rows x all tokens (the rows' superblocks decoded once, then 4
+//! tokens at a time); AVX2 1 row x 4 tokens. Decoding once changes no float operation.
 //!
 //! # Example
 //!
