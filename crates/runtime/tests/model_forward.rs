@@ -364,6 +364,30 @@ fn thread_count_does_not_change_results() {
     assert_eq!(one, three);
 }
 
+/// A batch's SwiGLU, large enough to be split over the threads (and of a length no
+/// vector width divides), gives the one-thread bits.
+#[test]
+fn swiglu_on_threads_equals_one_thread() {
+    use ballast_runtime::backend::ops::ElementwiseOps;
+    let n = 70_001;
+    let gate: Vec<f32> = (0..n)
+        .map(|i| ((i * 37 % 1001) as f32 - 500.0) * 0.021)
+        .collect();
+    let up: Vec<f32> = (0..n)
+        .map(|i| ((i * 11 % 97) as f32 - 48.0) * 0.13)
+        .collect();
+    let run = |threads| {
+        let mut out = vec![f32::NAN; n];
+        CpuBackend::new(threads)
+            .swiglu(&gate, &up, &mut out)
+            .unwrap();
+        out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    };
+    let one = run(1);
+    assert_eq!(one, run(2));
+    assert_eq!(one, run(3));
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 

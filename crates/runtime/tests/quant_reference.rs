@@ -212,11 +212,18 @@ struct Case {
 fn make_case(ty: GgmlType, seed: u64) -> Case {
     let mut r = Rng(seed);
     let bl = ty.block_len().max(32);
-    let k = bl * (1 + r.below(if bl == 256 { 3 } else { 7 }));
-    // Up to 11 rows and 19 tokens: whole prefill tiles (4 x 8 on AVX-512) and tails of
-    // rows and tokens not divisible by the tile.
+    // One case in eight of a 32-element format has rows of more than 64 blocks (those the
+    // AVX-512 prefill kernels decode per group of tokens rather than once).
+    let blocks = match (bl, r.below(8)) {
+        (256, _) => 1 + r.below(3),
+        (_, 0) => 65 + r.below(4),
+        _ => 1 + r.below(7),
+    };
+    let k = bl * blocks;
+    // Up to 11 rows and 27 tokens: whole prefill tiles (4 rows x 1 to 3 groups of 8
+    // tokens on AVX-512) and tails of rows and tokens not divisible by the tile.
     let rows = 1 + r.below(11);
-    let n_tokens = 1 + r.below(19);
+    let n_tokens = 1 + r.below(27);
     let w = rand_blocks(ty, rows * k / ty.block_len(), &mut r);
     let scale = [0.0, 1e-3, 1.0, 100.0][r.below(4)];
     let x: Vec<f32> = (0..n_tokens * k).map(|_| r.unit() * scale).collect();
@@ -327,8 +334,8 @@ proptest! {
     /// sum exactly. The quantized formats accumulate f32 in one order on every level (the
     /// 32-element ones in llama.cpp's, the K-quants superblock by superblock): there the
     /// results are the same bits. The float formats differ only in the f32 accumulation
-    /// order, bounded by the same `(nb + 16) * eps_f32 * M` as above. The cases have 1 to 5
-    /// rows and 1 to 9 tokens, so every tile shape and its tails are reached.
+    /// order, bounded by the same `(nb + 16) * eps_f32 * M` as above. The cases have 1 to 11
+    /// rows and 1 to 27 tokens, so every tile shape and its tails are reached.
     #[test]
     fn simd_levels_agree_with_scalar(seed in any::<u64>()) {
         for ty in WEIGHT_TYPES {
@@ -670,6 +677,8 @@ fn model_shapes_agree_across_levels() {
             (5, 896, 6),
             (6, 4864, 1),
             (3, 4864, 5),
+            (9, 896, 24),
+            (5, 2080, 17),
         ];
         for (rows, k, n) in shapes {
             if k % ty.block_len() != 0 {

@@ -112,6 +112,9 @@ impl CpuBackend {
     }
 }
 
+/// Values from which SwiGLU is worth a parallel region (a prompt batch's, not a token's).
+const SWIGLU_PARALLEL: usize = 1 << 16;
+
 thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
@@ -344,10 +347,12 @@ impl AttentionOps for CpuBackend {
         let scale = shape.scale;
         let out_ptr = SyncPtr(out.as_mut_ptr());
         let waited = self.pool.run(&|thread, n_threads| {
-            let range = split_range(work, 1, thread, n_threads);
+            // Items dealt out in turn, not in contiguous ranges: under a causal mask a
+            // later token attends to more keys, so a batch's last tokens cost the most.
+            let items = (thread..work).step_by(n_threads.max(1));
             SCRATCH.with(|s| {
                 let mut scratch = s.borrow_mut();
-                for item in range {
+                for item in items {
                     let (t, h) = (item / shape.n_heads, item % shape.n_heads);
                     let off = (t * shape.n_heads + h) * shape.head_dim;
                     // SAFETY: head h of token t is written by this thread alone.
@@ -575,7 +580,26 @@ impl ElementwiseOps for CpuBackend {
     fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
         check_len("SwiGLU up", gate.len(), up.len())?;
         check_len("SwiGLU output", gate.len(), out.len())?;
-        self.timed(OpKind::Other, || elementwise::swiglu(gate, up, out));
+        self.timed(OpKind::Other, || {
+            // A batch's SwiGLU (hundreds of thousands of values) on every thread, in
+            // chunks of whole vectors; one token's on the calling thread alone.
+            if out.len() < SWIGLU_PARALLEL || self.pool.n_threads() < 2 {
+                return elementwise::swiglu(gate, up, out);
+            }
+            let out_ptr = SyncPtr(out.as_mut_ptr());
+            let n = out.len();
+            let waited = self.pool.run(&|thread, n_threads| {
+                let range = split_range(n, 16, thread, n_threads);
+                // SAFETY: the ranges of the threads are disjoint parts of `out`.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(out_ptr.get().add(range.start), range.len())
+                };
+                elementwise::swiglu(&gate[range.clone()], &up[range], dst);
+            });
+            if let Some(waited) = waited {
+                self.times.add_region_wait(waited);
+            }
+        });
         Ok(())
     }
 

@@ -106,8 +106,69 @@ fn has_fma() -> bool {
     *FMA.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// ggml's AVX-512 `ggml_v_expf`, lane for lane the operations of [`super::expf_ggml`]
+    /// (which states it one value at a time, its `scalef` done in f64).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    fn expf(x: __m512) -> __m512 {
+        let c = |bits: u32| _mm512_set1_ps(f32::from_bits(bits));
+        let r = c(0x4b40_0000);
+        let z = _mm512_fmadd_ps(x, c(0x3fb8_aa3b), r);
+        let n = _mm512_sub_ps(z, r);
+        let b = _mm512_fnmadd_ps(n, c(0x35bf_be8e), _mm512_fnmadd_ps(n, c(0x3f31_7200), x));
+        let far = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_abs_ps(n), _mm512_set1_ps(192.0));
+        let u = _mm512_mul_ps(b, b);
+        let j = _mm512_fmadd_ps(
+            _mm512_fmadd_ps(
+                _mm512_fmadd_ps(c(0x3c07_2010), b, c(0x3d2b_9f17)),
+                u,
+                _mm512_fmadd_ps(c(0x3e2a_af33), b, c(0x3eff_fedb)),
+            ),
+            u,
+            _mm512_fmadd_ps(c(0x3f7f_fff6), b, _mm512_set1_ps(1.0)),
+        );
+        let res = _mm512_scalef_ps(j, n);
+        if far == 0 {
+            return res;
+        }
+        let low = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(n, _mm512_setzero_ps());
+        let alt = _mm512_mask_blend_ps(low, _mm512_set1_ps(f32::INFINITY), _mm512_setzero_ps());
+        _mm512_mask_blend_ps(far, res, alt)
+    }
+
+    /// `silu(gate) * up` sixteen lanes at a time as ggml's AVX-512
+    /// `ggml_vec_swiglu_f32` (`x / (1 + exp(-x))`, then the product); the tail of fewer
+    /// than 16 values one at a time, the same operations.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        let n = out.len().min(gate.len()).min(up.len());
+        let whole = n - n % 16;
+        let one = _mm512_set1_ps(1.0);
+        for i in (0..whole).step_by(16) {
+            // SAFETY: i + 16 <= n, within all three slices.
+            unsafe {
+                let g = _mm512_loadu_ps(gate.as_ptr().add(i));
+                let u = _mm512_loadu_ps(up.as_ptr().add(i));
+                let e = expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
+                let silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
+                _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_mul_ps(silu, u));
+            }
+        }
+        super::swiglu_impl(&gate[whole..n], &up[whole..n], &mut out[whole..n]);
+    }
+}
+
 /// `out[i] = silu(gate[i]) * up[i]`.
 pub(crate) fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::current_simd_level() == crate::quant::SimdLevel::Avx512 {
+        // SAFETY: the AVX-512 level implies AVX-512F, AVX2 and FMA.
+        return unsafe { avx512::swiglu(gate, up, out) };
+    }
     #[cfg(target_arch = "x86_64")]
     if has_fma() {
         // SAFETY: AVX2 and FMA were detected.
@@ -181,6 +242,48 @@ mod tests {
         }
         assert_eq!(expf_ggml(-200.0), 0.0);
         assert_eq!(expf_ggml(200.0), f32::INFINITY);
+    }
+
+    /// The AVX-512 SwiGLU gives the one-value-at-a-time statement's bits on gates
+    /// spread over every exponent (both signs, the saturation at |n| > 192, subnormal
+    /// results, infinities and NaN), with a tail shorter than a vector.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn swiglu_avx512_equals_scalar() {
+        if !crate::quant::SimdLevel::Avx512.is_supported() {
+            eprintln!("skipped: no AVX-512");
+            return;
+        }
+        let mut gate: Vec<f32> = (0..2_000_003u32)
+            .map(|i| f32::from_bits(i.wrapping_mul(2147)))
+            .collect();
+        gate.extend([
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            0.0,
+            -0.0,
+            88.7,
+            -88.7,
+        ]);
+        gate.extend((0..4000).map(|i| (i as f32 - 2000.0) * 0.0537));
+        let up: Vec<f32> = (0..gate.len())
+            .map(|i| ((i % 97) as f32 - 48.0) * 0.31)
+            .collect();
+        let (mut want, mut got) = (vec![0f32; gate.len()], vec![0f32; gate.len()]);
+        swiglu_impl(&gate, &up, &mut want);
+        // SAFETY: AVX-512 support was checked above.
+        unsafe { avx512::swiglu(&gate, &up, &mut got) };
+        for i in 0..gate.len() {
+            assert!(
+                got[i].to_bits() == want[i].to_bits() || (got[i].is_nan() && want[i].is_nan()),
+                "gate {} up {}: {} vs {}",
+                gate[i],
+                up[i],
+                got[i],
+                want[i]
+            );
+        }
     }
 
     /// GELU at known points; GeGLU through the f16 table is within f16 rounding of the

@@ -30,8 +30,10 @@
 //! [`matmul_token_major`] writes `out[t * ld + r]` (a batch's layout) through a pointer,
 //! for threads sharing one output. Decode (one token) processes 4 rows at a time; prefill
 //! reuses each decoded weight block for several tokens: on AVX-512 the 32-element formats
-//! take 4 rows x 8 tokens against activations repacked once per batch (8 tokens' blocks
-//! side by side), the K-quants 2 rows x 4 tokens; AVX2 1 row x 4 tokens.
+//! take 4 rows x every whole group of 8 tokens against activations repacked once per batch
+//! (8 tokens' blocks side by side; Q8_0, Q4_0 and Q5_0 decode the 4 rows once for all the
+//! groups), the K-quants 2 rows x all tokens (the rows' superblocks decoded once, then 4
+//! tokens at a time); AVX2 1 row x 4 tokens. Decoding once changes no float operation.
 //!
 //! # Example
 //!
@@ -315,8 +317,9 @@ impl QuantizedActivations {
     /// Tokens `8 * g .. 8 * g + 8` (a whole group) repacked: per block `b`, at byte
     /// `b * packed_block`, the 8 tokens' 32 quants (256 bytes); then for Q8_0
     /// ([`PACKED_BLOCK`] bytes a block) per token the negated sums of its 8 groups of four
-    /// quants as i32 (256 bytes; the offset correction of the unsigned-weight kernels,
-    /// computed once per batch instead of once per weight tile) and the 8 tokens' f32
+    /// quants times 16 as i32 (256 bytes; the offset correction of the unsigned-weight
+    /// kernels, computed once per batch instead of once per weight tile, and Q5_0's as it
+    /// stands) and the 8 tokens' f32
     /// scales; for Q8_1 ([`PACKED_BLOCK_Q8_1`] bytes) the 8 tokens' f32 `d` and `s`
     /// pairs. One pointer and constant offsets serve the whole tile. Empty unless Q8_0 or
     /// Q8_1 with at least 8 tokens; `g` must be a whole group.
@@ -436,7 +439,7 @@ pub fn quantize_activations(
 
 /// Tokens per group of [`QuantizedActivations::packed_group`].
 pub(crate) const PACK_TOKENS: usize = 8;
-/// Bytes per block of a packed group: quants, negated group sums, scales.
+/// Bytes per block of a packed group: quants, negated group sums (times 16), scales.
 pub(crate) const PACKED_BLOCK: usize = PACK_TOKENS * (32 + 32 + 4);
 /// Bytes per block of a packed Q8_1 group: quants, then `d` and `s` of each token.
 pub(crate) const PACKED_BLOCK_Q8_1: usize = PACK_TOKENS * (32 + 8);
@@ -464,7 +467,7 @@ impl QuantizedActivations {
                     for (i, four) in src.chunks_exact(4).enumerate() {
                         let s: i32 = four.iter().map(|&q| q as i8 as i32).sum();
                         sums[32 * j + 4 * i..32 * j + 4 * i + 4]
-                            .copy_from_slice(&(-s).to_le_bytes());
+                            .copy_from_slice(&(-16 * s).to_le_bytes());
                     }
                     let sc = self.scales[t * nb + b];
                     scales[4 * j..4 * j + 4].copy_from_slice(&sc.to_le_bytes());
@@ -568,6 +571,35 @@ pub(crate) type TileFn = unsafe fn(
     out: &mut [f32],
     stride: usize,
 );
+
+/// Where a wide tile's results go: row `i`, token `j` at `ptr + i * rs + j * ts` (a
+/// row-major tile: `rs` = stride, `ts` = 1; a batch's token-major output: `rs` = 1,
+/// `ts` = values per token).
+#[derive(Clone, Copy)]
+pub(crate) struct TileOut {
+    pub ptr: *mut f32,
+    pub rs: usize,
+    pub ts: usize,
+}
+
+impl TileOut {
+    /// Writes the result of row `i`, token `j`.
+    ///
+    /// # Safety
+    /// The element must be valid for writes and not accessed by another thread.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[inline(always)]
+    pub(crate) unsafe fn put(self, i: usize, j: usize, v: f32) {
+        // SAFETY: the caller's contract.
+        unsafe { *self.ptr.add(i * self.rs + j * self.ts) = v };
+    }
+}
+
+/// Signature of a wide prefill kernel: 4 weight rows `w` against tokens `t0..t0 + nt`,
+/// both whole groups of [`PACK_TOKENS`], written through `out`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) type WideFn =
+    unsafe fn(w: &[u8], rb: usize, acts: &QuantizedActivations, t0: usize, nt: usize, out: TileOut);
 
 #[allow(clippy::too_many_arguments)]
 fn scalar_tile(
@@ -778,23 +810,52 @@ pub unsafe fn matmul_token_major(
     let level = current_simd_level();
     let kernel = tile_kernel(level, ty);
     let shape = tile_shape(level, ty, n);
-    const TILE: usize = 32;
-    debug_assert!(shape.0 * shape.1 <= TILE && shape.1 <= 8 && shape.0 <= 4);
-    let mut buf = [0f32; TILE];
+    debug_assert!(shape.0 <= 4);
+    // The tile's rows at stride `st` in `buf` (rr <= 4, nt <= st).
+    let st = shape.1.max(4);
+    let mut small = [0f32; 32];
+    let mut large = Vec::new();
+    let buf: &mut [f32] = if 4 * st <= small.len() {
+        &mut small
+    } else {
+        large.resize(4 * st, 0f32);
+        &mut large
+    };
+    #[cfg(target_arch = "x86_64")]
+    let wide = match level {
+        SimdLevel::Avx512 => x86::wide_avx512(ty),
+        _ => None,
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let wide: Option<WideFn> = None;
     for_each_tile(rows, n, shape, |r, rr, t0, nt| {
         let w = &weights[r * rb..(r + rr) * rb];
-        // The tile's rows at stride 8 in `buf` (rr <= 4, nt <= 8).
+        if let Some(f) = wide.filter(|_| {
+            rr == 4 && nt >= PACK_TOKENS && nt % PACK_TOKENS == 0 && t0 % PACK_TOKENS == 0
+        }) {
+            let out = TileOut {
+                // SAFETY: row r of token 0 is in the caller's region.
+                ptr: unsafe { out.add(r) },
+                rs: 1,
+                ts: ld,
+            };
+            // SAFETY: the kernel was selected for a level this CPU supports; the tile is
+            // 4 rows x whole groups; every (t, r + i) written is in the caller's region
+            // by the contract.
+            unsafe { f(w, rb, acts, t0, nt, out) };
+            return;
+        }
         match kernel {
             // SAFETY: the kernel was selected for a level this CPU supports, and the
             // lengths of `w` and the activation rows were validated above.
-            Some(f) => unsafe { f(w, rb, acts, t0, nt, &mut buf, 8) },
-            None => scalar_tile(ty, w, rb, acts, t0, nt, &mut buf, 8),
+            Some(f) => unsafe { f(w, rb, acts, t0, nt, buf, st) },
+            None => scalar_tile(ty, w, rb, acts, t0, nt, buf, st),
         }
         for j in 0..nt {
             for i in 0..rr {
                 // SAFETY: row r + i < rows and token t0 + j < n: in the caller's
                 // region by the contract.
-                unsafe { *out.add((t0 + j) * ld + r + i) = buf[i * 8 + j] };
+                unsafe { *out.add((t0 + j) * ld + r + i) = buf[i * st + j] };
             }
         }
     });
@@ -803,17 +864,19 @@ pub unsafe fn matmul_token_major(
 
 /// The (rows, tokens) tile `matmul_at` hands a kernel. Decode (one token): 4 rows share
 /// each activation block load and the final reductions. Prefill reuses each decoded
-/// weight block for several tokens: on AVX-512 the 32-element formats take 4 rows x 8
-/// tokens (two 512-bit row pairs, sixteen accumulators), the K-quants 2 rows x 4 tokens.
+/// weight block for several tokens: on AVX-512 the 32-element formats take 4 rows x all
+/// whole groups of 8 tokens (two 512-bit row pairs, sixteen accumulators per group; the
+/// Q8_0-like kernels decode the 4 rows once for every group), the K-quants 2 rows x all
+/// tokens (the rows decoded once, the tokens taken 4 at a time).
 fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
     match (n, level) {
         (1, _) => (4, 1),
         (_, SimdLevel::Avx512)
             if matches!(activation_type(ty), GgmlType::Q8_0 | GgmlType::Q8_1) =>
         {
-            (4, 8)
+            (4, (n / PACK_TOKENS * PACK_TOKENS).max(PACK_TOKENS))
         }
-        (_, SimdLevel::Avx512) => (2, 4),
+        (_, SimdLevel::Avx512) => (2, n),
         _ => (1, 4),
     }
 }

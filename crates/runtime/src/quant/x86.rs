@@ -4,7 +4,9 @@
 //! activations produced by [`super::quantize_activations`], whose quants lie in
 //! -127..=127) and differ from the scalar path only in the order of f32 accumulation.
 
-use super::{QuantizedActivations, TileFn, PACKED_BLOCK, PACKED_BLOCK_Q8_1, PACK_TOKENS};
+use super::{
+    QuantizedActivations, TileFn, TileOut, WideFn, PACKED_BLOCK, PACKED_BLOCK_Q8_1, PACK_TOKENS,
+};
 use crate::ggml_type::GgmlType;
 use half::f16;
 use std::arch::x86_64::*;
@@ -51,6 +53,20 @@ pub(crate) fn kernel_avx512(ty: GgmlType) -> Option<TileFn> {
         GgmlType::Q4_K => tile_q4_k_avx512,
         GgmlType::Q5_K => tile_q5_k_avx512,
         GgmlType::Q6_K => tile_q6_k_avx512,
+        _ => return None,
+    })
+}
+
+/// The prefill kernel writing 4 rows x whole groups of 8 tokens through a [`TileOut`]
+/// (what `matmul_token_major` calls for those tiles, so results go straight to the
+/// batch's layout), for the types that have one.
+pub(crate) fn wide_avx512(ty: GgmlType) -> Option<WideFn> {
+    Some(match ty {
+        GgmlType::Q4_0 => wide_q4_0_avx512,
+        GgmlType::Q4_1 => wide_q4_1_avx512,
+        GgmlType::Q8_0 => wide_q8_0_avx512,
+        GgmlType::Q5_0 => wide_q5_0_avx512,
+        GgmlType::Q5_1 => wide_q5_1_avx512,
         _ => return None,
     })
 }
@@ -147,15 +163,58 @@ tile_fn!(tile_q4_1_avx512_narrow, q4_1_avx512, 20);
 tile_fn!(tile_q8_0_avx512_narrow, q8_0_avx512, 34);
 tile_fn!(tile_q5_0_avx512_narrow, q5_0_avx512, 22);
 tile_fn!(tile_q5_1_avx512_narrow, q5_1_avx512, 24);
-tile_fn!(tile_q4_k_avx512, q4_k_avx512, 144);
-tile_fn!(tile_q5_k_avx512, q5_k_avx512, 176);
-tile_fn!(tile_q6_k_avx512, q6_k_avx512, 210);
+tile_fn!(tile_q4_k_avx512_narrow, q4_k_avx512, 144);
+tile_fn!(tile_q5_k_avx512_narrow, q5_k_avx512, 176);
+tile_fn!(tile_q6_k_avx512_narrow, q6_k_avx512, 210);
 
-/// Expands the prefill tile of a 32-element format: 4 rows x 8 tokens through its wide
-/// kernel ([`q8_0_like_wide_avx512`], [`q41_like_wide_avx512`]), any other shape through the narrow kernel (tokens split
-/// into groups of at most 4).
+/// `narrow` over tokens `t0..t0 + nt` in groups of at most 4 (the shapes it has).
+///
+/// # Safety
+/// As for `narrow` on each group.
+#[allow(clippy::too_many_arguments)]
+unsafe fn by_4_tokens(
+    narrow: TileFn,
+    w: &[u8],
+    rb: usize,
+    acts: &QuantizedActivations,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let mut j = 0;
+    while j < nt {
+        let m = (nt - j).min(4);
+        // SAFETY: forwarded from the caller.
+        unsafe { narrow(w, rb, acts, t0 + j, m, &mut out[j..], stride) };
+        j += m;
+    }
+}
+
+/// Expands the prefill tile of a 32-element format: 4 rows x whole groups of 8 tokens
+/// through its wide kernel (`$wide_name`, also called by itself for the token-major
+/// output: [`q8_0_like_wide_avx512`], [`q41_like_wide_groups`]), any other shape through
+/// the narrow kernel (tokens split into groups of at most 4).
 macro_rules! tile_wide_fn {
-    ($name:ident, $narrow:ident, $wide:expr, $bb:expr) => {
+    ($name:ident, $wide_name:ident, $narrow:ident, $wide:expr, $bb:expr) => {
+        /// # Safety
+        /// The CPU must support AVX-512 VNNI; `w` (4 rows) and `acts` must be validated;
+        /// `t0` and `nt` whole groups of 8 tokens; `out` valid for every result.
+        unsafe fn $wide_name(
+            w: &[u8],
+            rb: usize,
+            acts: &QuantizedActivations,
+            t0: usize,
+            nt: usize,
+            out: TileOut,
+        ) {
+            let wp: Rows<4> = std::array::from_fn(|i| w[i * rb..].as_ptr());
+            let g0 = t0 / PACK_TOKENS;
+            let y = |g: usize| acts.packed_group(g0 + g).as_ptr();
+            // SAFETY: forwarded from the caller; each packed group holds every block.
+            unsafe { $wide(wp, rb / $bb, y, nt / PACK_TOKENS, out) };
+        }
+
         /// # Safety
         /// The CPU must support AVX-512 VNNI; `w` and `acts` must be validated.
         unsafe fn $name(
@@ -168,55 +227,57 @@ macro_rules! tile_wide_fn {
             stride: usize,
         ) {
             let rr = w.len() / rb;
-            if rr == 4 && nt == PACK_TOKENS && t0 % PACK_TOKENS == 0 {
-                let wp: Rows<4> = std::array::from_fn(|i| w[i * rb..].as_ptr());
-                let y = acts.packed_group(t0 / PACK_TOKENS).as_ptr();
-                // SAFETY: forwarded from the caller; the packed group holds every block.
-                let res = unsafe { $wide(wp, rb / $bb, y) };
-                for (i, row) in res.iter().enumerate() {
-                    out[i * stride..i * stride + PACK_TOKENS].copy_from_slice(row);
-                }
+            if rr == 4 && nt >= PACK_TOKENS && nt % PACK_TOKENS == 0 && t0 % PACK_TOKENS == 0 {
+                assert!(out.len() >= 3 * stride + nt);
+                let out = TileOut {
+                    ptr: out.as_mut_ptr(),
+                    rs: stride,
+                    ts: 1,
+                };
+                // SAFETY: forwarded from the caller; every result lands in `out`
+                // (checked just above).
+                unsafe { $wide_name(w, rb, acts, t0, nt, out) };
                 return;
             }
-            let mut j = 0;
-            while j < nt {
-                let m = (nt - j).min(4);
-                // SAFETY: forwarded from the caller.
-                unsafe { $narrow(w, rb, acts, t0 + j, m, &mut out[j..], stride) };
-                j += m;
-            }
+            // SAFETY: forwarded from the caller.
+            unsafe { by_4_tokens($narrow, w, rb, acts, t0, nt, out, stride) }
         }
     };
 }
 
 tile_wide_fn!(
     tile_q8_0_avx512,
+    wide_q8_0_avx512,
     tile_q8_0_avx512_narrow,
     q8_0_like_wide_avx512::<0>,
     34
 );
 tile_wide_fn!(
     tile_q4_0_avx512,
+    wide_q4_0_avx512,
     tile_q4_0_avx512_narrow,
     q8_0_like_wide_avx512::<1>,
     18
 );
 tile_wide_fn!(
     tile_q5_0_avx512,
+    wide_q5_0_avx512,
     tile_q5_0_avx512_narrow,
     q8_0_like_wide_avx512::<2>,
     22
 );
 tile_wide_fn!(
     tile_q4_1_avx512,
+    wide_q4_1_avx512,
     tile_q4_1_avx512_narrow,
-    q41_like_wide_avx512::<false>,
+    q41_like_wide_groups::<false>,
     20
 );
 tile_wide_fn!(
     tile_q5_1_avx512,
+    wide_q5_1_avx512,
     tile_q5_1_avx512_narrow,
-    q41_like_wide_avx512::<true>,
+    q41_like_wide_groups::<true>,
     24
 );
 
@@ -870,6 +931,43 @@ unsafe fn q41_like_avx512<const RR: usize, const NT: usize, const FIVE: bool>(
     res
 }
 
+/// Block `b` (of `bb` bytes) of each of 4 rows, each prefetched `PREFETCH` bytes ahead.
+///
+/// # Safety
+/// Block `b` of each row must be in bounds.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn blocks4(w: Rows<4>, b: usize, bb: usize) -> [*const u8; 4] {
+    // SAFETY: block b of each row is in bounds (the contract).
+    let wb: [*const u8; 4] = std::array::from_fn(|r| unsafe { w[r].add(b * bb) });
+    for p in wb {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH) as *const i8);
+    }
+    wb
+}
+
+/// [`q41_like_wide_avx512`] for each of `groups` groups of 8 tokens, group `g` (packed at
+/// `y(g)`) written to tokens `8 * g ..` of `out`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q41_like_wide_groups<const FIVE: bool>(
+    w: Rows<4>,
+    nb: usize,
+    y: impl Fn(usize) -> *const u8,
+    groups: usize,
+    out: TileOut,
+) {
+    for g in 0..groups {
+        // SAFETY: forwarded from the caller.
+        let res = unsafe { q41_like_wide_avx512::<FIVE>(w, nb, y(g)) };
+        for (i, row) in res.iter().enumerate() {
+            for (j, &v) in row.iter().enumerate() {
+                // SAFETY: the caller's `out` holds rows 0..4 of tokens 0..8 * groups.
+                unsafe { out.put(i, PACK_TOKENS * g + j, v) };
+            }
+        }
+    }
+}
+
 /// The prefill form of [`q41_like_avx512`]: rows 0..4 (two 512-bit pairs) against 8
 /// tokens of packed Q8_1 activations (`QuantizedActivations::packed_group`), with the
 /// same per-row f32 operations in the same order, so the same bits. The `m_w * s_a`
@@ -897,10 +995,7 @@ unsafe fn q41_like_wide_avx512<const FIVE: bool>(
         // SAFETY: block b of each row and of the packed activations is in bounds.
         unsafe {
             let yb = y.add(b * PACKED_BLOCK_Q8_1);
-            let wb: [*const u8; 4] = std::array::from_fn(|r| w[r].add(b * bb));
-            for p in wb {
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH) as *const i8);
-            }
+            let wb = blocks4(w, b, bb);
             let h = _mm_set_epi32(
                 (wb[3] as *const i32).read_unaligned(),
                 (wb[2] as *const i32).read_unaligned(),
@@ -1000,23 +1095,7 @@ unsafe fn q8_0_like_avx512<const RR: usize, const NT: usize, const KIND: u8>(
                 let h = (wa as *const u16).read_unaligned() as i32
                     | (((wb as *const u16).read_unaligned() as i32) << 16);
                 let d = halves(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), idx);
-                // The weights plus the offset, as unsigned bytes.
-                let x = match KIND {
-                    1 => nibbles_pair(wa.add(2), wb.add(2)),
-                    2 => {
-                        let qa = (wa.add(2) as *const u32).read_unaligned();
-                        let qb = (wb.add(2) as *const u32).read_unaligned();
-                        let q = nibbles_pair(wa.add(6), wb.add(6));
-                        _mm512_or_si512(q, high_bits_pair(qa, qb))
-                    }
-                    _ => _mm512_xor_si512(
-                        _mm512_inserti64x4::<1>(
-                            _mm512_castsi256_si512(_mm256_loadu_si256(wa.add(2) as *const __m256i)),
-                            _mm256_loadu_si256(wb.add(2) as *const __m256i),
-                        ),
-                        offset,
-                    ),
-                };
+                let x = q8_0_like_pair::<KIND>(wa, wb);
                 for t in 0..NT {
                     let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg_corr[t], x, y[t]));
                     acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, sy[t]), xy, acc[t]);
@@ -1035,99 +1114,170 @@ unsafe fn q8_0_like_avx512<const RR: usize, const NT: usize, const KIND: u8>(
     res
 }
 
-/// The prefill form of [`q8_0_like_avx512`]: rows 0..4 (two 512-bit pairs) against 8
-/// tokens, each decoded weight block used for all 8 tokens and each activation block
-/// for both pairs; the same per-row f32 operations in the same order (one `d_w * d_a`
-/// product and one FMA per block and lane, then ggml's horizontal sum), so the same bits.
-/// The activations come packed (`QuantizedActivations::packed_group`: one pointer,
-/// constant offsets); the offset correction is their precomputed negated group sums
-/// shifted by log2 of the offset (128, 8 and 16 are powers of two), not recomputed per
-/// tile.
+/// Most blocks per row [`q8_0_like_wide_avx512`] decodes once for all token groups (k up
+/// to 2048; the decoded rows take 16 KiB of stack). Longer rows decode per group.
+const WIDE_MAX_BLOCKS: usize = 64;
+
+/// Block `b` of rows 0..4 of a 32-element format with a Q8_0-like dot (`KIND` 0, 1, 2:
+/// Q8_0, Q4_0, Q5_0) decoded for [`q8_0_like_wide_avx512`]: the scales `d` of rows
+/// 0 / 1 and 2 / 3 in the two 256-bit halves of each vector, and the weights plus the
+/// offset as unsigned bytes, rows 0 / 1 and 2 / 3 side by side.
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn q8_0_like_wide_avx512<const KIND: u8>(
-    w: Rows<4>,
-    nb: usize,
-    y: *const u8,
-) -> [[f32; PACK_TOKENS]; 4] {
-    const NT: usize = PACK_TOKENS;
+unsafe fn q8_0_like_decode4<const KIND: u8>(w: Rows<4>, b: usize) -> ([__m512; 2], [__m512i; 2]) {
     let bb = [34, 18, 22][KIND as usize];
-    let offset = _mm512_set1_epi8([-128i8, 8, 16][KIND as usize]);
     // Lanes 0 / 2 (d of rows 0 / 2) and 1 / 3 (rows 1 / 3) in the two 256-bit halves.
     let idx = [
         _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
         _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),
     ];
-    let mut acc = [[_mm512_setzero_ps(); NT]; 2];
-    for b in 0..nb {
-        // SAFETY: block b of each row and of the packed activations is in bounds.
+    // SAFETY: block b of each row is in bounds (the caller's contract).
+    unsafe {
+        let wb = blocks4(w, b, bb);
+        let h = _mm_set_epi16(
+            0,
+            0,
+            0,
+            0,
+            (wb[3] as *const i16).read_unaligned(),
+            (wb[2] as *const i16).read_unaligned(),
+            (wb[1] as *const i16).read_unaligned(),
+            (wb[0] as *const i16).read_unaligned(),
+        );
+        let d4 = _mm512_castps128_ps512(_mm_cvtph_ps(h));
+        let d = [
+            _mm512_permutexvar_ps(idx[0], d4),
+            _mm512_permutexvar_ps(idx[1], d4),
+        ];
+        let x: [__m512i; 2] =
+            std::array::from_fn(|p| q8_0_like_pair::<KIND>(wb[2 * p], wb[2 * p + 1]));
+        (d, x)
+    }
+}
+
+/// One block of [`q8_0_like_wide_avx512`]: the decoded rows `(d, x)` against the 8
+/// tokens of packed block `yb`, one FMA per pair, token and lane.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_0_like_wide_block<const KIND: u8>(
+    d: [__m512; 2],
+    x: [__m512i; 2],
+    yb: *const u8,
+    acc: &mut [[__m512; PACK_TOKENS]; 2],
+) {
+    const NT: usize = PACK_TOKENS;
+    // `t` also gives the byte offsets of the token in the packed block.
+    #[allow(clippy::needless_range_loop)]
+    for t in 0..NT {
+        // SAFETY: the packed block holds 8 tokens' quants, sums and scales.
         unsafe {
-            let yb = y.add(b * PACKED_BLOCK);
-            let wb: [*const u8; 4] = std::array::from_fn(|r| w[r].add(b * bb));
-            for p in wb {
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH) as *const i8);
+            let y = broadcast32(yb.add(32 * t));
+            let sums = broadcast32(yb.add(32 * NT + 32 * t));
+            // -offset * (sum of each group of four activations); the packed sums are
+            // already times 16 (Q5_0's offset).
+            let corr = match KIND {
+                1 => _mm512_srai_epi32::<1>(sums),
+                2 => sums,
+                _ => _mm512_slli_epi32::<3>(sums),
+            };
+            let sy = _mm512_set1_ps((yb.add(64 * NT + 4 * t) as *const f32).read_unaligned());
+            for p in 0..2 {
+                let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, x[p], y));
+                acc[p][t] = _mm512_fmadd_ps(_mm512_mul_ps(d[p], sy), xy, acc[p][t]);
             }
-            let h = _mm_set_epi16(
-                0,
-                0,
-                0,
-                0,
-                (wb[3] as *const i16).read_unaligned(),
-                (wb[2] as *const i16).read_unaligned(),
-                (wb[1] as *const i16).read_unaligned(),
-                (wb[0] as *const i16).read_unaligned(),
-            );
-            let d4 = _mm512_castps128_ps512(_mm_cvtph_ps(h));
-            let d = [
-                _mm512_permutexvar_ps(idx[0], d4),
-                _mm512_permutexvar_ps(idx[1], d4),
-            ];
-            // The weights plus the offset, as unsigned bytes.
-            let x: [__m512i; 2] = std::array::from_fn(|p| {
-                let (wa, wb) = (wb[2 * p], wb[2 * p + 1]);
-                match KIND {
-                    1 => nibbles_pair(wa.add(2), wb.add(2)),
-                    2 => {
-                        let qa = (wa.add(2) as *const u32).read_unaligned();
-                        let qb = (wb.add(2) as *const u32).read_unaligned();
-                        let q = nibbles_pair(wa.add(6), wb.add(6));
-                        _mm512_or_si512(q, high_bits_pair(qa, qb))
-                    }
-                    _ => _mm512_xor_si512(
-                        _mm512_inserti64x4::<1>(
-                            _mm512_castsi256_si512(_mm256_loadu_si256(wa.add(2) as *const __m256i)),
-                            _mm256_loadu_si256(wb.add(2) as *const __m256i),
-                        ),
-                        offset,
-                    ),
-                }
-            });
-            // `t` also gives the byte offsets of the token in the packed block.
-            #[allow(clippy::needless_range_loop)]
-            for t in 0..NT {
-                let y = broadcast32(yb.add(32 * t));
-                let sums = broadcast32(yb.add(32 * NT + 32 * t));
-                // -offset * (sum of each group of four activations).
-                let corr = match KIND {
-                    1 => _mm512_slli_epi32::<3>(sums),
-                    2 => _mm512_slli_epi32::<4>(sums),
-                    _ => _mm512_slli_epi32::<7>(sums),
+        }
+    }
+}
+
+/// The 32 weights of blocks `wa` and `wb` (`KIND` 0, 1, 2: Q8_0, Q4_0, Q5_0) plus the
+/// format's offset (128, 8, 16) as unsigned bytes, `wa`'s in the low 256 bits.
+///
+/// # Safety
+/// `wa` and `wb` must each point to a whole block.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_0_like_pair<const KIND: u8>(wa: *const u8, wb: *const u8) -> __m512i {
+    // SAFETY: whole blocks at wa and wb (the contract).
+    unsafe {
+        match KIND {
+            1 => nibbles_pair(wa.add(2), wb.add(2)),
+            2 => {
+                let qa = (wa.add(2) as *const u32).read_unaligned();
+                let qb = (wb.add(2) as *const u32).read_unaligned();
+                let q = nibbles_pair(wa.add(6), wb.add(6));
+                _mm512_or_si512(q, high_bits_pair(qa, qb))
+            }
+            _ => _mm512_xor_si512(
+                _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(wa.add(2) as *const __m256i)),
+                    _mm256_loadu_si256(wb.add(2) as *const __m256i),
+                ),
+                _mm512_set1_epi8(-128),
+            ),
+        }
+    }
+}
+
+/// The prefill form of [`q8_0_like_avx512`]: rows 0..4 (two 512-bit pairs) against
+/// `groups` groups of 8 tokens, each decoded weight block used for all 8 tokens of a
+/// group and each activation block for both pairs; the same per-row f32 operations in
+/// the same order (one `d_w * d_a` product and one FMA per block and lane, then ggml's
+/// horizontal sum), so the same bits. Rows of at most [`WIDE_MAX_BLOCKS`] blocks are
+/// decoded once (weights and scales, into a buffer on the stack) for every group rather
+/// than once per group. The activations come packed
+/// (`QuantizedActivations::packed_group`: one pointer, constant offsets); the offset
+/// correction is their precomputed negated group sums times 16, shifted to the offset
+/// (128, 8 and 16 are powers of two), not recomputed per tile. Group `g` writes tokens
+/// `8 * g ..` of `out` as it ends (stores spread over the work, not in one burst).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_0_like_wide_avx512<const KIND: u8>(
+    w: Rows<4>,
+    nb: usize,
+    y: impl Fn(usize) -> *const u8,
+    groups: usize,
+    out: TileOut,
+) {
+    const NT: usize = PACK_TOKENS;
+    let cached = nb <= WIDE_MAX_BLOCKS;
+    let mut rows =
+        [std::mem::MaybeUninit::<([__m512; 2], [__m512i; 2])>::uninit(); WIDE_MAX_BLOCKS];
+    if cached {
+        for (b, r) in rows.iter_mut().enumerate().take(nb) {
+            // SAFETY: block b < nb of each row is in bounds.
+            r.write(unsafe { q8_0_like_decode4::<KIND>(w, b) });
+        }
+    }
+    for g in 0..groups {
+        let yg = y(g);
+        let mut acc = [[_mm512_setzero_ps(); NT]; 2];
+        // `b` indexes the decoded rows only when they were cached.
+        #[allow(clippy::needless_range_loop)]
+        for b in 0..nb {
+            // SAFETY: blocks 0..nb were written above when `cached`; block b of each
+            // row and of the packed group is in bounds.
+            unsafe {
+                let (d, x) = if cached {
+                    rows[b].assume_init()
+                } else {
+                    q8_0_like_decode4::<KIND>(w, b)
                 };
-                let sy = _mm512_set1_ps((yb.add(64 * NT + 4 * t) as *const f32).read_unaligned());
-                for p in 0..2 {
-                    let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, x[p], y));
-                    acc[p][t] = _mm512_fmadd_ps(_mm512_mul_ps(d[p], sy), xy, acc[p][t]);
+                q8_0_like_wide_block::<KIND>(d, x, yg.add(b * PACKED_BLOCK), &mut acc);
+            }
+        }
+        for (p, acc) in acc.iter().enumerate() {
+            for (t, &v) in acc.iter().enumerate() {
+                // SAFETY: the caller's `out` holds rows 0..4 of tokens 0..8 * groups.
+                unsafe {
+                    out.put(
+                        2 * p + 1,
+                        NT * g + t,
+                        hsum256(_mm512_extractf32x8_ps::<1>(v)),
+                    );
+                    out.put(2 * p, NT * g + t, hsum256(_mm512_castps512_ps256(v)));
                 }
             }
         }
     }
-    let mut res = [[0f32; NT]; 4];
-    for (p, acc) in acc.iter().enumerate() {
-        for t in 0..NT {
-            res[2 * p + 1][t] = hsum256(_mm512_extractf32x8_ps::<1>(acc[t]));
-            res[2 * p][t] = hsum256(_mm512_castps512_ps256(acc[t]));
-        }
-    }
-    res
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
@@ -1228,6 +1378,134 @@ fn word_index(f: impl Fn(usize) -> usize) -> __m512i {
 /// Up to 8 (row, token) pairs of a tile, `c = r * NT + t`, handled four at a time.
 const K_GROUPS: usize = 2;
 
+/// A Q4_K / Q5_K superblock decoded for [`q45_k_rows`]: the 256 quants as unsigned
+/// bytes, each 512-bit vector holding sub-blocks `2c` and `2c + 1` (side by side in the
+/// activations too); each sub-block's 6-bit scale in the word lanes that meet it; the
+/// eight mins as words; `d` and `dmin`.
+#[derive(Clone, Copy)]
+struct K45Block {
+    wv: [__m512i; 4],
+    sv: [__m512i; 4],
+    mn: __m128i,
+    d: f32,
+    dmin: f32,
+}
+
+/// Decodes the Q4_K (`FIVE == false`) or Q5_K superblock at `x`.
+///
+/// # Safety
+/// `x` must point to a whole superblock; the CPU must support AVX-512 VNNI.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q45_k_decode<const FIVE: bool>(x: *const u8) -> K45Block {
+    let bb = if FIVE { 176 } else { 144 };
+    let m4 = _mm512_set1_epi8(0x0F);
+    // SAFETY: a whole superblock at x (the contract).
+    unsafe {
+        for off in (0..bb).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + off) as *const i8);
+        }
+        let hd = f16x2(x);
+        let (sc, mn) = k4_scales_mins(x.add(4));
+        let sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
+        let qs = x.add(if FIVE { 48 } else { 16 });
+        let mut wv = [_mm512_setzero_si512(); 4];
+        for h in 0..2 {
+            // Bytes of chunks 2h and 2h + 1: low nibbles are sub-blocks 4h and 4h + 2,
+            // high nibbles 4h + 1 and 4h + 3.
+            let q = _mm512_loadu_si512(qs.add(64 * h) as *const __m512i);
+            let lo = _mm512_and_si512(q, m4);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
+            wv[2 * h] = _mm512_shuffle_i64x2::<0x44>(lo, hi);
+            wv[2 * h + 1] = _mm512_shuffle_i64x2::<0xEE>(lo, hi);
+        }
+        if FIVE {
+            let sixteen = _mm512_set1_epi8(16);
+            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(x.add(16) as *const __m256i));
+            for (c, v) in wv.iter_mut().enumerate() {
+                // The fifth bit of sub-block j is bit j of qh[l].
+                let hmask = _mm512_inserti64x4::<1>(
+                    _mm512_set1_epi8((1u8 << (2 * c)) as i8),
+                    _mm256_set1_epi8((1u8 << (2 * c + 1)) as i8),
+                );
+                let k = _mm512_test_epi8_mask(qh, hmask);
+                *v = _mm512_mask_add_epi8(*v, k, *v, sixteen);
+            }
+        }
+        // Word lanes 0..16 take scale 2c, lanes 16..32 scale 2c + 1.
+        let sv =
+            std::array::from_fn(|c| _mm512_permutexvar_epi16(word_index(|i| 2 * c + i / 16), sc));
+        K45Block {
+            wv,
+            sv,
+            mn: _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64)),
+            d: _mm_cvtss_f32(hd),
+            dmin: _mm_cvtss_f32(_mm_movehdup_ps(hd)),
+        }
+    }
+}
+
+/// A Q6_K superblock decoded for [`q6_k_rows`]: the 256 unsigned 6-bit quants, 64
+/// consecutive ones per vector (each 128-bit lane 16 of one scale); each scale in the
+/// word lanes that meet it; `-32 * scale` in the word lanes of the Q8_K block sums; `d`.
+#[derive(Clone, Copy)]
+struct K6Block {
+    wv: [__m512i; 4],
+    sv: [__m512i; 4],
+    neg32: __m512i,
+    d: f32,
+}
+
+/// Decodes the Q6_K superblock at `x`.
+///
+/// # Safety
+/// `x` must point to a whole superblock; the CPU must support AVX-512 VNNI.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q6_k_decode(x: *const u8) -> K6Block {
+    let m4 = _mm512_set1_epi8(0x0F);
+    let m30 = _mm512_set1_epi8(0x30);
+    // Bits (0, 1) of qh to (4, 5) for the first 32 quants, bits (2, 3) for the next 32;
+    // then bits (4, 5) where they are and (6, 7) down by two.
+    let shl_a = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
+    let shr_b = _mm512_inserti64x4::<1>(_mm512_set1_epi16(0), _mm256_set1_epi16(2));
+    // SAFETY: a whole superblock at x (the contract).
+    unsafe {
+        for off in (0..210).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + off) as *const i8);
+        }
+        let d = _mm_cvtss_f32(f16x1(x.add(208)));
+        let sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(x.add(192) as *const __m128i));
+        let neg32 = _mm512_zextsi256_si512(_mm256_sub_epi16(
+            _mm256_setzero_si256(),
+            _mm256_slli_epi16::<5>(sc),
+        ));
+        let sc = _mm512_zextsi256_si512(sc);
+        let mut wv = [_mm512_setzero_si512(); 4];
+        for n in 0..2 {
+            // ql[64n..64n + 64]: low nibbles are quants 128n + 0..64, high nibbles
+            // 128n + 64..128; qh[32n..32n + 32] gives both halves their top bits.
+            let ql = _mm512_loadu_si512(x.add(64 * n) as *const __m512i);
+            let qh =
+                _mm512_broadcast_i64x4(_mm256_loadu_si256(x.add(128 + 32 * n) as *const __m256i));
+            let lo = _mm512_and_si512(ql, m4);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4);
+            // a | (b & c)
+            wv[2 * n] = _mm512_ternarylogic_epi32::<0xF8>(lo, _mm512_sllv_epi16(qh, shl_a), m30);
+            wv[2 * n + 1] =
+                _mm512_ternarylogic_epi32::<0xF8>(hi, _mm512_srlv_epi16(qh, shr_b), m30);
+        }
+        // Word lanes of vector g: scale 4g + lane / 8.
+        let sv =
+            std::array::from_fn(|g| _mm512_permutexvar_epi16(word_index(|i| 4 * g + i / 8), sc));
+        K6Block { wv, sv, neg32, d }
+    }
+}
+
+/// Most superblocks per row the K-quant prefill tile decodes once for all its tokens
+/// (k up to 8192; 2 rows take about 36 KiB of stack). Longer rows decode per 4 tokens.
+const K_MAX_BLOCKS: usize = 32;
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn q4_k_avx512<const RR: usize, const NT: usize>(
     w: Rows<RR>,
@@ -1235,7 +1513,8 @@ unsafe fn q4_k_avx512<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
-    unsafe { q45_k_avx512::<RR, NT, false>(w, nb, a, s) }
+    // SAFETY: forwarded from the caller.
+    unsafe { q45_k_rows::<RR, NT>(|r, b| q45_k_decode::<false>(w[r].add(b * 144)), nb, a, s) }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
@@ -1245,35 +1524,25 @@ unsafe fn q5_k_avx512<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
-    unsafe { q45_k_avx512::<RR, NT, true>(w, nb, a, s) }
+    // SAFETY: forwarded from the caller.
+    unsafe { q45_k_rows::<RR, NT>(|r, b| q45_k_decode::<true>(w[r].add(b * 176)), nb, a, s) }
 }
 
 /// Q4_K / Q5_K x Q8_K with the f32 arithmetic of the scalar and AVX2 kernels (one
 /// `acc += d * dy * sumi - dmin * dy * summ` per superblock, so the same bits), the
 /// integers computed 64 quants per instruction pair: `vpmaddubsw` of unsigned quants and
 /// activations (pairs at most 2 * 31 * 128, no saturation), then `vpdpwssd` with the
-/// sub-block's scale. Each 512-bit weight vector holds sub-blocks `2c` and `2c + 1`, which
-/// sit side by side in the activations. The integer totals of four (row, token) pairs are
-/// reduced together and the f32 step runs on four lanes.
+/// sub-block's scale. The integer totals of four (row, token) pairs are reduced together
+/// and the f32 step runs on four lanes. `blk(r, b)` gives superblock `b` of row `r`
+/// decoded (from the weights, or from rows decoded once for many tokens).
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn q45_k_avx512<const RR: usize, const NT: usize, const FIVE: bool>(
-    w: Rows<RR>,
+unsafe fn q45_k_rows<const RR: usize, const NT: usize>(
+    blk: impl Fn(usize, usize) -> K45Block,
     nb: usize,
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
-    let bb = if FIVE { 176 } else { 144 };
-    let m4 = _mm512_set1_epi8(0x0F);
-    let sixteen = _mm512_set1_epi8(16);
-    // Word lanes 0..16 take scale 2c, lanes 16..32 scale 2c + 1.
-    let sidx: [__m512i; 4] = std::array::from_fn(|c| word_index(|i| 2 * c + i / 16));
-    // Q5_K: the fifth bit of sub-block j is bit j of qh[l].
-    let hmask: [__m512i; 4] = std::array::from_fn(|c| {
-        _mm512_inserti64x4::<1>(
-            _mm512_set1_epi8((1u8 << (2 * c)) as i8),
-            _mm256_set1_epi8((1u8 << (2 * c + 1)) as i8),
-        )
-    });
     const { assert!(RR * NT <= 4 * K_GROUPS) };
     let pairs = RR * NT;
     let mut acc = [_mm_setzero_ps(); K_GROUPS];
@@ -1298,46 +1567,18 @@ unsafe fn q45_k_avx512<const RR: usize, const NT: usize, const FIVE: bool>(
             let mut d = [0f32; RR];
             let mut dmin = [0f32; RR];
             for r in 0..RR {
-                let x = w[r].add(b * bb);
-                for off in (0..bb).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + off) as *const i8);
-                }
-                let hd = f16x2(x);
-                d[r] = _mm_cvtss_f32(hd);
-                dmin[r] = _mm_cvtss_f32(_mm_movehdup_ps(hd));
-                let (sc, mn) = k4_scales_mins(x.add(4));
-                let sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
-                let mn = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64));
-                let qs = x.add(if FIVE { 48 } else { 16 });
-                let mut wv = [_mm512_setzero_si512(); 4];
-                for h in 0..2 {
-                    // Bytes of chunks 2h and 2h + 1: low nibbles are sub-blocks 4h and
-                    // 4h + 2, high nibbles 4h + 1 and 4h + 3.
-                    let q = _mm512_loadu_si512(qs.add(64 * h) as *const __m512i);
-                    let lo = _mm512_and_si512(q, m4);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
-                    wv[2 * h] = _mm512_shuffle_i64x2::<0x44>(lo, hi);
-                    wv[2 * h + 1] = _mm512_shuffle_i64x2::<0xEE>(lo, hi);
-                }
-                if FIVE {
-                    let qh =
-                        _mm512_broadcast_i64x4(_mm256_loadu_si256(x.add(16) as *const __m256i));
-                    for c in 0..4 {
-                        let k = _mm512_test_epi8_mask(qh, hmask[c]);
-                        wv[c] = _mm512_mask_add_epi8(wv[c], k, wv[c], sixteen);
-                    }
-                }
-                let sv: [__m512i; 4] =
-                    std::array::from_fn(|c| _mm512_permutexvar_epi16(sidx[c], sc));
+                let x = blk(r, b);
+                d[r] = x.d;
+                dmin[r] = x.dmin;
                 for t in 0..NT {
                     let yq = y[t].add(4);
                     let mut sum = _mm512_setzero_si512();
                     for c in 0..4 {
                         let yv = _mm512_loadu_si512(yq.add(64 * c) as *const __m512i);
-                        sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(wv[c], yv), sv[c]);
+                        sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(x.wv[c], yv), x.sv[c]);
                     }
                     sums[r][t] = sum;
-                    msums[r][t] = _mm_madd_epi16(mn, q8s[t]);
+                    msums[r][t] = _mm_madd_epi16(x.mn, q8s[t]);
                 }
             }
             for (g, acc) in acc.iter_mut().enumerate().take(pairs.div_ceil(4)) {
@@ -1368,6 +1609,96 @@ unsafe fn q45_k_avx512<const RR: usize, const NT: usize, const FIVE: bool>(
     k_results(acc)
 }
 
+/// Expands the prefill tile of a K-quant on AVX-512: 2 rows x any number of tokens with
+/// the rows decoded once (up to [`K_MAX_BLOCKS`] superblocks) and the tokens taken 4 at
+/// a time (then a tail of 1 to 3) through `$rows`; any other shape through `$narrow`,
+/// the tokens split into groups of at most 4.
+macro_rules! tile_k_wide_fn {
+    ($name:ident, $narrow:ident, $block:ty, $decode:expr, $rows:ident, $bb:expr) => {
+        /// # Safety
+        /// The CPU must support AVX-512 VNNI; `w` and `acts` must be validated.
+        unsafe fn $name(
+            w: &[u8],
+            rb: usize,
+            acts: &QuantizedActivations,
+            t0: usize,
+            nt: usize,
+            out: &mut [f32],
+            stride: usize,
+        ) {
+            let (rr, nb) = (w.len() / rb, rb / $bb);
+            if rr != 2 || nt <= 4 || nb > K_MAX_BLOCKS {
+                // SAFETY: forwarded from the caller.
+                return unsafe { by_4_tokens($narrow, w, rb, acts, t0, nt, out, stride) };
+            }
+            let mut rows = [[std::mem::MaybeUninit::<$block>::uninit(); K_MAX_BLOCKS]; 2];
+            for (r, row) in rows.iter_mut().enumerate() {
+                for (b, x) in row.iter_mut().enumerate().take(nb) {
+                    // SAFETY: superblock b < nb of row r is in bounds.
+                    x.write(unsafe { $decode(w[r * rb + b * $bb..].as_ptr()) });
+                }
+            }
+            // SAFETY: blocks 0..nb of both rows were written above.
+            let blk = |r: usize, b: usize| unsafe { rows[r][b].assume_init() };
+            #[inline(always)]
+            unsafe fn run<const NT: usize>(
+                blk: impl Fn(usize, usize) -> $block,
+                nb: usize,
+                acts: &QuantizedActivations,
+                t0: usize,
+                out: &mut [f32],
+                stride: usize,
+            ) {
+                let (a, s) = act_ptrs::<NT>(acts, t0);
+                // SAFETY: forwarded from the caller.
+                let res = unsafe { $rows::<2, NT>(blk, nb, a, s) };
+                for (i, row) in res.iter().enumerate() {
+                    out[i * stride..i * stride + NT].copy_from_slice(row);
+                }
+            }
+            let mut j = 0;
+            // SAFETY: forwarded from the caller.
+            unsafe {
+                while j + 4 <= nt {
+                    run::<4>(&blk, nb, acts, t0 + j, &mut out[j..], stride);
+                    j += 4;
+                }
+                match nt - j {
+                    3 => run::<3>(&blk, nb, acts, t0 + j, &mut out[j..], stride),
+                    2 => run::<2>(&blk, nb, acts, t0 + j, &mut out[j..], stride),
+                    1 => run::<1>(&blk, nb, acts, t0 + j, &mut out[j..], stride),
+                    _ => {}
+                }
+            }
+        }
+    };
+}
+
+tile_k_wide_fn!(
+    tile_q4_k_avx512,
+    tile_q4_k_avx512_narrow,
+    K45Block,
+    q45_k_decode::<false>,
+    q45_k_rows,
+    144
+);
+tile_k_wide_fn!(
+    tile_q5_k_avx512,
+    tile_q5_k_avx512_narrow,
+    K45Block,
+    q45_k_decode::<true>,
+    q45_k_rows,
+    176
+);
+tile_k_wide_fn!(
+    tile_q6_k_avx512,
+    tile_q6_k_avx512_narrow,
+    K6Block,
+    q6_k_decode,
+    q6_k_rows,
+    210
+);
+
 /// The f32 lanes of the pair groups as `[row][token]` (pair `c = r * NT + t`).
 #[inline(always)]
 fn k_results<const RR: usize, const NT: usize>(acc: [__m128; K_GROUPS]) -> [[f32; NT]; RR] {
@@ -1379,11 +1710,6 @@ fn k_results<const RR: usize, const NT: usize>(acc: [__m128; K_GROUPS]) -> [[f32
     std::array::from_fn(|r| std::array::from_fn(|t| lanes[r * NT + t]))
 }
 
-/// Q6_K x Q8_K with the f32 arithmetic of the scalar and AVX2 kernels (one
-/// `acc += d * dy * sumi` per superblock, so the same bits). The unsigned 6-bit quants go
-/// through `vpmaddubsw` (pairs at most 2 * 63 * 128) and `vpdpwssd` with their i8 scale;
-/// the -32 offset is one more `vpdpwssd` of the Q8_K block sums with `-32 * scale`. Each
-/// 512-bit weight vector holds 64 consecutive quants, each 128-bit lane 16 of one scale.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn q6_k_avx512<const RR: usize, const NT: usize>(
     w: Rows<RR>,
@@ -1391,14 +1717,23 @@ unsafe fn q6_k_avx512<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
-    let m4 = _mm512_set1_epi8(0x0F);
-    let m30 = _mm512_set1_epi8(0x30);
-    // Bits (0, 1) of qh to (4, 5) for the first 32 quants, bits (2, 3) for the next 32;
-    // then bits (4, 5) where they are and (6, 7) down by two.
-    let shl_a = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
-    let shr_b = _mm512_inserti64x4::<1>(_mm512_set1_epi16(0), _mm256_set1_epi16(2));
-    // Word lanes of vector g: scale 4g + lane / 8.
-    let sidx: [__m512i; 4] = std::array::from_fn(|g| word_index(|i| 4 * g + i / 8));
+    // SAFETY: forwarded from the caller.
+    unsafe { q6_k_rows::<RR, NT>(|r, b| q6_k_decode(w[r].add(b * 210)), nb, a, s) }
+}
+
+/// Q6_K x Q8_K with the f32 arithmetic of the scalar and AVX2 kernels (one
+/// `acc += d * dy * sumi` per superblock, so the same bits). The unsigned 6-bit quants go
+/// through `vpmaddubsw` (pairs at most 2 * 63 * 128) and `vpdpwssd` with their i8 scale;
+/// the -32 offset is one more `vpdpwssd` of the Q8_K block sums with `-32 * scale`.
+/// `blk(r, b)` gives superblock `b` of row `r` decoded.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn q6_k_rows<const RR: usize, const NT: usize>(
+    blk: impl Fn(usize, usize) -> K6Block,
+    nb: usize,
+    a: [*const u8; NT],
+    s: [*const f32; NT],
+) -> [[f32; NT]; RR] {
     const { assert!(RR * NT <= 4 * K_GROUPS) };
     let pairs = RR * NT;
     let mut acc = [_mm_setzero_ps(); K_GROUPS];
@@ -1416,41 +1751,14 @@ unsafe fn q6_k_avx512<const RR: usize, const NT: usize>(
             let mut sums = [[_mm512_setzero_si512(); NT]; RR];
             let mut d = [0f32; RR];
             for r in 0..RR {
-                let x = w[r].add(b * 210);
-                for off in (0..210).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + off) as *const i8);
-                }
-                d[r] = _mm_cvtss_f32(f16x1(x.add(208)));
-                let sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(x.add(192) as *const __m128i));
-                let neg32 = _mm512_zextsi256_si512(_mm256_sub_epi16(
-                    _mm256_setzero_si256(),
-                    _mm256_slli_epi16::<5>(sc),
-                ));
-                let sc = _mm512_zextsi256_si512(sc);
-                let mut wv = [_mm512_setzero_si512(); 4];
-                for n in 0..2 {
-                    // ql[64n..64n + 64]: low nibbles are quants 128n + 0..64, high nibbles
-                    // 128n + 64..128; qh[32n..32n + 32] gives both halves their top bits.
-                    let ql = _mm512_loadu_si512(x.add(64 * n) as *const __m512i);
-                    let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                        x.add(128 + 32 * n) as *const __m256i
-                    ));
-                    let lo = _mm512_and_si512(ql, m4);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4);
-                    // a | (b & c)
-                    wv[2 * n] =
-                        _mm512_ternarylogic_epi32::<0xF8>(lo, _mm512_sllv_epi16(qh, shl_a), m30);
-                    wv[2 * n + 1] =
-                        _mm512_ternarylogic_epi32::<0xF8>(hi, _mm512_srlv_epi16(qh, shr_b), m30);
-                }
-                let sv: [__m512i; 4] =
-                    std::array::from_fn(|g| _mm512_permutexvar_epi16(sidx[g], sc));
+                let x = blk(r, b);
+                d[r] = x.d;
                 for t in 0..NT {
                     let yq = y[t].add(4);
-                    let mut sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), bs[t], neg32);
+                    let mut sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), bs[t], x.neg32);
                     for g in 0..4 {
                         let yv = _mm512_loadu_si512(yq.add(64 * g) as *const __m512i);
-                        sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(wv[g], yv), sv[g]);
+                        sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(x.wv[g], yv), x.sv[g]);
                     }
                     sums[r][t] = sum;
                 }
@@ -1717,13 +2025,24 @@ mod tests {
                 GgmlType::Q8_0 | GgmlType::Q8_1
             );
         let mut shapes = vec![(4, 1), (2, 4), (1, 4), (1, 3), (1, 2), (1, 1), (3, 2)];
+        let (mut blocks, mut tokens) = (vec![1, 2, 3, 7], 1..10);
         if wide {
-            shapes.extend([(4, 8), (1, 8), (4, 5), (2, 7)]);
+            // Whole groups of 8 tokens, one or several; rows of more blocks than the
+            // kernels decode once for all groups (`WIDE_MAX_BLOCKS`).
+            shapes.extend([(4, 8), (1, 8), (4, 5), (2, 7), (4, 16), (4, 24), (1, 16)]);
+            blocks.push(WIDE_MAX_BLOCKS + 3);
+            tokens = 1..26;
         }
-        for nb in [1, 2, 3, 7] {
+        if level == "avx512" && bl == 256 {
+            // 2 rows x more than 4 tokens: the rows decoded once, the tokens 4 at a time
+            // and a tail; rows longer than that decodes (`K_MAX_BLOCKS`).
+            shapes.extend([(2, 5), (2, 8), (2, 9), (2, 7)]);
+            blocks.push(K_MAX_BLOCKS + 1);
+        }
+        for nb in blocks {
             let k = bl * nb;
             let rb = ty.block_bytes() * nb;
-            for n in 1..10 {
+            for n in tokens.clone() {
                 let rows = 5;
                 let wq = random_rows(ty, rows * rb, (nb * 31 + n) as u64);
                 let x: Vec<f32> = (0..n * k)
