@@ -152,6 +152,24 @@ fn neuron_records(layers: &[LayerWeights], n_embd: usize) -> Result<MemoryNeuron
 
 /// Runs the prompt, then `n_gen` greedy tokens, on `model` (on `backend`, whose context
 /// `ctx` counts the device bytes).
+/// [`measure`] of a model over `store` with the architecture's dense MLP.
+fn measure_dense(
+    scheme: &str,
+    config: &ModelConfig,
+    store: Box<dyn WeightStore>,
+    (backend, ctx): (&Arc<WgpuBackend>, &GpuContext),
+    prompt: &[u32],
+    n_gen: usize,
+) -> Result<Run> {
+    let model = Model::from_parts(
+        config.clone(),
+        store,
+        backend.clone(),
+        ballast_runtime::ffn::for_config(config),
+    );
+    measure(scheme, model, backend, ctx, prompt, n_gen, None)
+}
+
 fn measure(
     scheme: &str,
     model: Model,
@@ -313,20 +331,13 @@ pub fn run(ballast: &Path, model_path: &Path, opts: &Options) -> Result<()> {
     {
         let (ctx, backend) = fresh_backend()?;
         let store = MlpOffload::new(globals.clone(), layers.clone())?;
-        let model = Model::from_parts(
-            config.clone(),
-            Box::new(store),
-            backend.clone(),
-            ballast_runtime::ffn::for_config(&config),
-        );
-        let mut r = measure(
+        let mut r = measure_dense(
             "naive offload (every MLP per use)",
-            model,
-            &backend,
-            &ctx,
+            &config,
+            Box::new(store),
+            (&backend, &ctx),
             &prompt,
             n_gen,
-            None,
         )?;
         r.note = "attention and head resident".into();
         runs.push(r);
@@ -359,20 +370,13 @@ pub fn run(ballast: &Path, model_path: &Path, opts: &Options) -> Result<()> {
             TieredOptions::default(),
         )?;
         backend.set_stream_slots(p.device_slots.max(1));
-        let model = Model::from_parts(
-            config.clone(),
-            Box::new(store),
-            backend.clone(),
-            ballast_runtime::ffn::for_config(&config),
-        );
-        let mut r = measure(
+        let mut r = measure_dense(
             "partial dense offload (tiered)",
-            model,
-            &backend,
-            &ctx,
+            &config,
+            Box::new(store),
+            (&backend, &ctx),
             &prompt,
             n_gen,
-            None,
         )?;
         r.note = format!(
             "{a} layers on the device, {} streamed ({c} from disk), {} slots",
