@@ -815,10 +815,29 @@ unsafe fn float_dot_avx2<const KIND: u8>(w: &[u8], x: &[f32]) -> f32 {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn nibbles_pair(pa: *const u8, pb: *const u8) -> __m512i {
-    let q256 = unsafe { _mm256_loadu2_m128i(pb as *const __m128i, pa as *const __m128i) };
-    let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(q256), _mm256_srli_epi16::<4>(q256));
-    let z = _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
-    _mm512_shuffle_i64x2::<0xD8>(z, z)
+    // SAFETY: forwarded from the caller (16 readable bytes at each).
+    _mm512_and_si512(unsafe { nibbles_pair_high(pa, pb) }, _mm512_set1_epi8(0x0F))
+}
+
+/// [`nibbles_pair`] before masking: each byte holds its quant in the low nibble and
+/// stray bits above (for a caller that masks and adds the fifth bit in one operation).
+///
+/// Broadcast loads and a masked shift: no lane shuffle, since those share one port with
+/// the dot products and limited the 4- and 5-bit decode kernels.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn nibbles_pair_high(pa: *const u8, pb: *const u8) -> __m512i {
+    // SAFETY: 16 readable bytes at pa and at pb (the caller's contract).
+    let (a, b) = unsafe {
+        (
+            _mm_loadu_si128(pa as *const __m128i),
+            _mm_loadu_si128(pb as *const __m128i),
+        )
+    };
+    // [a, a, b, b] in the four 128-bit lanes, then lanes 1 and 3 shifted to their high
+    // nibbles.
+    let z = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(a), 0xFF00, b);
+    _mm512_mask_srli_epi16(z, 0xFF00_FF00, z, 4)
 }
 
 /// The two rows of pair `p` of a tile: `2p` and `2p + 1`, or `2p` twice when `RR` is odd
@@ -1211,8 +1230,9 @@ unsafe fn q8_0_like_pair<const KIND: u8>(wa: *const u8, wb: *const u8) -> __m512
             2 => {
                 let qa = (wa.add(2) as *const u32).read_unaligned();
                 let qb = (wb.add(2) as *const u32).read_unaligned();
-                let q = nibbles_pair(wa.add(6), wb.add(6));
-                _mm512_or_si512(q, high_bits_pair(qa, qb))
+                let q = nibbles_pair_high(wa.add(6), wb.add(6));
+                // (q & 0x0F) | high bits, in one ternary-logic operation.
+                _mm512_ternarylogic_epi32::<0xEA>(q, _mm512_set1_epi8(0x0F), high_bits_pair(qa, qb))
             }
             _ => _mm512_xor_si512(
                 _mm512_inserti64x4::<1>(
