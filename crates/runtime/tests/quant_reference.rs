@@ -220,9 +220,10 @@ fn make_case(ty: GgmlType, seed: u64) -> Case {
         _ => 1 + r.below(7),
     };
     let k = bl * blocks;
-    // Up to 11 rows and 27 tokens: whole prefill tiles (4 rows x 1 to 3 groups of 8
-    // tokens on AVX-512) and tails of rows and tokens not divisible by the tile.
-    let rows = 1 + r.below(11);
+    // Up to 19 rows and 27 tokens: whole decode tiles (8 rows on AVX-512, 4 below), whole
+    // prefill tiles (4 rows x 1 to 3 groups of 8 tokens on AVX-512) and tails of rows
+    // and tokens not divisible by the tile.
+    let rows = 1 + r.below(19);
     let n_tokens = 1 + r.below(27);
     let w = rand_blocks(ty, rows * k / ty.block_len(), &mut r);
     let scale = [0.0, 1e-3, 1.0, 100.0][r.below(4)];

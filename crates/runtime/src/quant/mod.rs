@@ -862,14 +862,16 @@ pub unsafe fn matmul_token_major(
     Ok(())
 }
 
-/// The (rows, tokens) tile `matmul_at` hands a kernel. Decode (one token): 4 rows share
-/// each activation block load and the final reductions. Prefill reuses each decoded
+/// The (rows, tokens) tile `matmul_at` hands a kernel. Decode (one token): 8 rows on
+/// AVX-512 (4 below) share each activation block load, its offset correction and the
+/// final reductions (with 4, these were a fifth of a Q5_0 block's work). Prefill reuses each decoded
 /// weight block for several tokens: on AVX-512 the 32-element formats take 4 rows x all
 /// whole groups of 8 tokens (two 512-bit row pairs, sixteen accumulators per group; the
 /// Q8_0-like kernels decode the 4 rows once for every group), the K-quants 2 rows x all
 /// tokens (the rows decoded once, the tokens taken 4 at a time).
 fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
     match (n, level) {
+        (1, SimdLevel::Avx512) => (8, 1),
         (1, _) => (4, 1),
         (_, SimdLevel::Avx512)
             if matches!(activation_type(ty), GgmlType::Q8_0 | GgmlType::Q8_1) =>

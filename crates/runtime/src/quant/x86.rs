@@ -125,6 +125,7 @@ macro_rules! tile_fn {
             // SAFETY: forwarded from the caller.
             unsafe {
                 match (rr, nt) {
+                    (8, 1) => run::<8, 1>(w, rb, acts, t0, out, stride),
                     (4, 1) => run::<4, 1>(w, rb, acts, t0, out, stride),
                     (2, 4) => run::<2, 4>(w, rb, acts, t0, out, stride),
                     (1, 4) => run::<1, 4>(w, rb, acts, t0, out, stride),
@@ -847,6 +848,42 @@ fn pair_rows<const RR: usize>(p: usize) -> (usize, usize) {
     (2 * p, (2 * p + 1).min(RR - 1))
 }
 
+/// Every f16 bit pattern's f32 value, as ggml keeps it (`ggml_table_f32_f16`): a block's
+/// scale is then a scalar load a broadcast can take from memory, where converting it
+/// in a vector register takes a lane shuffle (the port the dot products need too).
+fn f16_table() -> &'static [f32; 65536] {
+    static TABLE: std::sync::OnceLock<Box<[f32; 65536]>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        let mut t = Box::new([0f32; 65536]);
+        for (i, v) in t.iter_mut().enumerate() {
+            *v = half::f16::from_bits(i as u16).to_f32();
+        }
+        t
+    })
+}
+
+/// The f16 scales at the start of blocks `wa` and `wb` as f32, `wa`'s in the low 256
+/// bits, `wb`'s in the high.
+///
+/// # Safety
+/// `wa` and `wb` must each point to 2 readable bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn scale_pair(f16s: &[f32; 65536], wa: *const u8, wb: *const u8) -> __m512 {
+    // SAFETY: 2 readable bytes at each (the caller's contract).
+    let (ha, hb) = unsafe {
+        (
+            (wa as *const u16).read_unaligned(),
+            (wb as *const u16).read_unaligned(),
+        )
+    };
+    _mm512_mask_mov_ps(
+        _mm512_set1_ps(f16s[ha as usize]),
+        0xFF00,
+        _mm512_set1_ps(f16s[hb as usize]),
+    )
+}
+
 /// `[a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b]` from lanes `a` and `b` of `v`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
@@ -1099,7 +1136,7 @@ unsafe fn q8_0_like_avx512<const RR: usize, const NT: usize, const KIND: u8>(
     let bb = [34, 18, 22][KIND as usize];
     let offset = _mm512_set1_epi8([-128i8, 8, 16][KIND as usize]);
     let np = RR.div_ceil(2);
-    let idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    let f16s = f16_table();
     let zero = _mm512_setzero_si512();
     let mut acc = [[_mm512_setzero_ps(); NT]; RR];
     for b in 0..nb {
@@ -1118,9 +1155,7 @@ unsafe fn q8_0_like_avx512<const RR: usize, const NT: usize, const KIND: u8>(
                 let (wa, wb) = (w[r0].add(b * bb), w[r1].add(b * bb));
                 _mm_prefetch::<_MM_HINT_T0>(wa.wrapping_add(PREFETCH) as *const i8);
                 _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH) as *const i8);
-                let h = (wa as *const u16).read_unaligned() as i32
-                    | (((wb as *const u16).read_unaligned() as i32) << 16);
-                let d = halves(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), idx);
+                let d = scale_pair(f16s, wa, wb);
                 let x = q8_0_like_pair::<KIND>(wa, wb);
                 for t in 0..NT {
                     let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg_corr[t], x, y[t]));
