@@ -810,15 +810,14 @@ pub unsafe fn matmul_token_major(
     let level = current_simd_level();
     let kernel = tile_kernel(level, ty);
     let shape = tile_shape(level, ty, n);
-    debug_assert!(shape.0 <= 4);
-    // The tile's rows at stride `st` in `buf` (rr <= 4, nt <= st).
+    // The tile's rows at stride `st` in `buf` (rr <= shape.0, nt <= st).
     let st = shape.1.max(4);
     let mut small = [0f32; 32];
     let mut large = Vec::new();
-    let buf: &mut [f32] = if 4 * st <= small.len() {
+    let buf: &mut [f32] = if shape.0 * st <= small.len() {
         &mut small
     } else {
-        large.resize(4 * st, 0f32);
+        large.resize(shape.0 * st, 0f32);
         &mut large
     };
     #[cfg(target_arch = "x86_64")]
@@ -864,8 +863,8 @@ pub unsafe fn matmul_token_major(
 
 /// The (rows, tokens) tile `matmul_at` hands a kernel. Decode (one token): 8 rows on
 /// AVX-512 (4 below) share each activation block load, its offset correction and the
-/// final reductions (with 4, these were a fifth of a Q5_0 block's work). Prefill reuses each decoded
-/// weight block for several tokens: on AVX-512 the 32-element formats take 4 rows x all
+/// final reductions (with 4, these were a fifth of a Q5_0 block's work). Prefill reuses
+/// each decoded weight block for several tokens: on AVX-512 the 32-element formats take 4 rows x all
 /// whole groups of 8 tokens (two 512-bit row pairs, sixteen accumulators per group; the
 /// Q8_0-like kernels decode the 4 rows once for every group), the K-quants 2 rows x all
 /// tokens (the rows decoded once, the tokens taken 4 at a time).
