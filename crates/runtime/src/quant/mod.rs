@@ -559,7 +559,7 @@ fn check_matmul_sizes(
     Ok(rb)
 }
 
-/// Signature of a tile kernel: weight rows `w` (1..=4 rows of `rb` bytes) against tokens
+/// Signature of a tile kernel: weight rows `w` (1..=8 rows of `rb` bytes) against tokens
 /// `t0..t0 + nt` (`nt` in 1..=4, or 8 for the tile shapes `tile_shape` gives), writing
 /// `out[i * stride + j]` for row `i`, token `t0 + j`.
 pub(crate) type TileFn = unsafe fn(
