@@ -1,22 +1,28 @@
 //! The neuron mode in a real forward pass on tiny random models: exact at sparsity 0;
 //! a cache far smaller than the layer, churning every token, gives the logits of a
 //! cache that holds every neuron (no stale or missing record is ever used); a pass
-//! served in parts stays close; counters add up.
+//! served in parts stays close; counters add up; the backend's stores go with the MLP.
 
 use std::sync::Arc;
 
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::neurons::NeuronLayout;
 use ballast_runtime::store::PassId;
-use ballast_runtime::{quant, Model};
+use ballast_runtime::{quant, Backend, CpuBackend, Model, Session};
 use ballast_sparse_mlp::{layer_records, MemoryNeurons, NeuronSource, SparseFfn};
 use proptest::prelude::*;
 
 mod common;
-use common::{calibrate, run_chunked as run, text, tiny as model, PROMPT};
+use common::{calibrate, run_chunked as run, text, tiny as model, tiny_on, PROMPT};
 
 /// Every neuron record of `model`, in RAM.
 fn records(model: &Model) -> Arc<dyn NeuronSource> {
+    let (layout, layers) = layer_bytes(model);
+    Arc::new(MemoryNeurons::new(layout, model.config().n_ff, layers).unwrap())
+}
+
+/// The records' layout and every layer's records of `model`, in neuron order.
+fn layer_bytes(model: &Model) -> (NeuronLayout, Vec<Vec<u8>>) {
     let config = model.config();
     let mut layout = None;
     let layers = (0..config.n_layers)
@@ -37,7 +43,7 @@ fn records(model: &Model) -> Arc<dyn NeuronSource> {
             out
         })
         .collect();
-    Arc::new(MemoryNeurons::new(layout.unwrap(), config.n_ff, layers).unwrap())
+    (layout.unwrap(), layers)
 }
 
 fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
@@ -54,7 +60,7 @@ proptest! {
     fn sparsity_zero_is_dense_bit_for_bit(seed in any::<u64>()) {
         let dense = model(seed, GgmlType::Q4_1);
         let profile = calibrate(&dense, &PROMPT);
-        let ffn = SparseFfn::new(profile.thresholds(0.0).unwrap()).with_neurons(records(&dense), 64).unwrap();
+        let ffn = SparseFfn::new(profile.thresholds(0.0).unwrap()).with_neurons(records(&dense), 64, dense.backend()).unwrap();
         let stats = ffn.stats();
         let sparse = dense.share_with_ffn(Box::new(ffn));
         let (a, b) = (run(dense, &PROMPT, 6, 3), run(sparse, &PROMPT, 6, 3));
@@ -72,8 +78,8 @@ proptest! {
         let profile = calibrate(&dense, &text());
         let thresholds = profile.thresholds(0.5).unwrap();
         let source = records(&dense);
-        let whole = SparseFfn::new(thresholds.clone()).with_neurons(source.clone(), 256).unwrap();
-        let small = SparseFfn::new(thresholds).with_neurons(source, 154).unwrap();
+        let whole = SparseFfn::new(thresholds.clone()).with_neurons(source.clone(), 256, dense.backend()).unwrap();
+        let small = SparseFfn::new(thresholds).with_neurons(source, 154, dense.backend()).unwrap();
         let (ws, ss) = (whole.stats(), small.stats());
         let a = run(dense.share_with_ffn(Box::new(whole)), &text()[..24], 1, 4);
         let b = run(dense.share_with_ffn(Box::new(small)), &text()[..24], 1, 4);
@@ -99,7 +105,7 @@ fn neuron_mode_follows_the_row_mode() {
     let thresholds = profile.thresholds(0.5).unwrap();
     let source = records(&dense);
     let ffn = SparseFfn::new(thresholds.clone())
-        .with_neurons(source.clone(), 256)
+        .with_neurons(source.clone(), 256, dense.backend())
         .unwrap();
     let stats = ffn.stats();
     let neuron = run(dense.share_with_ffn(Box::new(ffn)), &text(), 48, 2);
@@ -112,7 +118,9 @@ fn neuron_mode_follows_the_row_mode() {
         48,
         2,
     );
-    let parts = SparseFfn::new(thresholds).with_neurons(source, 40).unwrap();
+    let parts = SparseFfn::new(thresholds)
+        .with_neurons(source, 40, dense.backend())
+        .unwrap();
     let parted = run(dense.share_with_ffn(Box::new(parts)), &text(), 48, 2);
     for (other, what) in [(&rows, "row mode"), (&parted, "served in parts")] {
         for (a, b) in neuron.iter().zip(other) {
@@ -124,4 +132,34 @@ fn neuron_mode_follows_the_row_mode() {
             );
         }
     }
+}
+
+/// Dropping the MLP frees its neuron stores on the backend (they are the cache's
+/// memory); a pass on a backend other than the one it was made with is refused.
+#[test]
+fn dropping_the_mlp_frees_its_stores() {
+    let cpu = Arc::new(CpuBackend::new(2));
+    let backend: Arc<dyn Backend> = cpu.clone();
+    let dense = tiny_on(7, GgmlType::Q4_1, backend.clone());
+    let profile = calibrate(&dense, &text());
+    let thresholds = profile.thresholds(0.5).unwrap();
+    let ffn = SparseFfn::new(thresholds.clone())
+        .with_neurons(records(&dense), 100, &backend)
+        .unwrap();
+    let mut session = Session::new(dense.share_with_ffn(Box::new(ffn)), 64).unwrap();
+    session.feed(&PROMPT).unwrap();
+    let record =
+        (64 / 32 * GgmlType::Q4_1.block_bytes() + 64 / 32 * GgmlType::Q8_0.block_bytes()) as u64;
+    assert_eq!(cpu.neuron_store_bytes(), 3 * 100 * record);
+    drop(session);
+    assert_eq!(cpu.neuron_store_bytes(), 0);
+    // Made for another backend: refused, and nothing is created on this one.
+    let other: Arc<dyn Backend> = Arc::new(CpuBackend::new(1));
+    let ffn = SparseFfn::new(thresholds)
+        .with_neurons(records(&dense), 100, &other)
+        .unwrap();
+    let mut session = Session::new(dense.share_with_ffn(Box::new(ffn)), 64).unwrap();
+    let e = session.feed(&PROMPT).expect_err("refused").to_string();
+    assert!(e.contains("backend it was made with"), "{e}");
+    assert_eq!(cpu.neuron_store_bytes(), 0);
 }
