@@ -118,6 +118,15 @@ pub struct Calibration {
     n_ff: Arc<Mutex<usize>>,
     /// Per layer, when collected.
     moments: Option<Arc<Mutex<Vec<InputMoment>>>>,
+    /// Per layer, how many tokens each neuron was active for, when counted.
+    activity: Option<Arc<Mutex<Activity>>>,
+}
+
+/// Per layer, a threshold and, per neuron, the tokens whose `|silu(gate)|` passed it.
+#[derive(Clone, Debug, Default)]
+struct Activity {
+    thresholds: Vec<f32>,
+    counts: Vec<Vec<u64>>,
 }
 
 /// `Σ x xᵀ` (`d × d`, row-major) over the MLP inputs of one layer, and how many.
@@ -141,6 +150,15 @@ impl Calibration {
         }
     }
 
+    /// Per layer, per neuron, the tokens for which the neuron was active (its
+    /// `|silu(gate)|` above the layer's threshold of [`SparseFfn::counting_activity`]);
+    /// empty if activity was not counted, a layer the text never reached all zeros.
+    pub fn active_counts(&self) -> Vec<Vec<u64>> {
+        self.activity.as_ref().map_or_else(Vec::new, |a| {
+            a.lock().unwrap_or_else(|p| p.into_inner()).counts.clone()
+        })
+    }
+
     /// Records one pass of layer `layer`: its gate values, and `x`'s `Σ x xᵀ` when
     /// moments are collected (computed on `backend` as an f32 product of `xᵀ` with
     /// itself).
@@ -160,6 +178,21 @@ impl Calibration {
             }
             h[layer].add(gate.iter().map(|&g| silu(g)));
             *self.n_ff.lock().unwrap_or_else(|p| p.into_inner()) = n_ff;
+        }
+        if let Some(activity) = &self.activity {
+            let mut a = activity.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(&t) = a.thresholds.get(layer) {
+                if a.counts.len() <= layer {
+                    a.counts.resize(layer + 1, Vec::new());
+                }
+                let counts = &mut a.counts[layer];
+                counts.resize(n_ff, 0);
+                for row in gate.chunks_exact(n_ff) {
+                    for (c, &g) in counts.iter_mut().zip(row) {
+                        *c += u64::from(silu(g).abs() > t);
+                    }
+                }
+            }
         }
         let Some(moments) = &self.moments else {
             return Ok(());
@@ -585,6 +618,20 @@ impl SparseFfn {
     pub fn calibrating() -> (SparseFfn, Calibration) {
         let calibration = Calibration::default();
         let mut ffn = SparseFfn::new(Vec::new());
+        ffn.calibration = Some(calibration.clone());
+        (ffn, calibration)
+    }
+
+    /// As [`SparseFfn::calibrating`], also counting per layer how many tokens each
+    /// neuron is active for at the layer's threshold in `thresholds`
+    /// ([`Calibration::active_counts`]): how `ballast sparsify --neurons` ranks the
+    /// neurons to store the hot ones first ([`crate::hot_first`]).
+    pub fn counting_activity(thresholds: Vec<f32>) -> (SparseFfn, Calibration) {
+        let (mut ffn, mut calibration) = SparseFfn::calibrating();
+        calibration.activity = Some(Arc::new(Mutex::new(Activity {
+            thresholds,
+            counts: Vec::new(),
+        })));
         ffn.calibration = Some(calibration.clone());
         (ffn, calibration)
     }

@@ -1,7 +1,8 @@
 //! The neuron mode in a real forward pass on tiny random models: exact at sparsity 0;
 //! a cache far smaller than the layer, churning every token, gives the logits of a
 //! cache that holds every neuron (no stale or missing record is ever used); a pass
-//! served in parts stays close; counters add up; the backend's stores go with the MLP.
+//! served in parts stays close; counters add up; the order of a neuron file's records
+//! changes nothing; the backend's stores go with the MLP.
 
 use std::sync::Arc;
 
@@ -9,7 +10,10 @@ use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::neurons::NeuronLayout;
 use ballast_runtime::store::PassId;
 use ballast_runtime::{quant, Backend, CpuBackend, Model, Session};
-use ballast_sparse_mlp::{layer_records, MemoryNeurons, NeuronSource, SparseFfn};
+use ballast_sparse_mlp::{
+    hot_first, layer_records, MemoryNeurons, NeuronFile, NeuronFileHeader, NeuronFileWriter,
+    NeuronSource, SparseFfn, NEURON_FILE_VERSION,
+};
 use proptest::prelude::*;
 
 mod common;
@@ -44,6 +48,39 @@ fn layer_bytes(model: &Model) -> (NeuronLayout, Vec<Vec<u8>>) {
         })
         .collect();
     (layout.unwrap(), layers)
+}
+
+/// The neuron file of `model` at `path`, each layer's records in the order of `orders`.
+fn neuron_file(
+    model: &Model,
+    path: &std::path::Path,
+    orders: Vec<Vec<u32>>,
+) -> Arc<dyn NeuronSource> {
+    let (layout, layers) = layer_bytes(model);
+    let config = model.config();
+    let header = NeuronFileHeader {
+        version: NEURON_FILE_VERSION,
+        fingerprint: 5,
+        n_layers: config.n_layers,
+        n_ff: config.n_ff,
+        layout,
+    };
+    let mut w = NeuronFileWriter::create(path, header, orders).unwrap();
+    for l in &layers {
+        w.write_layer(l).unwrap();
+    }
+    w.finish().unwrap();
+    Arc::new(
+        NeuronFile::open(
+            path,
+            5,
+            config.n_layers,
+            config.n_ff,
+            layout.n_embd,
+            layout.up_type,
+        )
+        .unwrap(),
+    )
 }
 
 fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
@@ -131,6 +168,76 @@ fn neuron_mode_follows_the_row_mode() {
                 "{what}: logits moved by {diff} (scale {scale})"
             );
         }
+    }
+}
+
+/// `counting_activity` counts, per neuron, the tokens whose gate passes the layer's
+/// threshold: at the thresholds of 40% about 60% of all (token, neuron) pairs, no
+/// neuron above the tokens run; the hot-first order of those counts puts the busiest
+/// neurons first.
+#[test]
+fn activity_counts_follow_the_thresholds() {
+    let dense = model(11, GgmlType::Q4_1);
+    let profile = calibrate(&dense, &text());
+    let (ffn, calibration) = SparseFfn::counting_activity(profile.thresholds(0.4).unwrap());
+    let mut session = Session::new(dense.share_with_ffn(Box::new(ffn)), 64).unwrap();
+    session.feed(&text()).unwrap();
+    let counts = calibration.active_counts();
+    assert_eq!(counts.len(), 3);
+    let tokens = text().len() as u64;
+    let total: u64 = counts.iter().flatten().sum();
+    let share = total as f64 / (3 * 256) as f64 / tokens as f64;
+    assert!((share - 0.6).abs() < 0.05, "{share}");
+    for c in &counts {
+        assert_eq!(c.len(), 256);
+        assert!(c.iter().all(|&n| n <= tokens));
+        let order = hot_first(c);
+        assert_eq!(c[order[0] as usize], *c.iter().max().unwrap());
+        assert_eq!(c[order[255] as usize], *c.iter().min().unwrap());
+    }
+    // Without thresholds nothing is counted.
+    let (ffn, calibration) = SparseFfn::counting_activity(Vec::new());
+    let mut session = Session::new(dense.share_with_ffn(Box::new(ffn)), 64).unwrap();
+    session.feed(&text()).unwrap();
+    assert!(calibration.active_counts().is_empty());
+}
+
+/// The order a neuron file stores its records in changes nothing: at 25% (a cache of
+/// 60%, evicting) the logits read from files in neuron order, hot-first order and
+/// reversed order are the bits of the records in RAM, with the same bytes fetched.
+#[test]
+fn the_order_of_the_records_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let dense = model(5, GgmlType::Q4_1);
+    let profile = calibrate(&dense, &text());
+    let thresholds = profile.thresholds(0.25).unwrap();
+    let (ffn, calibration) = SparseFfn::counting_activity(profile.thresholds(0.4).unwrap());
+    Session::new(dense.share_with_ffn(Box::new(ffn)), 64)
+        .unwrap()
+        .feed(&text())
+        .unwrap();
+    let hot: Vec<Vec<u32>> = calibration
+        .active_counts()
+        .iter()
+        .map(|c| hot_first(c))
+        .collect();
+    let identity: Vec<Vec<u32>> = vec![(0..256).collect(); 3];
+    let reversed: Vec<Vec<u32>> = vec![(0..256).rev().collect(); 3];
+    assert_ne!(hot, identity, "some neuron is busier than neuron 0");
+    let logits = |source: Arc<dyn NeuronSource>| {
+        let ffn = SparseFfn::new(thresholds.clone())
+            .with_neurons(source, 154, dense.backend())
+            .unwrap();
+        let stats = ffn.stats();
+        let out = run(dense.share_with_ffn(Box::new(ffn)), &text()[..24], 1, 4);
+        let s = *stats.lock().unwrap();
+        (bits(&out), s.neuron_misses)
+    };
+    let (want, misses) = logits(records(&dense));
+    assert!(misses > 0);
+    for (name, orders) in [("neuron", identity), ("hot", hot), ("reversed", reversed)] {
+        let source = neuron_file(&dense, &dir.path().join(name), orders);
+        assert_eq!(logits(source), (want.clone(), misses), "{name} order");
     }
 }
 
