@@ -56,6 +56,19 @@ pub struct SparsifyArgs {
     /// the neurons a token uses are mostly side by side in the file.
     #[arg(long)]
     pub neurons: bool,
+    /// With --neurons: the order of each layer's records. hot: most active first (see
+    /// --neurons); id: neuron order, no calibration run (the layout of version 1 files).
+    #[arg(long, value_enum, default_value_t = NeuronOrder::Hot)]
+    pub neuron_order: NeuronOrder,
+}
+
+/// How `--neurons` orders a layer's records.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NeuronOrder {
+    /// Most active on the calibration text first.
+    Hot,
+    /// Neuron order.
+    Id,
 }
 
 /// The calibration text of `args`, as at most `--tokens` tokens of `loaded`'s
@@ -148,7 +161,10 @@ fn write_neurons(args: &SparsifyArgs) -> Result<()> {
     let loaded = common::load(&args.model, threads, args.ctx, args.ctx)?;
     common::ensure_silu_mlp(&loaded.model, &path)?;
     let config = loaded.model.config().clone();
-    let orders = hot_first_orders(args, &loaded, &path)?;
+    let orders = match args.neuron_order {
+        NeuronOrder::Hot => hot_first_orders(args, &loaded, &path)?,
+        NeuronOrder::Id => vec![(0..config.n_ff as u32).collect(); config.n_layers],
+    };
     let out = args
         .output
         .clone()
@@ -198,11 +214,15 @@ fn write_neurons(args: &SparsifyArgs) -> Result<()> {
     writer.finish()?;
     bar.finish_and_clear();
     eprintln!(
-        "wrote {} ({}: {} layers of {} neurons hot first, {} bytes a record: {:?} up row, Q8_0 down column)",
+        "wrote {} ({}: {} layers of {} neurons {}, {} bytes a record: {:?} up row, Q8_0 down column)",
         out.display(),
         common::human_bytes(header.file_len()),
         config.n_layers,
         config.n_ff,
+        match args.neuron_order {
+            NeuronOrder::Hot => "hot first",
+            NeuronOrder::Id => "in neuron order",
+        },
         layout.record_bytes(),
         layout.up_type
     );

@@ -956,10 +956,34 @@ fn neuron_mode_runs_mapped_and_out_of_core_and_bad_neuron_files_are_named() {
         .map(|mib| format!("{mib}M"))
         .find_map(|ram| {
             let (ok, out, err) = run(&["--store", "tiered", "--ram", &ram]);
-            (ok && err.contains("| C disk |") && err.contains("neuron cache")).then_some(out)
+            (ok && err.contains("| C disk |") && err.contains("neuron cache")).then_some((out, ram))
         })
         .expect("some budget streams layers");
-    assert_eq!(streamed, mapped);
+    assert_eq!(streamed.0, mapped);
+    // The same records in neuron order: the same tokens (the order moves records,
+    // never a result).
+    let by_id = dir.path().join("by-id.neurons");
+    let b = by_id.to_str().unwrap();
+    let o = ballast(&[
+        "sparsify",
+        "-m",
+        m,
+        "--neurons",
+        "--neuron-order",
+        "id",
+        "-o",
+        b,
+    ]);
+    assert!(stderr(&o).contains("in neuron order"), "{}", stderr(&o));
+    let (ok, out, err) = run(&[
+        "--store",
+        "tiered",
+        "--ram",
+        &streamed.1,
+        "--neuron-file",
+        b,
+    ]);
+    assert!(ok && out == streamed.0, "{err}");
     let (ok, _, err) = run(&["--store", "tiered", "--ram", "40M", "--neuron-slots", "0"]);
     assert!(!ok && err.contains("--neuron-slots"), "{err}");
     // A damaged record is named when a token needs it (the records start after the
