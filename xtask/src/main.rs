@@ -87,8 +87,8 @@ const USAGE: &str =
                 BALLAST_BIN=path skips the release build.
 
   bench-neurons the sparse MLP's neuron mode on the default model (--model PATH: another):
-                resident decode tokens/s at 1 and 2 threads, dense and at sparsity 0.25 / 0.4 /
-                0.5 / 0.6, with MLP bytes read per token; then tiered streaming in an 88 MiB
+                resident decode tokens/s at 1 and 2 threads, dense and at sparsity 0.15 / 0.25 /
+                0.4 / 0.5 / 0.6, with MLP bytes read per token; then tiered streaming in an 88 MiB
                 cgroup, dense and with the MLP's up/down out of core (neuron file + cache):
                 storage bytes read per token, tokens/s, cache hits; rounds alternated, page
                 caches dropped before each run (--tiered-only: this table alone). BALLAST_BIN=path

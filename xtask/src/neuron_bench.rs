@@ -24,7 +24,7 @@ use crate::pack_bench::{alternating, median_of, per_round};
 use crate::tier_bench::{bench_json, private_copy, written_back, Cgroup};
 
 const MIB: f64 = (1u64 << 20) as f64;
-const SPARSITIES: [&str; 4] = ["0.25", "0.4", "0.5", "0.6"];
+const SPARSITIES: [&str; 5] = ["0.15", "0.25", "0.4", "0.5", "0.6"];
 
 /// Runs `ballast ARGS` and fails with its stderr if it fails.
 fn ballast(bin: &Path, args: &[&str]) -> Result<()> {

@@ -306,7 +306,9 @@ pub fn run(ballast: &Path, model_path: &Path, opts: &Options) -> Result<()> {
     // The neuron cache first: its peak device bytes are everyone's budget.
     {
         let (ctx, backend) = fresh_backend()?;
-        let ffn = SparseFfn::new(thresholds.clone()).with_neurons(Arc::new(records), capacity)?;
+        let on: Arc<dyn Backend> = backend.clone();
+        let ffn =
+            SparseFfn::new(thresholds.clone()).with_neurons(Arc::new(records), capacity, &on)?;
         let stats = ffn.stats();
         let store = ResidentStore::new(globals.clone(), layers.clone(), true);
         let model = Model::from_parts(

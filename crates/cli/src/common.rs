@@ -360,7 +360,7 @@ pub fn apply_sparsity(
     let thresholds = profile.thresholds(sparsity).context("--sparsity")?;
     let mut ffn = SparseFfn::new(thresholds);
     if let Some(source) = neuron_source(args, path, file, &model)? {
-        ffn = ffn.with_neurons(source, neuron_slots(args, config.n_ff)?)?;
+        ffn = ffn.with_neurons(source, neuron_slots(args, config.n_ff)?, model.backend())?;
         let stats = ffn.stats();
         return Ok((model.share_with_ffn(Box::new(ffn)), Some(stats)));
     }

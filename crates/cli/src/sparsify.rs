@@ -4,11 +4,18 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use ballast_runtime::Session;
+use ballast_runtime::{Model, Session};
 use ballast_sparse_mlp::{SparseFfn, SparsityProfile};
 use clap::Args;
 
 use crate::common::{self, ModelArgs};
+
+/// The sparsity at whose thresholds `--neurons` counts how often each neuron is
+/// active: the middle of the range the neuron mode is measured at (0.15 to 0.6). A
+/// neuron's count there is the share of tokens that read its record, which is what
+/// decides the pages a token touches; a mean of `|silu(gate)|` would rank a neuron
+/// with rare large activations above one that is moderately active on every token.
+const HOT_SPARSITY: f32 = 0.4;
 
 /// Record how each layer's MLP gate activations are distributed on a text, and save
 /// that (the sparsity profile) beside the model as MODEL.sparsity, for --sparsity.
@@ -39,12 +46,110 @@ pub struct SparsifyArgs {
     /// row and, with its own bytes, reads about what the dense MLP reads.
     #[arg(long, default_value_t = 0)]
     pub rank: usize,
-    /// Instead of calibrating, write the neuron file MODEL.neurons (or -o): each MLP
-    /// neuron's up row as stored and its down column as Q8_0 side by side, with a
-    /// checksum per neuron, so that --sparsity reads a neuron's weights in one place
-    /// (the neuron mode). About the size of the model's up and down projections.
+    /// Instead of making the profile, write the neuron file MODEL.neurons (or -o):
+    /// each MLP neuron's up row as stored and its down column as Q8_0 side by side,
+    /// with a checksum per neuron, so that --sparsity reads a neuron's weights in one
+    /// place (the neuron mode). About the size of the model's up and down projections.
+    /// Each layer's neurons are stored hot first: by how many tokens of the text
+    /// activate them at the thresholds of sparsity 0.4 (from the profile beside the
+    /// model or --sparsity-profile; made in memory first if there is none), so that
+    /// the neurons a token uses are mostly side by side in the file.
     #[arg(long)]
     pub neurons: bool,
+    /// With --neurons: the order of each layer's records. hot: most active first (see
+    /// --neurons); id: neuron order, no calibration run (the layout of version 1 files).
+    #[arg(long, value_enum, default_value_t = NeuronOrder::Hot)]
+    pub neuron_order: NeuronOrder,
+}
+
+/// How `--neurons` orders a layer's records.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NeuronOrder {
+    /// Most active on the calibration text first.
+    Hot,
+    /// Neuron order.
+    Id,
+}
+
+/// The calibration text of `args`, as at most `--tokens` tokens of `loaded`'s
+/// tokenizer, and its path.
+fn calibration_ids(args: &SparsifyArgs, loaded: &common::Loaded) -> Result<(Vec<u32>, PathBuf)> {
+    let text_path = args
+        .text
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("/usr/share/common-licenses/GFDL-1.3"));
+    let text = std::fs::read_to_string(&text_path)
+        .with_context(|| format!("reading the calibration text {}", text_path.display()))?;
+    let mut ids = loaded.tokenizer.encode(&text, false, false)?;
+    let all = ids.len();
+    ids.truncate(args.tokens);
+    anyhow::ensure!(
+        ids.len() >= 2,
+        "{} gives {all} tokens: too short to calibrate on",
+        text_path.display(),
+    );
+    Ok((ids, text_path))
+}
+
+/// Runs `model` with the calibrating MLP `ffn` over `ids` in windows of `--ctx`, each
+/// from an empty cache.
+fn run_windows(
+    args: &SparsifyArgs,
+    model: &Model,
+    ffn: SparseFfn,
+    ids: &[u32],
+    what: &str,
+) -> Result<()> {
+    let mut session = Session::with_batch(model.share_with_ffn(Box::new(ffn)), args.ctx, args.ctx)?;
+    let windows: Vec<&[u32]> = ids.chunks(args.ctx).collect();
+    let bar = indicatif::ProgressBar::new(windows.len() as u64);
+    bar.set_message(what.to_string());
+    for w in &windows {
+        session.rewind(0);
+        session.feed(w)?;
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok(())
+}
+
+/// Per layer, the hot-first order of its neurons on the calibration text (see
+/// `--neurons`).
+fn hot_first_orders(
+    args: &SparsifyArgs,
+    loaded: &common::Loaded,
+    path: &std::path::Path,
+) -> Result<Vec<Vec<u32>>> {
+    let config = loaded.model.config();
+    let fingerprint = ballast_kv_cache::model_fingerprint(&loaded.file);
+    let (ids, text_path) = calibration_ids(args, loaded)?;
+    let profile_path = args
+        .model
+        .sparse
+        .sparsity_profile
+        .clone()
+        .unwrap_or_else(|| SparsityProfile::path_for(path));
+    let profile = if profile_path.exists() {
+        SparsityProfile::load(&profile_path, fingerprint, config.n_layers, config.n_ff)?
+    } else {
+        let (ffn, calibration) = SparseFfn::calibrating();
+        run_windows(args, &loaded.model, ffn, &ids, "calibrating")?;
+        calibration.profile(fingerprint, ids.len() as u64)
+    };
+    let (ffn, calibration) = SparseFfn::counting_activity(profile.thresholds(HOT_SPARSITY)?);
+    run_windows(args, &loaded.model, ffn, &ids, "ranking neurons")?;
+    let counts = calibration.active_counts();
+    eprintln!(
+        "neurons ranked by activity at sparsity {HOT_SPARSITY} over {} tokens of {}",
+        ids.len(),
+        text_path.display()
+    );
+    Ok((0..config.n_layers)
+        .map(|l| match counts.get(l) {
+            Some(c) if c.len() == config.n_ff => ballast_sparse_mlp::hot_first(c),
+            _ => (0..config.n_ff as u32).collect(),
+        })
+        .collect())
 }
 
 /// Writes the neuron file of the model of `args` (`sparsify --neurons`).
@@ -53,9 +158,13 @@ fn write_neurons(args: &SparsifyArgs) -> Result<()> {
     use ballast_sparse_mlp::{layer_records, NeuronFileHeader, NeuronFileWriter};
     let path = common::resolve_model(args.model.model.as_deref())?;
     let threads = common::threads(args.model.threads);
-    let loaded = common::load(&args.model, threads, 16, 16)?;
+    let loaded = common::load(&args.model, threads, args.ctx, args.ctx)?;
     common::ensure_silu_mlp(&loaded.model, &path)?;
     let config = loaded.model.config().clone();
+    let orders = match args.neuron_order {
+        NeuronOrder::Hot => hot_first_orders(args, &loaded, &path)?,
+        NeuronOrder::Id => vec![(0..config.n_ff as u32).collect(); config.n_layers],
+    };
     let out = args
         .output
         .clone()
@@ -69,12 +178,13 @@ fn write_neurons(args: &SparsifyArgs) -> Result<()> {
     };
     drop(first);
     let header = NeuronFileHeader {
+        version: ballast_sparse_mlp::NEURON_FILE_VERSION,
         fingerprint: ballast_kv_cache::model_fingerprint(&loaded.file),
         n_layers: config.n_layers,
         n_ff: config.n_ff,
         layout,
     };
-    let mut writer = NeuronFileWriter::create(&out, header)?;
+    let mut writer = NeuronFileWriter::create(&out, header, orders)?;
     let bar = indicatif::ProgressBar::new(config.n_layers as u64);
     bar.set_message("writing neuron records");
     let mut down = Vec::new();
@@ -104,11 +214,15 @@ fn write_neurons(args: &SparsifyArgs) -> Result<()> {
     writer.finish()?;
     bar.finish_and_clear();
     eprintln!(
-        "wrote {} ({}: {} layers of {} neurons, {} bytes a record: {:?} up row, Q8_0 down column)",
+        "wrote {} ({}: {} layers of {} neurons {}, {} bytes a record: {:?} up row, Q8_0 down column)",
         out.display(),
         common::human_bytes(header.file_len()),
         config.n_layers,
         config.n_ff,
+        match args.neuron_order {
+            NeuronOrder::Hot => "hot first",
+            NeuronOrder::Id => "in neuron order",
+        },
         layout.record_bytes(),
         layout.up_type
     );
@@ -120,28 +234,16 @@ pub fn run(args: SparsifyArgs) -> Result<()> {
         args.model.sparse.sparsity.is_none(),
         "calibration runs the dense MLP: drop --sparsity"
     );
+    anyhow::ensure!(args.ctx >= 2, "--ctx must be at least 2");
     if args.neurons {
         return write_neurons(&args);
     }
-    anyhow::ensure!(args.ctx >= 2, "--ctx must be at least 2");
     let path = common::resolve_model(args.model.model.as_deref())?;
-    let text_path = args
-        .text
-        .clone()
-        .unwrap_or_else(|| PathBuf::from("/usr/share/common-licenses/GFDL-1.3"));
-    let text = std::fs::read_to_string(&text_path)
-        .with_context(|| format!("reading the calibration text {}", text_path.display()))?;
     let threads = common::threads(args.model.threads);
     let loaded = common::load(&args.model, threads, args.ctx, args.ctx)?;
     common::ensure_silu_mlp(&loaded.model, &path)?;
-    let ids = loaded.tokenizer.encode(&text, false, false)?;
-    let n = ids.len().min(args.tokens);
-    anyhow::ensure!(
-        n >= 2,
-        "{} gives {} tokens: too short to calibrate on",
-        text_path.display(),
-        ids.len()
-    );
+    let (ids, text_path) = calibration_ids(&args, &loaded)?;
+    let n = ids.len();
     let config = loaded.model.config().clone();
     anyhow::ensure!(
         args.rank <= config.d_model,
@@ -154,20 +256,7 @@ pub fn run(args: SparsifyArgs) -> Result<()> {
     } else {
         SparseFfn::calibrating()
     };
-    let mut session = Session::with_batch(
-        loaded.model.share_with_ffn(Box::new(ffn)),
-        args.ctx,
-        args.ctx,
-    )?;
-    let windows: Vec<&[u32]> = ids[..n].chunks(args.ctx).collect();
-    let bar = indicatif::ProgressBar::new(windows.len() as u64);
-    bar.set_message("calibrating");
-    for w in &windows {
-        session.rewind(0);
-        session.feed(w)?;
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
+    run_windows(&args, &loaded.model, ffn, &ids, "calibrating")?;
     let fingerprint = ballast_kv_cache::model_fingerprint(&loaded.file);
     let mut profile = calibration.profile(fingerprint, n as u64);
     if args.rank > 0 {

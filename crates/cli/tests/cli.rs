@@ -899,11 +899,11 @@ fn sparsify_then_sparsity_runs_and_bad_profiles_are_named() {
     );
 }
 
-/// The neuron mode end to end: `sparsify --neurons` writes MODEL.neurons, which
-/// `--sparsity` then uses (auto); tiered streaming with the MLP out of core (layers
-/// without their up and down matrices, the neuron cache in the budget) gives the
-/// tokens of the mapped neuron mode; a damaged neuron file or one of another model is
-/// refused by name.
+/// The neuron mode end to end: `sparsify --neurons` writes MODEL.neurons (hot neurons
+/// first), which `--sparsity` then uses (auto); tiered streaming with the MLP out of
+/// core (layers without their up and down matrices, the neuron cache in the budget)
+/// gives the tokens of the mapped neuron mode; a damaged neuron file (a record, an
+/// order) or one of another model is refused by name.
 #[test]
 fn neuron_mode_runs_mapped_and_out_of_core_and_bad_neuron_files_are_named() {
     let dir = tempfile::tempdir().unwrap();
@@ -934,7 +934,10 @@ fn neuron_mode_runs_mapped_and_out_of_core_and_bad_neuron_files_are_named() {
     assert!(o.status.success(), "{}", stderr(&o));
     let neurons = dir.path().join("layered.gguf.neurons");
     assert!(
-        neurons.exists() && stderr(&o).contains("Q8_0 down column"),
+        neurons.exists()
+            && stderr(&o).contains("Q8_0 down column")
+            && stderr(&o).contains("hot first")
+            && stderr(&o).contains("ranked by activity at sparsity 0.4"),
         "{}",
         stderr(&o)
     );
@@ -953,16 +956,52 @@ fn neuron_mode_runs_mapped_and_out_of_core_and_bad_neuron_files_are_named() {
         .map(|mib| format!("{mib}M"))
         .find_map(|ram| {
             let (ok, out, err) = run(&["--store", "tiered", "--ram", &ram]);
-            (ok && err.contains("| C disk |") && err.contains("neuron cache")).then_some(out)
+            (ok && err.contains("| C disk |") && err.contains("neuron cache")).then_some((out, ram))
         })
         .expect("some budget streams layers");
-    assert_eq!(streamed, mapped);
+    assert_eq!(streamed.0, mapped);
+    // The same records in neuron order: the same tokens (the order moves records,
+    // never a result).
+    let by_id = dir.path().join("by-id.neurons");
+    let b = by_id.to_str().unwrap();
+    let o = ballast(&[
+        "sparsify",
+        "-m",
+        m,
+        "--neurons",
+        "--neuron-order",
+        "id",
+        "-o",
+        b,
+    ]);
+    assert!(stderr(&o).contains("in neuron order"), "{}", stderr(&o));
+    let (ok, out, err) = run(&[
+        "--store",
+        "tiered",
+        "--ram",
+        &streamed.1,
+        "--neuron-file",
+        b,
+    ]);
+    assert!(ok && out == streamed.0, "{err}");
     let (ok, _, err) = run(&["--store", "tiered", "--ram", "40M", "--neuron-slots", "0"]);
     assert!(!ok && err.contains("--neuron-slots"), "{err}");
-    // A damaged record is named when a token needs it.
+    // A damaged record is named when a token needs it (the records start after the
+    // header and each layer's order).
     let good = std::fs::read(&neurons).unwrap();
+    let u32_at = |at: usize| u32::from_le_bytes(good[at..at + 4].try_into().unwrap()) as usize;
+    assert_eq!(u32_at(8), 2, "version 2");
+    let records = 48 + u32_at(20) * (u32_at(24) * 4 + 4);
     let mut bytes = good.clone();
-    for b in bytes.iter_mut().skip(48).step_by(97) {
+    bytes[48 + 4 * 3] ^= 1;
+    std::fs::write(&neurons, &bytes).unwrap();
+    let (ok, _, err) = run(&[]);
+    assert!(
+        !ok && err.contains("layered.gguf.neurons") && err.contains("layer 0's neuron order"),
+        "{err}"
+    );
+    let mut bytes = good.clone();
+    for b in bytes.iter_mut().skip(records).step_by(97) {
         *b ^= 0x10;
     }
     std::fs::write(&neurons, &bytes).unwrap();

@@ -209,6 +209,7 @@ fn malformed_jobs_and_writes_are_refused() {
     };
     assert!(be.neuron_slots_create(1, 4, &bad_layout).is_err());
     be.neuron_slots_create(1, 4, &layout).unwrap();
+    assert_eq!(be.neuron_store_bytes(), 4 * rb as u64);
     // Writes: a slot out of range, a record short, an unknown store.
     let err = be
         .neuron_slots_write(1, &[4], &vec![0; rb])
@@ -264,5 +265,6 @@ fn malformed_jobs_and_writes_are_refused() {
     .unwrap();
     assert!(out.iter().all(|&v| v == 0.0));
     be.neuron_slots_free(1);
+    assert_eq!(be.neuron_store_bytes(), 0);
     assert!(be.neuron_slots_write(1, &[0], &vec![0; rb]).is_err());
 }

@@ -2,7 +2,7 @@
 //! token uses, by a CATS-style threshold on the gate activation.
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use ballast_core::backend::{Backend, MatmulJob};
 use ballast_core::blocks::{FFN_DOWN, FFN_GATE, FFN_UP};
@@ -118,6 +118,15 @@ pub struct Calibration {
     n_ff: Arc<Mutex<usize>>,
     /// Per layer, when collected.
     moments: Option<Arc<Mutex<Vec<InputMoment>>>>,
+    /// Per layer, how many tokens each neuron was active for, when counted.
+    activity: Option<Arc<Mutex<Activity>>>,
+}
+
+/// Per layer, a threshold and, per neuron, the tokens whose `|silu(gate)|` passed it.
+#[derive(Clone, Debug, Default)]
+struct Activity {
+    thresholds: Vec<f32>,
+    counts: Vec<Vec<u64>>,
 }
 
 /// `Σ x xᵀ` (`d × d`, row-major) over the MLP inputs of one layer, and how many.
@@ -141,6 +150,15 @@ impl Calibration {
         }
     }
 
+    /// Per layer, per neuron, the tokens for which the neuron was active (its
+    /// `|silu(gate)|` above the layer's threshold of [`SparseFfn::counting_activity`]);
+    /// empty if activity was not counted, a layer the text never reached all zeros.
+    pub fn active_counts(&self) -> Vec<Vec<u64>> {
+        self.activity.as_ref().map_or_else(Vec::new, |a| {
+            a.lock().unwrap_or_else(|p| p.into_inner()).counts.clone()
+        })
+    }
+
     /// Records one pass of layer `layer`: its gate values, and `x`'s `Σ x xᵀ` when
     /// moments are collected (computed on `backend` as an f32 product of `xᵀ` with
     /// itself).
@@ -160,6 +178,21 @@ impl Calibration {
             }
             h[layer].add(gate.iter().map(|&g| silu(g)));
             *self.n_ff.lock().unwrap_or_else(|p| p.into_inner()) = n_ff;
+        }
+        if let Some(activity) = &self.activity {
+            let mut a = activity.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(&t) = a.thresholds.get(layer) {
+                if a.counts.len() <= layer {
+                    a.counts.resize(layer + 1, Vec::new());
+                }
+                let counts = &mut a.counts[layer];
+                counts.resize(n_ff, 0);
+                for row in gate.chunks_exact(n_ff) {
+                    for (c, &g) in counts.iter_mut().zip(row) {
+                        *c += u64::from(silu(g).abs() > t);
+                    }
+                }
+            }
         }
         let Some(moments) = &self.moments else {
             return Ok(());
@@ -254,10 +287,14 @@ pub struct SparseFfn {
 }
 
 /// The neuron mode ([`SparseFfn::with_neurons`]): records, the cache's books, and the
-/// backend's slot stores (one per layer, made at the layer's first sparse pass).
+/// backend's slot stores (one per layer, made at the layer's first sparse pass, freed
+/// when the mode is dropped).
 struct NeuronMode {
     source: Arc<dyn NeuronSource>,
     cache: NeuronCache,
+    /// The backend the stores live on. Weak: the MLP must not keep a device alive,
+    /// and a backend gone has taken its stores with it.
+    backend: Weak<dyn Backend>,
     /// Store number of layer 0; layer `l` is `store_base + l`.
     store_base: u64,
     created: Vec<bool>,
@@ -269,6 +306,19 @@ struct NeuronMode {
     gate: Vec<f32>,
     keep: Vec<bool>,
     part: Vec<f32>,
+}
+
+impl Drop for NeuronMode {
+    fn drop(&mut self) {
+        // The stores are the cache's memory (`slots` records per layer, on a device
+        // its buffers): without this they would stay on the backend, unreachable, for
+        // as long as it lives.
+        if let Some(backend) = self.backend.upgrade() {
+            for (layer, _) in self.created.iter().enumerate().filter(|(_, &c)| c) {
+                backend.neuron_slots_free(self.store_base + layer as u64);
+            }
+        }
+    }
 }
 
 /// Store numbers of the neuron stores of all sparse MLPs made by this process: 2^16
@@ -385,10 +435,14 @@ impl SparseFfn {
     /// from its record. A pass whose tokens use more neurons than `slots` is served
     /// in parts of `slots` neurons (their outputs added). A predictor is not used in
     /// this mode.
+    ///
+    /// The stores live on `backend`, the one the model runs on (a pass on another is
+    /// refused), and are freed there when the MLP is dropped.
     pub fn with_neurons(
         mut self,
         source: Arc<dyn NeuronSource>,
         slots: usize,
+        backend: &Arc<dyn Backend>,
     ) -> crate::Result<SparseFfn> {
         let n_layers = source.n_layers();
         if n_layers >= 1 << 16 {
@@ -401,6 +455,7 @@ impl SparseFfn {
         self.neurons = Some(NeuronMode {
             source,
             cache,
+            backend: Arc::downgrade(backend),
             store_base,
             created: vec![false; n_layers],
             active: Vec::new(),
@@ -429,6 +484,12 @@ impl SparseFfn {
         let gate_w = weights.matrix(FFN_GATE)?;
         let (n_ff, layer) = (gate_w.rows(), weights.index);
         let nm = self.neurons.as_mut().expect("called in the neuron mode");
+        if !std::ptr::addr_eq(backend as *const dyn Backend, nm.backend.as_ptr()) {
+            // Its stores are on the other one (and would never be freed on this one).
+            return Err(to_core(crate::Error::InvalidArgument {
+                what: "a neuron-mode MLP runs on the backend it was made with".into(),
+            }));
+        }
         let layout = nm.source.layout();
         if nm.source.n_ff() != n_ff || layout.n_embd != gate_w.cols() || layer >= nm.created.len() {
             return Err(to_core(crate::Error::InvalidArgument {
@@ -557,6 +618,20 @@ impl SparseFfn {
     pub fn calibrating() -> (SparseFfn, Calibration) {
         let calibration = Calibration::default();
         let mut ffn = SparseFfn::new(Vec::new());
+        ffn.calibration = Some(calibration.clone());
+        (ffn, calibration)
+    }
+
+    /// As [`SparseFfn::calibrating`], also counting per layer how many tokens each
+    /// neuron is active for at the layer's threshold in `thresholds`
+    /// ([`Calibration::active_counts`]): how `ballast sparsify --neurons` ranks the
+    /// neurons to store the hot ones first ([`crate::hot_first`]).
+    pub fn counting_activity(thresholds: Vec<f32>) -> (SparseFfn, Calibration) {
+        let (mut ffn, mut calibration) = SparseFfn::calibrating();
+        calibration.activity = Some(Arc::new(Mutex::new(Activity {
+            thresholds,
+            counts: Vec::new(),
+        })));
         ffn.calibration = Some(calibration.clone());
         (ffn, calibration)
     }

@@ -1,22 +1,33 @@
 //! The neuron file, `MODEL.neurons` beside the model: every MLP neuron's record
 //! ([`NeuronLayout`]: the up row as stored, the down column as Q8_0), so that one read
-//! fetches one neuron and a run of adjacent neurons is one read.
+//! fetches one neuron and a run of neurons stored side by side is one read.
 //!
-//! Layout (little-endian):
+//! Each layer's records are stored hot first (PowerInfer's hot neurons, LLM in a
+//! Flash's bundling): in the order the writer is given, which `ballast sparsify
+//! --neurons` makes by how often each neuron was active on the calibration text. A
+//! token's active neurons are mostly the often-active ones, so their records sit
+//! together: fewer pages of the file hold them, and runs of them are read in one `pread`.
+//! The order changes where a record sits, never what it holds: results do not depend
+//! on it.
+//!
+//! Layout (little-endian), version 2:
 //!
 //! | bytes | what |
 //! |---|---|
 //! | 8 | magic `BLSTNRNS` |
-//! | 4 | version (1) |
+//! | 4 | version (2) |
 //! | 8 | model fingerprint ([`ballast_core::fingerprint::model_fingerprint`]) |
 //! | 4 × 6 | layers, neurons per layer, width, up type id, down type id, record bytes |
 //! | 4 | CRC-32 of the 44 bytes before it |
-//! | (layers × neurons) × (record + 4) | per layer, per neuron: the record, then the CRC-32 of (layer `u32`, neuron `u32`, record) |
+//! | layers × (neurons × 4 + 4) | per layer, its order (the neuron `u32` stored at each place, a permutation of the layer's neurons), then the CRC-32 of (layer `u32`, the order's bytes) |
+//! | (layers × neurons) × (record + 4) | per layer, per place: the record of the neuron the order puts there, then the CRC-32 of (layer `u32`, neuron `u32`, record) |
 //!
-//! Every read checks each record's CRC-32 (a damaged or misplaced record is
-//! [`Error::DamagedRecord`], naming the file, layer and neuron); opening checks the
-//! header's and refuses a file for another model, of another layout, or of the wrong
-//! length.
+//! Version 1 (the files of earlier builds) has no order section and stores each layer's
+//! records in neuron order; it is still read, as that order. Every read checks each
+//! record's CRC-32 (a damaged or misplaced record is [`Error::DamagedRecord`], naming
+//! the file, layer and neuron); opening checks the header's and every order's (a
+//! damaged order, or one that is not a permutation, is refused naming the layer), and
+//! refuses a file for another model, of another layout, or of the wrong length.
 
 use std::fs::File;
 use std::io::Write;
@@ -30,13 +41,17 @@ use crate::source::{check_read, NeuronSource};
 use crate::{Error, Result};
 
 const MAGIC: &[u8; 8] = b"BLSTNRNS";
-const VERSION: u32 = 1;
+/// The version this build writes; it reads it and version 1.
+pub const NEURON_FILE_VERSION: u32 = 2;
 /// Header bytes, its CRC-32 included.
 pub const HEADER_BYTES: usize = 48;
 
 /// What a neuron file holds, from its header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NeuronFileHeader {
+    /// The format version: [`NEURON_FILE_VERSION`], or 1 (records in neuron order,
+    /// no order section).
+    pub version: u32,
     /// The model's fingerprint.
     pub fingerprint: u64,
     /// Layers.
@@ -53,21 +68,37 @@ impl NeuronFileHeader {
         self.layout.record_bytes() + 4
     }
 
-    /// The whole file's length.
-    pub fn file_len(&self) -> u64 {
+    /// Bytes of one layer's order and its CRC-32 (none in version 1).
+    fn order_bytes(&self) -> u64 {
+        if self.version == 1 {
+            0
+        } else {
+            (self.n_ff as u64).saturating_mul(4).saturating_add(4)
+        }
+    }
+
+    /// Where the records start: after the header and the orders.
+    pub fn records_start(&self) -> u64 {
         // Saturating: a damaged header's counts must not overflow (it is refused by
         // its length instead).
         (self.n_layers as u64)
+            .saturating_mul(self.order_bytes())
+            .saturating_add(HEADER_BYTES as u64)
+    }
+
+    /// The whole file's length.
+    pub fn file_len(&self) -> u64 {
+        (self.n_layers as u64)
             .saturating_mul(self.n_ff as u64)
             .saturating_mul(self.stride() as u64)
-            .saturating_add(HEADER_BYTES as u64)
+            .saturating_add(self.records_start())
     }
 
     /// The header's bytes.
     pub fn to_bytes(&self) -> [u8; HEADER_BYTES] {
         let mut b = [0u8; HEADER_BYTES];
         b[..8].copy_from_slice(MAGIC);
-        b[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        b[8..12].copy_from_slice(&self.version.to_le_bytes());
         b[12..20].copy_from_slice(&self.fingerprint.to_le_bytes());
         let fields = [
             self.n_layers as u32,
@@ -105,9 +136,9 @@ impl NeuronFileHeader {
             return Err(bad("the header is damaged (checksum mismatch)".into()));
         }
         let version = u32_at(8);
-        if version != VERSION {
+        if version == 0 || version > NEURON_FILE_VERSION {
             return Err(bad(format!(
-                "version {version}; this build reads version {VERSION}"
+                "version {version}; this build reads versions 1 to {NEURON_FILE_VERSION}: make it again with `ballast sparsify --neurons`"
             )));
         }
         let ty =
@@ -126,12 +157,43 @@ impl NeuronFileHeader {
             )));
         }
         Ok(NeuronFileHeader {
+            version,
             fingerprint: u64::from_le_bytes(b[12..20].try_into().expect("8 bytes")),
             n_layers: u32_at(20) as usize,
             n_ff: u32_at(24) as usize,
             layout,
         })
     }
+}
+
+/// A layer's hot-first order from how often each neuron was active
+/// ([`crate::Calibration::active_counts`]): the neurons by count, most first, ties in
+/// neuron order (so counts all equal give neuron order).
+pub fn hot_first(counts: &[u64]) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..counts.len() as u32).collect();
+    // Stable: ties keep neuron order.
+    order.sort_by_key(|&j| std::cmp::Reverse(counts[j as usize]));
+    order
+}
+
+/// The CRC-32 of layer `layer`'s order `order` (its bytes as stored).
+fn order_crc(layer: usize, order: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&(layer as u32).to_le_bytes());
+    h.update(order);
+    h.finalize()
+}
+
+/// Whether `order` holds each of `0..order.len()` once.
+fn is_permutation(order: &[u32]) -> bool {
+    let mut seen = vec![false; order.len()];
+    order.iter().all(|&n| {
+        let fresh = seen.get(n as usize) == Some(&false);
+        if fresh {
+            seen[n as usize] = true;
+        }
+        fresh
+    })
 }
 
 /// The CRC-32 of neuron `neuron` of `layer` with record `record`.
@@ -154,6 +216,8 @@ pub fn neuron_file_path(model: &Path) -> PathBuf {
 /// [`NeuronFileWriter::finish`] (so a file at `PATH` is always whole).
 pub struct NeuronFileWriter {
     header: NeuronFileHeader,
+    /// Per layer, the neuron at each place.
+    orders: Vec<Vec<u32>>,
     path: PathBuf,
     tmp: PathBuf,
     file: std::io::BufWriter<File>,
@@ -161,9 +225,38 @@ pub struct NeuronFileWriter {
 }
 
 impl NeuronFileWriter {
-    /// Starts the file of `header` at `path`.
-    pub fn create(path: &Path, header: NeuronFileHeader) -> Result<NeuronFileWriter> {
+    /// Starts the file of `header` (of version [`NEURON_FILE_VERSION`]) at `path`, each
+    /// layer's records to be stored in the order of `orders` (per layer, the neuron at
+    /// each place: a permutation of `0..n_ff`; hot neurons first).
+    pub fn create(
+        path: &Path,
+        header: NeuronFileHeader,
+        orders: Vec<Vec<u32>>,
+    ) -> Result<NeuronFileWriter> {
         header.layout.check()?;
+        let invalid = |what: String| Err(Error::InvalidArgument { what });
+        if header.version != NEURON_FILE_VERSION {
+            return invalid(format!(
+                "this build writes neuron files of version {NEURON_FILE_VERSION}, not {}",
+                header.version
+            ));
+        }
+        if orders.len() != header.n_layers {
+            return invalid(format!(
+                "{} neuron orders for {} layers",
+                orders.len(),
+                header.n_layers
+            ));
+        }
+        if let Some(l) = orders
+            .iter()
+            .position(|o| o.len() != header.n_ff || !is_permutation(o))
+        {
+            return invalid(format!(
+                "layer {l}'s neuron order is not a permutation of its {} neurons",
+                header.n_ff
+            ));
+        }
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(".tmp");
         let tmp = PathBuf::from(tmp);
@@ -173,8 +266,15 @@ impl NeuronFileWriter {
         };
         let mut file = std::io::BufWriter::new(File::create(&tmp).map_err(io)?);
         file.write_all(&header.to_bytes()).map_err(io)?;
+        for (l, order) in orders.iter().enumerate() {
+            let bytes: Vec<u8> = order.iter().flat_map(|n| n.to_le_bytes()).collect();
+            file.write_all(&bytes).map_err(io)?;
+            file.write_all(&order_crc(l, &bytes).to_le_bytes())
+                .map_err(io)?;
+        }
         Ok(NeuronFileWriter {
             header,
+            orders,
             path: path.to_path_buf(),
             tmp,
             file,
@@ -182,7 +282,8 @@ impl NeuronFileWriter {
         })
     }
 
-    /// Appends the next layer's records ([`crate::layer_records`]: `n_ff` records).
+    /// Appends the next layer's records ([`crate::layer_records`]: `n_ff` records in
+    /// neuron order), stored in the layer's order.
     pub fn write_layer(&mut self, records: &[u8]) -> Result<()> {
         let rb = self.header.layout.record_bytes();
         if records.len() != self.header.n_ff * rb || self.layers_written >= self.header.n_layers {
@@ -201,10 +302,11 @@ impl NeuronFileWriter {
             path: self.tmp.clone(),
             source,
         };
-        for (j, record) in records.chunks_exact(rb).enumerate() {
+        for &j in &self.orders[layer] {
+            let record = &records[j as usize * rb..][..rb];
             self.file.write_all(record).map_err(io)?;
             self.file
-                .write_all(&record_crc(layer, j, record).to_le_bytes())
+                .write_all(&record_crc(layer, j as usize, record).to_le_bytes())
                 .map_err(io)?;
         }
         self.layers_written += 1;
@@ -235,17 +337,19 @@ impl NeuronFileWriter {
 }
 
 /// An open neuron file: a [`NeuronSource`] reading records with `pread`, a run of
-/// adjacent neurons in one read, every record's CRC-32 checked.
+/// records adjacent in the file in one read, every record's CRC-32 checked.
 pub struct NeuronFile {
     path: PathBuf,
     file: File,
     header: NeuronFileHeader,
+    /// Per layer (`n_ff` each), each neuron's place in the layer's records.
+    place: Vec<u32>,
 }
 
 impl NeuronFile {
     /// Opens `path` for the model of `fingerprint` with `n_layers` layers of `n_ff`
     /// neurons of width `n_embd` whose `ffn_up` is of `up_type`: anything else, a
-    /// damaged header or a length other than the header's is refused.
+    /// damaged header or order, or a length other than the header's is refused.
     pub fn open(
         path: &Path,
         fingerprint: u64,
@@ -292,6 +396,43 @@ impl NeuronFile {
                 header.file_len()
             )));
         }
+        // The orders: read whole (the length check above bounds them by the file).
+        let mut place = vec![0u32; n_layers * n_ff];
+        if header.version == 1 {
+            for row in place.chunks_exact_mut(n_ff) {
+                for (j, p) in row.iter_mut().enumerate() {
+                    *p = j as u32;
+                }
+            }
+        } else {
+            let mut orders = vec![0u8; (header.records_start() - HEADER_BYTES as u64) as usize];
+            file.read_exact_at(&mut orders, HEADER_BYTES as u64)
+                .map_err(io)?;
+            for (l, (section, row)) in orders
+                .chunks_exact(n_ff * 4 + 4)
+                .zip(place.chunks_exact_mut(n_ff))
+                .enumerate()
+            {
+                let (bytes, crc) = section.split_at(n_ff * 4);
+                if order_crc(l, bytes) != u32::from_le_bytes(crc.try_into().expect("4 bytes")) {
+                    return Err(bad(format!(
+                        "layer {l}'s neuron order is damaged (checksum mismatch)"
+                    )));
+                }
+                let order: Vec<u32> = bytes
+                    .chunks_exact(4)
+                    .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect();
+                if !is_permutation(&order) {
+                    return Err(bad(format!(
+                        "layer {l}'s neuron order is not a permutation of its {n_ff} neurons"
+                    )));
+                }
+                for (p, &j) in order.iter().enumerate() {
+                    row[j as usize] = p as u32;
+                }
+            }
+        }
         // Reads are a few records at a time, scattered: without this hint the kernel's
         // readahead turns each into a read of 128 KiB or more, which under a memory
         // limit is read again and again (measured: 80 MiB of storage reads per token
@@ -306,12 +447,80 @@ impl NeuronFile {
             path: path.to_path_buf(),
             file,
             header,
+            place,
         })
     }
 
     /// The header.
     pub fn header(&self) -> &NeuronFileHeader {
         &self.header
+    }
+
+    /// The order of `layer`'s records: the neuron at each place (neuron order for a
+    /// version 1 file).
+    pub fn order(&self, layer: usize) -> Option<Vec<u32>> {
+        let n_ff = self.header.n_ff;
+        let place = self.place.get(layer * n_ff..(layer + 1) * n_ff)?;
+        let mut order = vec![0u32; n_ff];
+        for (j, &p) in place.iter().enumerate() {
+            order[p as usize] = j as u32;
+        }
+        Some(order)
+    }
+
+    /// Reads the records of `neurons` of `layer` into `out` (appended, in the order
+    /// asked): the asked neurons sorted by place, each run of adjacent places one read.
+    fn read_records(&self, layer: usize, neurons: &[u32], out: &mut Vec<u8>) -> Result<u64> {
+        let (stride, rb, n_ff) = (
+            self.header.stride(),
+            self.header.layout.record_bytes(),
+            self.header.n_ff,
+        );
+        let layer_start = self.header.records_start() + (layer * n_ff) as u64 * stride as u64;
+        let place = &self.place[layer * n_ff..(layer + 1) * n_ff];
+        // (place, index asked), in file order.
+        let mut by_place: Vec<(u32, u32)> = neurons
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (place[n as usize], i as u32))
+            .collect();
+        by_place.sort_unstable();
+        let base = out.len();
+        out.resize(base + neurons.len() * rb, 0);
+        let mut buf = Vec::new();
+        let mut read = 0u64;
+        let mut i = 0;
+        while i < by_place.len() {
+            let first = by_place[i].0 as usize;
+            let mut end = i + 1;
+            while end < by_place.len() && by_place[end].0 as usize == first + (end - i) {
+                end += 1;
+            }
+            buf.resize((end - i) * stride, 0);
+            self.file
+                .read_exact_at(&mut buf, layer_start + (first * stride) as u64)
+                .map_err(|source| Error::Io {
+                    path: self.path.clone(),
+                    source,
+                })?;
+            read += buf.len() as u64;
+            for (chunk, &(_, asked)) in buf.chunks_exact(stride).zip(&by_place[i..end]) {
+                let neuron = neurons[asked as usize] as usize;
+                let (record, crc) = chunk.split_at(rb);
+                if record_crc(layer, neuron, record)
+                    != u32::from_le_bytes(crc.try_into().expect("4 bytes"))
+                {
+                    return Err(Error::DamagedRecord {
+                        path: self.path.clone(),
+                        layer,
+                        neuron,
+                    });
+                }
+                out[base + asked as usize * rb..][..rb].copy_from_slice(record);
+            }
+            i = end;
+        }
+        Ok(read)
     }
 }
 
@@ -330,42 +539,12 @@ impl NeuronSource for NeuronFile {
 
     fn read(&self, layer: usize, neurons: &[u32], out: &mut Vec<u8>) -> Result<u64> {
         check_read(layer, neurons, self.header.n_layers, self.header.n_ff)?;
-        let (stride, rb) = (self.header.stride(), self.header.layout.record_bytes());
-        let layer_start = HEADER_BYTES as u64 + (layer * self.header.n_ff) as u64 * stride as u64;
-        let mut buf = Vec::new();
-        let mut read = 0u64;
-        let mut i = 0;
-        while i < neurons.len() {
-            // A run of adjacent neurons: one read.
-            let first = neurons[i] as usize;
-            let mut end = i + 1;
-            while end < neurons.len() && neurons[end] as usize == first + (end - i) {
-                end += 1;
-            }
-            let run = end - i;
-            buf.resize(run * stride, 0);
-            self.file
-                .read_exact_at(&mut buf, layer_start + (first * stride) as u64)
-                .map_err(|source| Error::Io {
-                    path: self.path.clone(),
-                    source,
-                })?;
-            read += buf.len() as u64;
-            for (r, chunk) in buf.chunks_exact(stride).enumerate() {
-                let (record, crc) = chunk.split_at(rb);
-                if record_crc(layer, first + r, record)
-                    != u32::from_le_bytes(crc.try_into().expect("4 bytes"))
-                {
-                    return Err(Error::DamagedRecord {
-                        path: self.path.clone(),
-                        layer,
-                        neuron: first + r,
-                    });
-                }
-                out.extend_from_slice(record);
-            }
-            i = end;
+        let base = out.len();
+        let read = self.read_records(layer, neurons, out);
+        if read.is_err() {
+            // Nothing of a failed read is left in `out`.
+            out.truncate(base);
         }
-        Ok(read)
+        read
     }
 }

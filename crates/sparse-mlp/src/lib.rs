@@ -15,6 +15,12 @@
 //!   calibration inputs (closed form, no training) with each neuron's error scale, so
 //!   that [`SparseFfn::with_predictor`] computes only the gate rows of the neurons it
 //!   predicts active, within a margin; [`SparseStats::recall`] measures what it loses.
+//! - [`SparseFfn::with_neurons`]: the neuron mode, computing the MLP over neuron
+//!   records (one neuron's up row and down column side by side) held in a per-layer
+//!   [`NeuronCache`] of the backend's slots, fetching only the active neurons it lacks
+//!   from a [`NeuronSource`]: the [`NeuronFile`] beside the model, whose layers store
+//!   their records hot first ([`hot_first`] of [`Calibration::active_counts`]) so
+//!   that a token's records sit together.
 //!
 //! The granularity is one neuron for the up projection (a weight row) and, for the down
 //! projection, one quantization block of its input (32 neurons, 256 for K-quants),
@@ -46,7 +52,10 @@ mod source;
 pub use cache::{CacheCounts, Lookup, NeuronCache};
 pub use error::{Error, Result};
 pub use ffn::{Calibration, SparseFfn, SparseStats};
-pub use file::{neuron_file_path, NeuronFile, NeuronFileHeader, NeuronFileWriter, HEADER_BYTES};
+pub use file::{
+    hot_first, neuron_file_path, NeuronFile, NeuronFileHeader, NeuronFileWriter, HEADER_BYTES,
+    NEURON_FILE_VERSION,
+};
 pub use predictor::{fit_layer, ActiveRegion, LayerPredictor, Predictor};
 pub use profile::{MagnitudeHistogram, SparsityProfile, QUANTILES};
 pub use source::{layer_records, MemoryNeurons, NeuronSource};

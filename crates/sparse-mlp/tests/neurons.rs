@@ -1,22 +1,32 @@
 //! The neuron mode in a real forward pass on tiny random models: exact at sparsity 0;
 //! a cache far smaller than the layer, churning every token, gives the logits of a
 //! cache that holds every neuron (no stale or missing record is ever used); a pass
-//! served in parts stays close; counters add up.
+//! served in parts stays close; counters add up; the order of a neuron file's records
+//! changes nothing; the backend's stores go with the MLP.
 
 use std::sync::Arc;
 
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::neurons::NeuronLayout;
 use ballast_runtime::store::PassId;
-use ballast_runtime::{quant, Model};
-use ballast_sparse_mlp::{layer_records, MemoryNeurons, NeuronSource, SparseFfn};
+use ballast_runtime::{quant, Backend, CpuBackend, Model, Session};
+use ballast_sparse_mlp::{
+    hot_first, layer_records, MemoryNeurons, NeuronFile, NeuronFileHeader, NeuronFileWriter,
+    NeuronSource, SparseFfn, NEURON_FILE_VERSION,
+};
 use proptest::prelude::*;
 
 mod common;
-use common::{calibrate, run_chunked as run, text, tiny as model, PROMPT};
+use common::{calibrate, run_chunked as run, text, tiny as model, tiny_on, PROMPT};
 
 /// Every neuron record of `model`, in RAM.
 fn records(model: &Model) -> Arc<dyn NeuronSource> {
+    let (layout, layers) = layer_bytes(model);
+    Arc::new(MemoryNeurons::new(layout, model.config().n_ff, layers).unwrap())
+}
+
+/// The records' layout and every layer's records of `model`, in neuron order.
+fn layer_bytes(model: &Model) -> (NeuronLayout, Vec<Vec<u8>>) {
     let config = model.config();
     let mut layout = None;
     let layers = (0..config.n_layers)
@@ -37,7 +47,40 @@ fn records(model: &Model) -> Arc<dyn NeuronSource> {
             out
         })
         .collect();
-    Arc::new(MemoryNeurons::new(layout.unwrap(), config.n_ff, layers).unwrap())
+    (layout.unwrap(), layers)
+}
+
+/// The neuron file of `model` at `path`, each layer's records in the order of `orders`.
+fn neuron_file(
+    model: &Model,
+    path: &std::path::Path,
+    orders: Vec<Vec<u32>>,
+) -> Arc<dyn NeuronSource> {
+    let (layout, layers) = layer_bytes(model);
+    let config = model.config();
+    let header = NeuronFileHeader {
+        version: NEURON_FILE_VERSION,
+        fingerprint: 5,
+        n_layers: config.n_layers,
+        n_ff: config.n_ff,
+        layout,
+    };
+    let mut w = NeuronFileWriter::create(path, header, orders).unwrap();
+    for l in &layers {
+        w.write_layer(l).unwrap();
+    }
+    w.finish().unwrap();
+    Arc::new(
+        NeuronFile::open(
+            path,
+            5,
+            config.n_layers,
+            config.n_ff,
+            layout.n_embd,
+            layout.up_type,
+        )
+        .unwrap(),
+    )
 }
 
 fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
@@ -54,7 +97,7 @@ proptest! {
     fn sparsity_zero_is_dense_bit_for_bit(seed in any::<u64>()) {
         let dense = model(seed, GgmlType::Q4_1);
         let profile = calibrate(&dense, &PROMPT);
-        let ffn = SparseFfn::new(profile.thresholds(0.0).unwrap()).with_neurons(records(&dense), 64).unwrap();
+        let ffn = SparseFfn::new(profile.thresholds(0.0).unwrap()).with_neurons(records(&dense), 64, dense.backend()).unwrap();
         let stats = ffn.stats();
         let sparse = dense.share_with_ffn(Box::new(ffn));
         let (a, b) = (run(dense, &PROMPT, 6, 3), run(sparse, &PROMPT, 6, 3));
@@ -72,8 +115,8 @@ proptest! {
         let profile = calibrate(&dense, &text());
         let thresholds = profile.thresholds(0.5).unwrap();
         let source = records(&dense);
-        let whole = SparseFfn::new(thresholds.clone()).with_neurons(source.clone(), 256).unwrap();
-        let small = SparseFfn::new(thresholds).with_neurons(source, 154).unwrap();
+        let whole = SparseFfn::new(thresholds.clone()).with_neurons(source.clone(), 256, dense.backend()).unwrap();
+        let small = SparseFfn::new(thresholds).with_neurons(source, 154, dense.backend()).unwrap();
         let (ws, ss) = (whole.stats(), small.stats());
         let a = run(dense.share_with_ffn(Box::new(whole)), &text()[..24], 1, 4);
         let b = run(dense.share_with_ffn(Box::new(small)), &text()[..24], 1, 4);
@@ -99,7 +142,7 @@ fn neuron_mode_follows_the_row_mode() {
     let thresholds = profile.thresholds(0.5).unwrap();
     let source = records(&dense);
     let ffn = SparseFfn::new(thresholds.clone())
-        .with_neurons(source.clone(), 256)
+        .with_neurons(source.clone(), 256, dense.backend())
         .unwrap();
     let stats = ffn.stats();
     let neuron = run(dense.share_with_ffn(Box::new(ffn)), &text(), 48, 2);
@@ -112,7 +155,9 @@ fn neuron_mode_follows_the_row_mode() {
         48,
         2,
     );
-    let parts = SparseFfn::new(thresholds).with_neurons(source, 40).unwrap();
+    let parts = SparseFfn::new(thresholds)
+        .with_neurons(source, 40, dense.backend())
+        .unwrap();
     let parted = run(dense.share_with_ffn(Box::new(parts)), &text(), 48, 2);
     for (other, what) in [(&rows, "row mode"), (&parted, "served in parts")] {
         for (a, b) in neuron.iter().zip(other) {
@@ -124,4 +169,104 @@ fn neuron_mode_follows_the_row_mode() {
             );
         }
     }
+}
+
+/// `counting_activity` counts, per neuron, the tokens whose gate passes the layer's
+/// threshold: at the thresholds of 40% about 60% of all (token, neuron) pairs, no
+/// neuron above the tokens run; the hot-first order of those counts puts the busiest
+/// neurons first.
+#[test]
+fn activity_counts_follow_the_thresholds() {
+    let dense = model(11, GgmlType::Q4_1);
+    let profile = calibrate(&dense, &text());
+    let (ffn, calibration) = SparseFfn::counting_activity(profile.thresholds(0.4).unwrap());
+    let mut session = Session::new(dense.share_with_ffn(Box::new(ffn)), 64).unwrap();
+    session.feed(&text()).unwrap();
+    let counts = calibration.active_counts();
+    assert_eq!(counts.len(), 3);
+    let tokens = text().len() as u64;
+    let total: u64 = counts.iter().flatten().sum();
+    let share = total as f64 / (3 * 256) as f64 / tokens as f64;
+    assert!((share - 0.6).abs() < 0.05, "{share}");
+    for c in &counts {
+        assert_eq!(c.len(), 256);
+        assert!(c.iter().all(|&n| n <= tokens));
+        let order = hot_first(c);
+        assert_eq!(c[order[0] as usize], *c.iter().max().unwrap());
+        assert_eq!(c[order[255] as usize], *c.iter().min().unwrap());
+    }
+    // Without thresholds nothing is counted.
+    let (ffn, calibration) = SparseFfn::counting_activity(Vec::new());
+    let mut session = Session::new(dense.share_with_ffn(Box::new(ffn)), 64).unwrap();
+    session.feed(&text()).unwrap();
+    assert!(calibration.active_counts().is_empty());
+}
+
+/// The order a neuron file stores its records in changes nothing: at 25% (a cache of
+/// 60%, evicting) the logits read from files in neuron order, hot-first order and
+/// reversed order are the bits of the records in RAM, with the same bytes fetched.
+#[test]
+fn the_order_of_the_records_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let dense = model(5, GgmlType::Q4_1);
+    let profile = calibrate(&dense, &text());
+    let thresholds = profile.thresholds(0.25).unwrap();
+    let (ffn, calibration) = SparseFfn::counting_activity(profile.thresholds(0.4).unwrap());
+    Session::new(dense.share_with_ffn(Box::new(ffn)), 64)
+        .unwrap()
+        .feed(&text())
+        .unwrap();
+    let hot: Vec<Vec<u32>> = calibration
+        .active_counts()
+        .iter()
+        .map(|c| hot_first(c))
+        .collect();
+    let identity: Vec<Vec<u32>> = vec![(0..256).collect(); 3];
+    let reversed: Vec<Vec<u32>> = vec![(0..256).rev().collect(); 3];
+    assert_ne!(hot, identity, "some neuron is busier than neuron 0");
+    let logits = |source: Arc<dyn NeuronSource>| {
+        let ffn = SparseFfn::new(thresholds.clone())
+            .with_neurons(source, 154, dense.backend())
+            .unwrap();
+        let stats = ffn.stats();
+        let out = run(dense.share_with_ffn(Box::new(ffn)), &text()[..24], 1, 4);
+        let s = *stats.lock().unwrap();
+        (bits(&out), s.neuron_misses)
+    };
+    let (want, misses) = logits(records(&dense));
+    assert!(misses > 0);
+    for (name, orders) in [("neuron", identity), ("hot", hot), ("reversed", reversed)] {
+        let source = neuron_file(&dense, &dir.path().join(name), orders);
+        assert_eq!(logits(source), (want.clone(), misses), "{name} order");
+    }
+}
+
+/// Dropping the MLP frees its neuron stores on the backend (they are the cache's
+/// memory); a pass on a backend other than the one it was made with is refused.
+#[test]
+fn dropping_the_mlp_frees_its_stores() {
+    let cpu = Arc::new(CpuBackend::new(2));
+    let backend: Arc<dyn Backend> = cpu.clone();
+    let dense = tiny_on(7, GgmlType::Q4_1, backend.clone());
+    let profile = calibrate(&dense, &text());
+    let thresholds = profile.thresholds(0.5).unwrap();
+    let ffn = SparseFfn::new(thresholds.clone())
+        .with_neurons(records(&dense), 100, &backend)
+        .unwrap();
+    let mut session = Session::new(dense.share_with_ffn(Box::new(ffn)), 64).unwrap();
+    session.feed(&PROMPT).unwrap();
+    let record =
+        (64 / 32 * GgmlType::Q4_1.block_bytes() + 64 / 32 * GgmlType::Q8_0.block_bytes()) as u64;
+    assert_eq!(cpu.neuron_store_bytes(), 3 * 100 * record);
+    drop(session);
+    assert_eq!(cpu.neuron_store_bytes(), 0);
+    // Made for another backend: refused, and nothing is created on this one.
+    let other: Arc<dyn Backend> = Arc::new(CpuBackend::new(1));
+    let ffn = SparseFfn::new(thresholds)
+        .with_neurons(records(&dense), 100, &other)
+        .unwrap();
+    let mut session = Session::new(dense.share_with_ffn(Box::new(ffn)), 64).unwrap();
+    let e = session.feed(&PROMPT).expect_err("refused").to_string();
+    assert!(e.contains("backend it was made with"), "{e}");
+    assert_eq!(cpu.neuron_store_bytes(), 0);
 }

@@ -401,6 +401,17 @@ struct NeuronStore {
 }
 
 impl CpuBackend {
+    /// Bytes of the neuron stores this backend holds ([`NeuronOps::neuron_slots_create`]
+    /// until [`NeuronOps::neuron_slots_free`]).
+    pub fn neuron_store_bytes(&self) -> u64 {
+        self.neurons
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .map(|s| s.bytes.len() as u64)
+            .sum()
+    }
+
     fn no_store(store: u64) -> Error {
         Error::InvalidArgument {
             what: format!("no neuron store {store} on this backend"),

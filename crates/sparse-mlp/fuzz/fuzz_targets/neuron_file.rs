@@ -1,6 +1,8 @@
-//! Fuzzes the neuron-file reader: any bytes must open or give a typed error, and a file
-//! that opens must read every record (all of a layer at once, and every other one) or
-//! give a typed error, never a panic.
+//! Fuzzes the neuron-file reader (versions 1 and 2): any bytes must open or give a
+//! typed error, and a file that opens must give each layer's order as a permutation
+//! and read every record (all of a layer at once, every other one, and the first half
+//! of the layer's places, which are runs in file order) or give a typed error, never
+//! a panic.
 #![no_main]
 
 use std::path::PathBuf;
@@ -42,6 +44,17 @@ fuzz_target!(|data: &[u8]| {
         let odd: Vec<u32> = all.iter().copied().filter(|n| n % 2 == 1).collect();
         out.clear();
         let _ = file.read(layer, &odd, &mut out);
+        let order = file.order(layer).expect("a layer of the file");
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, all, "an order that opened is a permutation");
+        let mut hot: Vec<u32> = order[..order.len() / 2].to_vec();
+        hot.sort_unstable();
+        out.clear();
+        if file.read(layer, &hot, &mut out).is_ok() {
+            assert_eq!(out.len(), hot.len() * h.layout.record_bytes());
+        }
     }
+    assert!(file.order(file.n_layers()).is_none());
     let _ = file.read(file.n_layers(), &[0], &mut out);
 });

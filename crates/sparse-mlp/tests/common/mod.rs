@@ -6,11 +6,16 @@ use std::sync::Arc;
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::testing::TinyModelSpec;
-use ballast_runtime::{CpuBackend, Model, Session};
+use ballast_runtime::{Backend, CpuBackend, Model, Session};
 use ballast_sparse_mlp::{SparseFfn, SparsityProfile};
 
 /// A tiny llama of 3 layers of 256 neurons with weights of `weight_type`.
 pub fn tiny(seed: u64, weight_type: GgmlType) -> Model {
+    tiny_on(seed, weight_type, Arc::new(CpuBackend::new(2)))
+}
+
+/// [`tiny`] on `backend`.
+pub fn tiny_on(seed: u64, weight_type: GgmlType, backend: Arc<dyn Backend>) -> Model {
     let spec = TinyModelSpec {
         n_layers: 3,
         n_ff: 256,
@@ -19,7 +24,7 @@ pub fn tiny(seed: u64, weight_type: GgmlType) -> Model {
         ..TinyModelSpec::default()
     };
     let file = Arc::new(GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap());
-    Model::load(file, Arc::new(CpuBackend::new(2)), false).unwrap()
+    Model::load(file, backend, false).unwrap()
 }
 
 /// Logits after `prompt` fed `chunk` tokens at a time (the last chunk's), then after
