@@ -116,7 +116,7 @@ fn run_windows(
 }
 
 /// Per layer, the hot-first order of its neurons on the calibration text (see
-/// `--neurons`).
+/// `--neuron-order`).
 fn hot_first_orders(
     args: &SparsifyArgs,
     loaded: &common::Loaded,

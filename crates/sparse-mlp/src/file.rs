@@ -2,13 +2,13 @@
 //! ([`NeuronLayout`]: the up row as stored, the down column as Q8_0), so that one read
 //! fetches one neuron and a run of neurons stored side by side is one read.
 //!
-//! Each layer's records are stored hot first (PowerInfer's hot neurons, LLM in a
-//! Flash's bundling): in the order the writer is given, which `ballast sparsify
-//! --neurons` makes by how often each neuron was active on the calibration text. A
-//! token's active neurons are mostly the often-active ones, so their records sit
-//! together: fewer pages of the file hold them, and runs of them are read in one `pread`.
-//! The order changes where a record sits, never what it holds: results do not depend
-//! on it.
+//! Each layer's records are stored in the order the writer is given: neuron order
+//! (`ballast sparsify --neurons`), or hot first (`--neuron-order hot`: PowerInfer's hot
+//! neurons, by how often each was active on the calibration text, [`hot_first`]). Hot
+//! first was measured to read more 4 KiB pages than neuron order on SmolLM2 (the
+//! hottest neurons stay in the neuron cache; the misses come as runs of adjacent ids),
+//! so it is not the default. The order changes where a record sits, never what it
+//! holds: results do not depend on it.
 //!
 //! Layout (little-endian), version 2:
 //!
@@ -227,7 +227,7 @@ pub struct NeuronFileWriter {
 impl NeuronFileWriter {
     /// Starts the file of `header` (of version [`NEURON_FILE_VERSION`]) at `path`, each
     /// layer's records to be stored in the order of `orders` (per layer, the neuron at
-    /// each place: a permutation of `0..n_ff`; hot neurons first).
+    /// each place: a permutation of `0..n_ff`).
     pub fn create(
         path: &Path,
         header: NeuronFileHeader,

@@ -19,8 +19,8 @@
 //!   records (one neuron's up row and down column side by side) held in a per-layer
 //!   [`NeuronCache`] of the backend's slots, fetching only the active neurons it lacks
 //!   from a [`NeuronSource`]: the [`NeuronFile`] beside the model, whose layers store
-//!   their records hot first ([`hot_first`] of [`Calibration::active_counts`]) so
-//!   that a token's records sit together.
+//!   their records in neuron order or hot first ([`hot_first`] of
+//!   [`Calibration::active_counts`]; measured not to save reads).
 //!
 //! The granularity is one neuron for the up projection (a weight row) and, for the down
 //! projection, one quantization block of its input (32 neurons, 256 for K-quants),
