@@ -78,6 +78,17 @@ struct SparseFigures {
     /// Neuron mode: (fraction of active neurons found in the cache, record bytes
     /// fetched per decoded token).
     neurons: Option<(f64, f64)>,
+    /// Neuron mode with the prefetch: per decoded token, the records fetched during
+    /// attention, the fraction of them the MLP then used, their bytes, and the records
+    /// still fetched in the MLP (the predictor's misses the cache lacked).
+    prefetch: Option<PrefetchFigures>,
+}
+
+struct PrefetchFigures {
+    prefetched: f64,
+    used: f64,
+    bytes: f64,
+    fetched_in_mlp: f64,
 }
 
 struct IoFigures {
@@ -309,6 +320,20 @@ pub fn run(args: BenchArgs) -> Result<()> {
                             )
                         })
                     },
+                    prefetch: {
+                        let prefetched = now.prefetched - before.prefetched;
+                        (prefetched > 0 || now.truly_active > before.truly_active).then(|| {
+                            PrefetchFigures {
+                                prefetched: prefetched as f64 / n as f64,
+                                used: (now.prefetch_used - before.prefetch_used) as f64
+                                    / prefetched.max(1) as f64,
+                                bytes: (now.prefetch_bytes - before.prefetch_bytes) as f64
+                                    / n as f64,
+                                fetched_in_mlp: (now.neuron_misses - before.neuron_misses) as f64
+                                    / n as f64,
+                            }
+                        })
+                    },
                 });
             }
             let process_read_per_token = ballast_tier_stream::io::process_read_bytes()
@@ -490,6 +515,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     "dense_mlp_bytes": f.dense_mlp_bytes,
                     "neuron_hit_rate": f.neurons.map(|n| n.0),
                     "neuron_bytes_fetched_per_token": f.neurons.map(|n| n.1),
+                    "recall": f.recall,
+                    "prefetched_per_token": f.prefetch.as_ref().map(|p| p.prefetched),
+                    "prefetch_used": f.prefetch.as_ref().map(|p| p.used),
+                    "prefetch_bytes_per_token": f.prefetch.as_ref().map(|p| p.bytes),
+                    "fetched_in_mlp_per_token": f.prefetch.as_ref().map(|p| p.fetched_in_mlp),
                 });
             }
             if let Some(io) = &r.io {
@@ -617,7 +647,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 human_bytes(fetched as u64)
             );
         }
-        if f.gate_rows_computed < 1.0 || f.recall.is_some() {
+        if let Some(p) = &f.prefetch {
+            println!(
+                "prefetch ({} threads): {:.1} records ({}) per token fetched during attention, {:.1}% of them used; {:.1} per token still fetched in the MLP; recall {:.2}% of the active neurons predicted",
+                f.threads,
+                p.prefetched,
+                human_bytes(p.bytes as u64),
+                100.0 * p.used,
+                p.fetched_in_mlp,
+                100.0 * f.recall.unwrap_or(1.0)
+            );
+        } else if f.gate_rows_computed < 1.0 || f.recall.is_some() {
             println!(
                 "predictor ({} threads): {:.1}% of gate rows computed while decoding{}",
                 f.threads,

@@ -43,7 +43,10 @@ pub struct SparsifyArgs {
     /// about R × (width + neurons) × 2 bytes per layer and token. At most the model
     /// width. Measured on SmolLM2 (rank 64) and Qwen2.5-Coder-0.5B (rank 128) it does
     /// not pay: where it keeps over 95% of the neurons it computes almost every gate
-    /// row and, with its own bytes, reads about what the dense MLP reads.
+    /// row and, with its own bytes, reads about what the dense MLP reads. The same rank
+    /// also fits a second predictor of the gate from each layer's attention input
+    /// (reduced-rank regression), which the neuron mode uses to fetch the records of
+    /// the neurons it predicts while attention runs.
     #[arg(long, default_value_t = 0)]
     pub rank: usize,
     /// Instead of making the profile, write the neuron file MODEL.neurons (or -o):
@@ -263,20 +266,22 @@ pub fn run(args: SparsifyArgs) -> Result<()> {
     let mut profile = calibration.profile(fingerprint, n as u64);
     if args.rank > 0 {
         let bar = indicatif::ProgressBar::new(config.n_layers as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{msg} {bar:30} {pos}/{len} layers ({eta})")
+                .expect("a valid template"),
+        );
         bar.set_message(format!("fitting rank-{} predictors", args.rank));
         let mut layers = Vec::with_capacity(config.n_layers);
+        let mut attention = Vec::with_capacity(config.n_layers);
         for l in 0..config.n_layers {
             let weights = loaded
                 .model
                 .store()
                 .layer(ballast_runtime::store::PassId(u64::MAX), l)?;
             let gate = weights.matrix(ballast_runtime::blocks::FFN_GATE)?;
-            layers.push(calibration.fit_predictor(
-                loaded.model.backend().as_ref(),
-                l,
-                gate,
-                args.rank,
-            )?);
+            let backend = loaded.model.backend().as_ref();
+            layers.push(calibration.fit_predictor(backend, l, gate, args.rank)?);
+            attention.push(calibration.fit_attention_predictor(backend, l, gate, args.rank)?);
             bar.inc(1);
         }
         bar.finish_and_clear();
@@ -287,6 +292,7 @@ pub fn run(args: SparsifyArgs) -> Result<()> {
             common::human_bytes(bytes as u64)
         );
         profile.predictor = Some(ballast_sparse_mlp::Predictor { layers });
+        profile.attention_predictor = Some(ballast_sparse_mlp::Predictor { layers: attention });
     }
     let out = args
         .output

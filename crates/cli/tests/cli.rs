@@ -959,6 +959,37 @@ fn neuron_mode_runs_mapped_and_out_of_core_and_bad_neuron_files_are_named() {
         })
         .expect("some budget streams layers");
     assert_eq!(streamed.0, mapped);
+    // The prefetch needs the attention-input predictor (`sparsify --rank`) and the
+    // neuron mode; it moves reads, never tokens.
+    let (ok, _, err) = run(&["--prefetch"]);
+    assert!(
+        !ok && err.contains("--prefetch") && err.contains("--rank"),
+        "{err}"
+    );
+    let ranked = dir.path().join("ranked.sparsity");
+    let r = ranked.to_str().unwrap();
+    let o = ballast(&[
+        "sparsify", "-m", m, "--text", t, "-c", "64", "--rank", "8", "-o", r,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (ok, out, err) = run(&[
+        "--store",
+        "tiered",
+        "--ram",
+        &streamed.1,
+        "--sparsity-profile",
+        r,
+        "--prefetch",
+    ]);
+    assert!(ok && out == streamed.0, "{err}");
+    let (ok, _, err) = run(&[
+        "--sparsity-profile",
+        r,
+        "--prefetch",
+        "--sparse-mode",
+        "rows",
+    ]);
+    assert!(!ok && err.contains("neuron mode"), "{err}");
     // The same records hot first: the same tokens (the order moves records, never a
     // result).
     let hot = dir.path().join("hot.neurons");

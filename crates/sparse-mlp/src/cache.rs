@@ -95,7 +95,7 @@ impl NeuronCache {
                 n_layers
             ],
             n_ff,
-            clock: 0,
+            clock: 1, // 1 is the stamp of a guess ([`NeuronCache::prefetch`]): older than any use
             counts: CacheCounts::default(),
             candidates: Vec::new(),
         })
@@ -131,6 +131,24 @@ impl NeuronCache {
     /// Slots of `layer` and neurons of the pass: `active` must be sorted and distinct,
     /// each below `n_ff`, and at most [`NeuronCache::capacity`] of them.
     pub fn lookup(&mut self, layer: usize, active: &[u32], out: &mut Lookup) -> Result<()> {
+        self.assign(layer, active, out, false)
+    }
+
+    /// As [`NeuronCache::lookup`] for neurons a pass is predicted to use, fetched before
+    /// it runs: the fills are booked as the least recently used slots (a wrong guess is
+    /// the first to go, before any neuron a pass did use), until a lookup uses them.
+    /// Not counted in [`NeuronCache::counts`].
+    pub fn prefetch(&mut self, layer: usize, predicted: &[u32], out: &mut Lookup) -> Result<()> {
+        self.assign(layer, predicted, out, true)
+    }
+
+    fn assign(
+        &mut self,
+        layer: usize,
+        active: &[u32],
+        out: &mut Lookup,
+        guess: bool,
+    ) -> Result<()> {
         let capacity = self.capacity();
         let n_ff = self.n_ff;
         let Some(l) = self.layers.get_mut(layer) else {
@@ -212,13 +230,17 @@ impl NeuronCache {
             }
             l.owner[slot as usize] = n;
             l.slot_of[n as usize] = slot;
-            l.last_used[slot as usize] = now;
+            // A guess is older than any use (1: taken before every used slot, after
+            // the free ones).
+            l.last_used[slot as usize] = if guess { 1 } else { now };
             out.slots.push(slot);
             out.hit.push(false);
             out.fills.push((n, slot));
         }
-        self.counts.hits += (active.len() - misses) as u64;
-        self.counts.misses += misses as u64;
+        if !guess {
+            self.counts.hits += (active.len() - misses) as u64;
+            self.counts.misses += misses as u64;
+        }
         Ok(())
     }
 
@@ -256,12 +278,13 @@ mod tests {
         /// Against a model (a map slot -> neuron, the store's content as written): every
         /// asked neuron's slot holds it after the fills are written, slots are distinct,
         /// no slot beyond capacity, hits are exactly the neurons the store already held,
-        /// a fill never takes a slot this pass uses, and evictions are least recently used.
+        /// a fill never takes a slot this pass uses, and evictions are least recently used
+        /// (a prefetched neuron no pass has used counting as older than any use).
         #[test]
         fn never_serves_a_stale_or_missing_neuron(
             n_ff in 1usize..40,
             capacity in 1usize..40,
-            passes in proptest::collection::vec(proptest::collection::vec(0u32..40, 0..40), 1..30),
+            passes in proptest::collection::vec((proptest::collection::vec(0u32..40, 0..40), any::<bool>()), 1..30),
             fail_some in any::<bool>(),
         ) {
             let mut cache = NeuronCache::new(2, n_ff, capacity).unwrap();
@@ -269,13 +292,17 @@ mod tests {
             prop_assert_eq!(cache.capacity(), cap);
             // What each slot really holds (written), per layer.
             let mut store: Vec<HashMap<u32, u32>> = vec![HashMap::new(); 2];
-            let mut last: Vec<HashMap<u32, usize>> = vec![HashMap::new(); 2];
+            let mut last: Vec<HashMap<u32, i64>> = vec![HashMap::new(); 2];
             let mut lookup = Lookup::default();
-            for (p, pass) in passes.iter().enumerate() {
+            for (p, (pass, guess)) in passes.iter().enumerate() {
                 let layer = p % 2;
                 let active: Vec<u32> = pass.iter().copied().filter(|&n| (n as usize) < n_ff)
                     .collect::<BTreeSet<_>>().into_iter().collect();
-                let r = cache.lookup(layer, &active, &mut lookup);
+                let r = if *guess {
+                    cache.prefetch(layer, &active, &mut lookup)
+                } else {
+                    cache.lookup(layer, &active, &mut lookup)
+                };
                 if active.len() > cap {
                     prop_assert!(r.is_err());
                     continue;
@@ -317,9 +344,9 @@ mod tests {
                         store[layer].insert(s, n);
                     }
                 }
-                for &s in &lookup.slots {
+                for (&s, &hit) in lookup.slots.iter().zip(&lookup.hit) {
                     if store[layer].contains_key(&s) {
-                        last[layer].insert(s, p);
+                        last[layer].insert(s, if *guess && !hit { -1 } else { p as i64 });
                     }
                 }
                 // The books agree with the store.
@@ -358,5 +385,25 @@ mod tests {
         assert_eq!(l.fills, vec![(5, slot0)]);
         assert_eq!(cache.slot_of(0, 0), None);
         assert_eq!(cache.counts().hits, 7);
+    }
+
+    #[test]
+    fn a_wrong_guess_goes_first() {
+        let mut cache = NeuronCache::new(1, 8, 5).unwrap();
+        let mut l = Lookup::default();
+        cache.lookup(0, &[0, 1], &mut l).unwrap();
+        cache.lookup(0, &[2], &mut l).unwrap();
+        // Predicted 3 and 4: they take the two free slots.
+        cache.prefetch(0, &[3, 4], &mut l).unwrap();
+        assert_eq!(l.fills.len(), 2);
+        assert_eq!(cache.counts().misses, 3, "a prefetch is not a miss");
+        // The pass used 3 (a hit now) but not 4; a new neuron takes 4's slot, though 0
+        // and 1 were used longer ago.
+        cache.lookup(0, &[3], &mut l).unwrap();
+        assert!(l.hit[0]);
+        let slot4 = cache.slot_of(0, 4).unwrap();
+        cache.lookup(0, &[5], &mut l).unwrap();
+        assert_eq!(l.fills, vec![(5, slot4)]);
+        assert!(cache.slot_of(0, 0).is_some() && cache.slot_of(0, 1).is_some());
     }
 }

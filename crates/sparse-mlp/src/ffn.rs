@@ -58,8 +58,16 @@ pub struct SparseStats {
     /// Neuron mode: active neurons the cache lacked, whose records were fetched.
     pub neuron_misses: u64,
     /// Neuron mode: record bytes fetched from the [`NeuronSource`] (what it read from
-    /// its file; records already in RAM count their size).
+    /// its file; records already in RAM count their size), prefetches included.
     pub bytes_fetched: u64,
+    /// Neuron mode with a prefetch predictor ([`SparseFfn::with_prefetch`]): records
+    /// fetched while attention ran, for the neurons predicted from the attention input
+    /// that the cache lacked.
+    pub prefetched: u64,
+    /// Of those, the ones the pass then used (active).
+    pub prefetch_used: u64,
+    /// Record bytes of the prefetches (part of [`SparseStats::bytes_fetched`]).
+    pub prefetch_bytes: u64,
 }
 
 impl SparseStats {
@@ -94,6 +102,9 @@ impl SparseStats {
         self.neuron_hits += o.neuron_hits;
         self.neuron_misses += o.neuron_misses;
         self.bytes_fetched += o.bytes_fetched;
+        self.prefetched += o.prefetched;
+        self.prefetch_used += o.prefetch_used;
+        self.prefetch_bytes += o.prefetch_bytes;
     }
 
     /// Neuron mode: the fraction of active neurons found in the cache.
@@ -120,6 +131,54 @@ pub struct Calibration {
     moments: Option<Arc<Mutex<Vec<InputMoment>>>>,
     /// Per layer, how many tokens each neuron was active for, when counted.
     activity: Option<Arc<Mutex<Activity>>>,
+    /// Per layer, the moments of the attention input, collected with `moments`.
+    attention: Option<Arc<Mutex<Vec<AttentionMoments>>>>,
+}
+
+/// `Σ a aᵀ` and `Σ x aᵀ` (`d × d` each, row-major; `x` the MLP input, `a` the same
+/// layer's attention input) over the tokens of one layer, and how many.
+#[derive(Clone, Debug, Default)]
+struct AttentionMoments {
+    aa: Vec<f64>,
+    xa: Vec<f64>,
+    tokens: u64,
+}
+
+/// `Σₜ left[t] right[t]ᵀ` (`d × d`, row-major) over `n_tokens` rows of `d` each, as an
+/// f32 product on `backend`.
+fn outer_sum(
+    backend: &dyn Backend,
+    left: &[f32],
+    right: &[f32],
+    n_tokens: usize,
+) -> ballast_core::Result<Vec<f32>> {
+    let d = left.len() / n_tokens.max(1);
+    let transpose = |m: &[f32]| -> Vec<f32> {
+        (0..d * n_tokens)
+            .map(|at| m[(at % n_tokens) * d + at / n_tokens])
+            .collect()
+    };
+    let left_t = transpose(left);
+    // Row j of the weight is coordinate j of `right` over the tokens.
+    let right_t = predictor::f32_matrix(&transpose(right), n_tokens, d);
+    let mut product = vec![0f32; d * d];
+    backend.matmul(
+        &left_t,
+        d,
+        &mut [MatmulJob {
+            weight: &right_t,
+            out: &mut product,
+        }],
+    )?;
+    Ok(product)
+}
+
+/// Adds `product` (f32) into `sum` (f64), sized to it.
+fn accumulate(sum: &mut Vec<f64>, product: &[f32]) {
+    sum.resize(product.len(), 0.0);
+    for (s, &p) in sum.iter_mut().zip(product) {
+        *s += f64::from(p);
+    }
 }
 
 /// Per layer, a threshold and, per neuron, the tokens whose `|silu(gate)|` passed it.
@@ -147,6 +206,7 @@ impl Calibration {
             tokens,
             layers: h.iter().map(MagnitudeHistogram::quantiles).collect(),
             predictor: None,
+            attention_predictor: None,
         }
     }
 
@@ -161,7 +221,9 @@ impl Calibration {
 
     /// Records one pass of layer `layer`: its gate values, and `x`'s `Σ x xᵀ` when
     /// moments are collected (computed on `backend` as an f32 product of `xᵀ` with
-    /// itself).
+    /// itself), with the attention input `attn` (the same tokens') its `Σ a aᵀ` and
+    /// `Σ x aᵀ`.
+    #[allow(clippy::too_many_arguments)]
     fn record(
         &self,
         backend: &dyn Backend,
@@ -170,6 +232,7 @@ impl Calibration {
         n_tokens: usize,
         gate: &[f32],
         n_ff: usize,
+        attn: Option<&[f32]>,
     ) -> ballast_core::Result<()> {
         {
             let mut h = self.histograms.lock().unwrap_or_else(|p| p.into_inner());
@@ -197,30 +260,36 @@ impl Calibration {
         let Some(moments) = &self.moments else {
             return Ok(());
         };
-        let d = x.len() / n_tokens.max(1);
-        let x_t: Vec<f32> = (0..d * n_tokens)
-            .map(|at| x[(at % n_tokens) * d + at / n_tokens])
-            .collect();
-        let outer = predictor::f32_matrix(&x_t, n_tokens, d);
-        let mut product = vec![0f32; d * d];
-        backend.matmul(
-            &x_t,
-            d,
-            &mut [MatmulJob {
-                weight: &outer,
-                out: &mut product,
-            }],
-        )?;
-        let mut m = moments.lock().unwrap_or_else(|p| p.into_inner());
+        let product = outer_sum(backend, x, x, n_tokens)?;
+        {
+            let mut m = moments.lock().unwrap_or_else(|p| p.into_inner());
+            if m.len() <= layer {
+                m.resize(layer + 1, InputMoment::default());
+            }
+            accumulate(&mut m[layer].sum, &product);
+            m[layer].tokens += n_tokens as u64;
+        }
+        let (Some(attention), Some(a)) = (&self.attention, attn) else {
+            return Ok(());
+        };
+        if a.len() != x.len() {
+            return Err(ballast_core::Error::InvalidArgument {
+                what: format!(
+                    "layer {layer}'s attention input has {} values, its MLP input {}",
+                    a.len(),
+                    x.len()
+                ),
+            });
+        }
+        let aa = outer_sum(backend, a, a, n_tokens)?;
+        let xa = outer_sum(backend, x, a, n_tokens)?;
+        let mut m = attention.lock().unwrap_or_else(|p| p.into_inner());
         if m.len() <= layer {
-            m.resize(layer + 1, InputMoment::default());
+            m.resize(layer + 1, AttentionMoments::default());
         }
-        let moment = &mut m[layer];
-        moment.sum.resize(d * d, 0.0);
-        for (s, &p) in moment.sum.iter_mut().zip(&product) {
-            *s += f64::from(p);
-        }
-        moment.tokens += n_tokens as u64;
+        accumulate(&mut m[layer].aa, &aa);
+        accumulate(&mut m[layer].xa, &xa);
+        m[layer].tokens += n_tokens as u64;
         Ok(())
     }
 
@@ -253,6 +322,47 @@ impl Calibration {
             .collect();
         predictor::fit_layer(backend, layer, gate, &mean, rank)
     }
+
+    /// Fits layer `layer`'s predictor of rank `rank` for its gate projection `gate`
+    /// from the layer's attention input ([`predictor::fit_attention_layer`]), from the
+    /// moments [`SparseFfn::calibrating_with_moments`] collected: what
+    /// [`SparseFfn::with_prefetch`] uses.
+    pub fn fit_attention_predictor(
+        &self,
+        backend: &dyn Backend,
+        layer: usize,
+        gate: &ballast_core::weights::Weight,
+        rank: usize,
+    ) -> crate::Result<LayerPredictor> {
+        let none = |what: String| crate::Error::InvalidArgument { what };
+        let (Some(moments), Some(attention)) = (&self.moments, &self.attention) else {
+            return Err(none(
+                "the calibration did not collect input moments (calibrating_with_moments)".into(),
+            ));
+        };
+        let m = moments.lock().unwrap_or_else(|p| p.into_inner());
+        let a = attention.lock().unwrap_or_else(|p| p.into_inner());
+        let (Some(xx), Some(att)) = (
+            m.get(layer).filter(|m| m.tokens > 0),
+            a.get(layer).filter(|a| a.tokens > 0),
+        ) else {
+            return Err(none(format!(
+                "the calibration saw no attention and MLP input of layer {layer}"
+            )));
+        };
+        let mean = |sum: &[f64], tokens: u64| -> Vec<f64> {
+            sum.iter().map(|v| v / tokens as f64).collect()
+        };
+        predictor::fit_attention_layer(
+            backend,
+            layer,
+            gate,
+            &mean(&xx.sum, xx.tokens),
+            &mean(&att.xa, att.tokens),
+            &mean(&att.aa, att.tokens),
+            rank,
+        )
+    }
 }
 
 /// The MLP with neurons skipped where `|silu(gate(x))|` is at most the layer's
@@ -284,6 +394,10 @@ pub struct SparseFfn {
     predictor_hidden: Vec<f32>,
     dense_gate: Vec<f32>,
     neurons: Option<NeuronMode>,
+    /// Calibrating with moments: the attention input [`FeedForward::prepare`] saw, and
+    /// its layer, for the same layer's MLP pass.
+    attn_input: Vec<f32>,
+    attn_layer: Option<usize>,
 }
 
 /// The neuron mode ([`SparseFfn::with_neurons`]): records, the cache's books, and the
@@ -306,10 +420,92 @@ struct NeuronMode {
     gate: Vec<f32>,
     keep: Vec<bool>,
     part: Vec<f32>,
+    prefetch: Option<Prefetch>,
+}
+
+/// The neuron mode's prefetch ([`SparseFfn::with_prefetch`]): a predictor from the
+/// attention input, and the read it started.
+struct Prefetch {
+    predictor: Predictor,
+    margin: f32,
+    regions: Vec<Option<ActiveRegion>>,
+    hidden: Vec<f32>,
+    predicted: Vec<f32>,
+    /// Per neuron: predicted for the layer's pass (for the recall).
+    chosen: Vec<bool>,
+    /// Per neuron: how deep its prediction lies in the active region, in error scales.
+    score: Vec<f32>,
+    /// The layer `chosen` is for.
+    chosen_layer: Option<usize>,
+    wanted: Vec<u32>,
+    lookup: Lookup,
+    pending: Option<PendingFetch>,
+    /// The buffer of the last read, back from its thread to serve the next.
+    spare: Vec<u8>,
+    /// The layer and neurons of the last prefetch written, to count the used ones.
+    landed: (usize, Vec<u32>),
+}
+
+/// Records being read on another thread while attention runs, for slots the cache has
+/// already given them: they must be written before any pass reads those slots.
+struct PendingFetch {
+    layer: usize,
+    fills: Vec<(u32, u32)>,
+    read: std::thread::JoinHandle<crate::Result<(Vec<u8>, u64)>>,
+}
+
+impl NeuronMode {
+    /// Waits for the prefetch in flight, if any, and writes its records to their slots
+    /// (forgetting them if the read or the write failed), counting it in `stats`.
+    fn finish_prefetch(
+        &mut self,
+        backend: &dyn Backend,
+        stats: &mut SparseStats,
+    ) -> ballast_core::Result<()> {
+        let Some(pending) = self.prefetch.as_mut().and_then(|p| p.pending.take()) else {
+            return Ok(());
+        };
+        let store = self.store_base + pending.layer as u64;
+        let written = match pending.read.join() {
+            Ok(Ok((records, read))) => {
+                let slots: Vec<u32> = pending.fills.iter().map(|&(_, s)| s).collect();
+                let written = backend
+                    .neuron_slots_write(store, &slots, &records)
+                    .map(|()| if read > 0 { read } else { records.len() as u64 });
+                if let Some(pf) = self.prefetch.as_mut() {
+                    pf.spare = records;
+                    pf.landed.0 = pending.layer;
+                    pf.landed.1.clear();
+                    pf.landed.1.extend(pending.fills.iter().map(|&(n, _)| n));
+                }
+                written
+            }
+            Ok(Err(e)) => Err(to_core(e)),
+            Err(_) => Err(ballast_core::Error::InvalidArgument {
+                what: "the neuron prefetch thread panicked".into(),
+            }),
+        };
+        match written {
+            Ok(bytes) => {
+                stats.prefetched += pending.fills.len() as u64;
+                stats.prefetch_bytes += bytes;
+                stats.bytes_fetched += bytes;
+                Ok(())
+            }
+            Err(e) => {
+                self.cache.forget(pending.layer, &pending.fills);
+                Err(e)
+            }
+        }
+    }
 }
 
 impl Drop for NeuronMode {
     fn drop(&mut self) {
+        if let Some(pending) = self.prefetch.as_mut().and_then(|p| p.pending.take()) {
+            // Its slots are about to go: only the thread must not outlive the mode.
+            let _ = pending.read.join();
+        }
         // The stores are the cache's memory (`slots` records per layer, on a device
         // its buffers): without this they would stay on the backend, unreachable, for
         // as long as it lives.
@@ -421,6 +617,8 @@ impl SparseFfn {
             predictor_hidden: Vec::new(),
             dense_gate: Vec::new(),
             neurons: None,
+            attn_input: Vec::new(),
+            attn_layer: None,
         }
     }
 
@@ -433,8 +631,9 @@ impl SparseFfn {
     /// path, bit for bit, unless it comes without its `ffn_up`/`ffn_down` (a tiered
     /// store streaming the MLP from the neuron file): then every neuron is computed
     /// from its record. A pass whose tokens use more neurons than `slots` is served
-    /// in parts of `slots` neurons (their outputs added). A predictor is not used in
-    /// this mode.
+    /// in parts of `slots` neurons (their outputs added). The row mode's predictor is
+    /// not used in this mode; [`SparseFfn::with_prefetch`] adds one that fetches
+    /// during attention.
     ///
     /// The stores live on `backend`, the one the model runs on (a pass on another is
     /// refused), and are freed there when the MLP is dropped.
@@ -466,8 +665,176 @@ impl SparseFfn {
             gate: Vec::new(),
             keep: Vec::new(),
             part: Vec::new(),
+            prefetch: None,
         });
         Ok(self)
+    }
+
+    /// In the neuron mode, fetches while attention runs (Tricksy, Deja Vu): at each
+    /// layer's attention input, `predictor` (fitted on the attention input,
+    /// [`Calibration::fit_attention_predictor`]) picks the neurons whose gate may pass
+    /// the threshold within `margin` of its error scale, the cache assigns slots to those
+    /// it lacks, and their records are read on another thread; the MLP pass writes them
+    /// to the slots, then decides the active neurons on the whole gate as before and
+    /// fetches the ones the predictor missed. Results do not depend on the predictor:
+    /// it only moves reads earlier (and a wrong guess reads a record for nothing).
+    /// A pass that predicts more neurons than the layer has slots (a long prompt, or a
+    /// cache smaller than a token's neurons) prefetches the most confident ones. Call
+    /// after [`SparseFfn::with_neurons`].
+    pub fn with_prefetch(mut self, predictor: Predictor, margin: f32) -> crate::Result<SparseFfn> {
+        let regions = self
+            .thresholds
+            .iter()
+            .map(|&t| (t >= 0.0).then(|| ActiveRegion::for_threshold(t)))
+            .collect();
+        let Some(nm) = self.neurons.as_mut() else {
+            return Err(crate::Error::InvalidArgument {
+                what: "a prefetch needs the neuron mode (with_neurons)".into(),
+            });
+        };
+        if let Some((layer, p)) = predictor
+            .layers
+            .iter()
+            .enumerate()
+            .find(|(_, p)| p.sigma.len() != nm.source.n_ff())
+        {
+            return Err(crate::Error::InvalidArgument {
+                what: format!(
+                    "layer {layer}'s prefetch predictor is for {} neurons, the records for {}",
+                    p.sigma.len(),
+                    nm.source.n_ff()
+                ),
+            });
+        }
+        nm.prefetch = Some(Prefetch {
+            predictor,
+            margin: margin.max(0.0),
+            regions,
+            hidden: Vec::new(),
+            predicted: Vec::new(),
+            chosen: Vec::new(),
+            score: Vec::new(),
+            chosen_layer: None,
+            wanted: Vec::new(),
+            lookup: Lookup::default(),
+            pending: None,
+            spare: Vec::new(),
+            landed: (0, Vec::new()),
+        });
+        Ok(self)
+    }
+
+    /// Predicts layer `layer`'s neurons from its attention input `a` and starts reading
+    /// the records the cache lacks ([`SparseFfn::with_prefetch`]).
+    fn start_prefetch(
+        &mut self,
+        layer: usize,
+        a: &[f32],
+        n_tokens: usize,
+    ) -> ballast_core::Result<()> {
+        let Some(nm) = self.neurons.as_mut() else {
+            return Ok(());
+        };
+        let Some(backend) = nm.backend.upgrade() else {
+            return Ok(());
+        };
+        // A read left by a pass that failed before its MLP: its slots must hold it.
+        nm.finish_prefetch(backend.as_ref(), &mut SparseStats::default())?;
+        let Some(pf) = nm.prefetch.as_mut() else {
+            return Ok(());
+        };
+        pf.chosen_layer = None;
+        let (Some(p), Some(region)) = (
+            pf.predictor.layers.get(layer),
+            pf.regions.get(layer).copied().flatten(),
+        ) else {
+            return Ok(());
+        };
+        let n_ff = nm.source.n_ff();
+        if layer >= nm.created.len() {
+            return Ok(());
+        }
+        pf.predicted.resize(n_tokens * n_ff, 0.0);
+        p.predict(
+            backend.as_ref(),
+            a,
+            n_tokens,
+            &mut pf.hidden,
+            &mut pf.predicted,
+        )?;
+        // Per neuron, its most confident token: how deep the prediction lies in the
+        // active region, in error scales.
+        pf.score.clear();
+        pf.score.resize(n_ff, f32::NEG_INFINITY);
+        for row in pf.predicted.chunks_exact(n_ff) {
+            for ((c, &g), &sigma) in pf.score.iter_mut().zip(row).zip(&p.sigma) {
+                *c = c.max(region.depth(g) / sigma.max(f32::MIN_POSITIVE));
+            }
+        }
+        pf.chosen.clear();
+        pf.chosen.extend(pf.score.iter().map(|&z| z > -pf.margin));
+        pf.chosen_layer = Some(layer);
+        pf.wanted.clear();
+        pf.wanted
+            .extend((0..n_ff as u32).filter(|&j| pf.chosen[j as usize]));
+        let capacity = nm.cache.capacity();
+        if pf.wanted.len() > capacity {
+            // More than the slots: keep every predicted neuron the cache holds (a fill
+            // must not evict one), and fetch the most confident of the others into the
+            // slots left, those of neurons predicted idle. The rest are counted as
+            // predicted for the recall, but not fetched early.
+            let cache = &nm.cache;
+            let score = &pf.score;
+            let (mut held, mut lacking): (Vec<u32>, Vec<u32>) = pf
+                .wanted
+                .iter()
+                .partition(|&&j| cache.slot_of(layer, j).is_some());
+            let room = capacity - held.len();
+            if room < lacking.len() {
+                if room > 0 {
+                    lacking.select_nth_unstable_by(room - 1, |&a, &b| {
+                        score[b as usize].total_cmp(&score[a as usize])
+                    });
+                }
+                lacking.truncate(room);
+            }
+            held.append(&mut lacking);
+            held.sort_unstable();
+            pf.wanted = held;
+        }
+        if pf.wanted.is_empty() {
+            return Ok(());
+        }
+        nm.cache
+            .prefetch(layer, &pf.wanted, &mut pf.lookup)
+            .map_err(to_core)?;
+        if pf.lookup.fills.is_empty() {
+            return Ok(());
+        }
+        let fills = pf.lookup.fills.clone();
+        let neurons: Vec<u32> = fills.iter().map(|&(n, _)| n).collect();
+        let source = nm.source.clone();
+        let mut records = std::mem::take(&mut pf.spare);
+        records.clear();
+        let read = std::thread::Builder::new()
+            .name("neuron prefetch".into())
+            .spawn(move || {
+                let read = source.read(layer, &neurons, &mut records)?;
+                Ok((records, read))
+            });
+        match read {
+            Ok(read) => {
+                pf.pending = Some(PendingFetch { layer, fills, read });
+                Ok(())
+            }
+            Err(e) => {
+                nm.cache.forget(layer, &fills);
+                Err(ballast_core::Error::Io {
+                    what: "starting the neuron prefetch thread".into(),
+                    source: e,
+                })
+            }
+        }
     }
 
     /// The MLP of one layer in the neuron mode (see [`SparseFfn::with_neurons`]).
@@ -502,6 +869,15 @@ impl SparseFfn {
                 ),
             }));
         }
+        let mut stats = SparseStats::default();
+        let store = nm.store_base + layer as u64;
+        if !nm.created[layer] {
+            backend.neuron_slots_create(store, nm.cache.capacity(), &layout)?;
+            nm.created[layer] = true;
+        }
+        // The records read during attention go to their slots before anything reads
+        // the store.
+        nm.finish_prefetch(backend, &mut stats)?;
         self.gate.resize(n_tokens * n_ff, 0.0);
         dense_gate(backend, x, n_tokens, gate_w, &mut self.gate)?;
         keep_of(&self.gate, threshold, &mut self.token_keep);
@@ -509,12 +885,26 @@ impl SparseFfn {
         nm.active.clear();
         nm.active
             .extend((0..n_ff as u32).filter(|&j| self.keep[j as usize]));
-        let store = nm.store_base + layer as u64;
-        if !nm.created[layer] {
-            backend.neuron_slots_create(store, nm.cache.capacity(), &layout)?;
-            nm.created[layer] = true;
+        if let Some(pf) = nm.prefetch.as_mut() {
+            if pf.chosen_layer == Some(layer) {
+                stats.truly_active += nm.active.len() as u64;
+                stats.missed += nm
+                    .active
+                    .iter()
+                    .filter(|&&j| !pf.chosen[j as usize])
+                    .count() as u64;
+                pf.chosen_layer = None;
+            }
+            if pf.landed.0 == layer {
+                stats.prefetch_used += pf
+                    .landed
+                    .1
+                    .iter()
+                    .filter(|&&j| self.keep[j as usize])
+                    .count() as u64;
+                pf.landed.1.clear();
+            }
         }
-        let mut stats = SparseStats::default();
         let d = layout.n_embd;
         if nm.active.is_empty() {
             out.fill(0.0);
@@ -637,11 +1027,14 @@ impl SparseFfn {
     }
 
     /// As [`SparseFfn::calibrating`], also summing each layer's `x xᵀ` so that a
-    /// predictor can be fitted ([`Calibration::fit_predictor`]): `d × d` values per
-    /// layer, in f64.
+    /// predictor can be fitted ([`Calibration::fit_predictor`]), and, from the attention
+    /// input `a` each layer's [`FeedForward::prepare`] sees, `a aᵀ` and `x aᵀ` for the
+    /// attention-input predictor ([`Calibration::fit_attention_predictor`]): three
+    /// `d × d` sums per layer, in f64.
     pub fn calibrating_with_moments() -> (SparseFfn, Calibration) {
         let (mut ffn, mut calibration) = SparseFfn::calibrating();
         calibration.moments = Some(Arc::default());
+        calibration.attention = Some(Arc::default());
         ffn.calibration = Some(calibration.clone());
         (ffn, calibration)
     }
@@ -676,7 +1069,34 @@ impl SparseFfn {
 
 impl FeedForward for SparseFfn {
     fn needs_prepare(&self) -> bool {
-        false
+        let calibrating = self
+            .calibration
+            .as_ref()
+            .is_some_and(|c| c.attention.is_some());
+        let prefetching = self
+            .neurons
+            .as_ref()
+            .is_some_and(|nm| nm.prefetch.is_some());
+        calibrating || prefetching
+    }
+
+    fn prepare(
+        &mut self,
+        layer: usize,
+        attn_input: &[f32],
+        n_tokens: usize,
+    ) -> ballast_core::Result<()> {
+        if self
+            .calibration
+            .as_ref()
+            .is_some_and(|c| c.attention.is_some())
+        {
+            self.attn_input.clear();
+            self.attn_input.extend_from_slice(attn_input);
+            self.attn_layer = Some(layer);
+            return Ok(());
+        }
+        self.start_prefetch(layer, attn_input, n_tokens)
     }
 
     fn forward(
@@ -758,7 +1178,8 @@ impl FeedForward for SparseFfn {
             n_ff
         };
         if let Some(c) = &self.calibration {
-            c.record(backend, layer, x, n_tokens, &self.gate, n_ff)?;
+            let attn = (self.attn_layer.take() == Some(layer)).then_some(&self.attn_input[..]);
+            c.record(backend, layer, x, n_tokens, &self.gate, n_ff, attn)?;
         }
         // Which (token, neuron) pairs are kept, decided once on the gate rows computed
         // (a row not computed holds 0, which no threshold keeps); a neuron's up row is

@@ -21,6 +21,13 @@
 //!   from a [`NeuronSource`]: the [`NeuronFile`] beside the model, whose layers store
 //!   their records in neuron order or hot first ([`hot_first`] of
 //!   [`Calibration::active_counts`]; measured not to save reads).
+//! - [`SparseFfn::with_prefetch`]: in the neuron mode, a second predictor of the same
+//!   gates, fitted on each layer's *attention* input by reduced-rank regression
+//!   ([`fit_attention_layer`], Deja Vu's lookahead), picks at the attention input the
+//!   neurons to fetch; their records are read on another thread while attention runs
+//!   (Tricksy's diff fetch) and booked in the cache as its least recently used slots,
+//!   so a wrong guess goes first. The MLP still decides on the whole gate: results do
+//!   not change, only when reads happen.
 //!
 //! The granularity is one neuron for the up projection (a weight row) and, for the down
 //! projection, one quantization block of its input (32 neurons, 256 for K-quants),
@@ -32,7 +39,7 @@
 //!
 //! // A profile of two layers whose activations spread evenly over 0..2.
 //! let quantiles: Vec<f32> = (0..=QUANTILES).map(|i| 2.0 * i as f32 / QUANTILES as f32).collect();
-//! let profile = SparsityProfile { fingerprint: 7, n_ff: 64, tokens: 1, layers: vec![quantiles; 2], predictor: None };
+//! let profile = SparsityProfile { fingerprint: 7, n_ff: 64, tokens: 1, layers: vec![quantiles; 2], predictor: None, attention_predictor: None };
 //! let thresholds = profile.thresholds(0.4).unwrap();
 //! assert!((thresholds[0] - 0.8).abs() < 1e-6);
 //! let ffn = SparseFfn::new(thresholds); // install with Model::share_with_ffn
@@ -56,6 +63,6 @@ pub use file::{
     hot_first, neuron_file_path, NeuronFile, NeuronFileHeader, NeuronFileWriter, HEADER_BYTES,
     NEURON_FILE_VERSION,
 };
-pub use predictor::{fit_layer, ActiveRegion, LayerPredictor, Predictor};
+pub use predictor::{fit_attention_layer, fit_layer, ActiveRegion, LayerPredictor, Predictor};
 pub use profile::{MagnitudeHistogram, SparsityProfile, QUANTILES};
 pub use source::{layer_records, MemoryNeurons, NeuronSource};

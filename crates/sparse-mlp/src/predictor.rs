@@ -24,6 +24,10 @@ use crate::linalg;
 /// well separated, and a rough one only costs recall, which is measured.
 const FIT_ITERATIONS: usize = 40;
 
+/// The ridge of the attention-input regression, as a fraction of `E[a aᵀ]`'s mean
+/// diagonal.
+const ATTENTION_RIDGE: f64 = 1e-2;
+
 /// One layer's predictor: `ĝ = expand · (project · x)`, and the error scale per neuron.
 #[derive(Clone, Debug)]
 pub struct LayerPredictor {
@@ -157,36 +161,41 @@ pub struct Predictor {
     pub layers: Vec<LayerPredictor>,
 }
 
-/// Fits layer `layer`'s predictor of rank `rank` for the gate projection `gate`, from
-/// the second moment `second_moment` (`d × d`, row-major, `E[x xᵀ]` of the MLP input
-/// over the calibration text). The products run on `backend`.
-pub fn fit_layer(
-    backend: &dyn Backend,
-    layer: usize,
-    gate: &Weight,
-    second_moment: &[f64],
-    rank: usize,
-) -> Result<LayerPredictor> {
-    let (d, n_ff) = (gate.cols(), gate.rows());
-    if second_moment.len() != d * d || rank == 0 || rank > d {
-        return Err(Error::InvalidArgument {
-            what: format!(
-                "layer {layer}: a predictor of rank {rank} for a {n_ff} × {d} gate from a second moment of {} values",
-                second_moment.len()
-            ),
-        });
+/// The best rank-`r` directions of a gate projection `W` (`n_ff × d`) whose energy is
+/// measured through a `d × d` factor `F` (row-major): the leading left singular vectors
+/// `U` of `W F`, their squared singular values, and `(W F)ᵀ`.
+struct RankFit {
+    /// `Uᵀ`, `rank × n_ff`; a direction with no energy is 0.
+    u_t: Vec<f32>,
+    /// `sₖ²`, descending.
+    values: Vec<f64>,
+    /// `(W F)ᵀ`, `d × n_ff`.
+    wf_t: Vec<f32>,
+}
+
+impl RankFit {
+    /// `Σₖ Uⱼₖ² sₖ²`: the energy of neuron `j`'s gate the rank keeps.
+    fn kept(&self, j: usize, n_ff: usize) -> f64 {
+        self.values
+            .iter()
+            .enumerate()
+            .map(|(k, &val)| f64::from(self.u_t[k * n_ff + j]).powi(2) * val)
+            .sum()
     }
-    // W L, column by column: row i of `ml` is W (L eᵢ), so `ml` is (W L)ᵀ, d × n_ff.
-    let l = linalg::cholesky(second_moment, d);
-    let l_columns: Vec<f32> = (0..d * d)
-        .map(|at| l[(at % d) * d + at / d] as f32)
+}
+
+fn fit_rank(backend: &dyn Backend, gate: &Weight, factor: &[f64], rank: usize) -> Result<RankFit> {
+    let (d, n_ff) = (gate.cols(), gate.rows());
+    // W F, column by column: row i of `wf_t` is W (F eᵢ), so `wf_t` is (W F)ᵀ.
+    let f_columns: Vec<f32> = (0..d * d)
+        .map(|at| factor[(at % d) * d + at / d] as f32)
         .collect();
-    let ml = apply(backend, gate, &l_columns, d)?;
-    // S = (W L)ᵀ (W L), d × d.
-    let s32 = apply(backend, &f32_matrix(&ml, n_ff, d), &ml, d)?;
+    let wf_t = apply(backend, gate, &f_columns, d)?;
+    // S = (W F)ᵀ (W F), d × d.
+    let s32 = apply(backend, &f32_matrix(&wf_t, n_ff, d), &wf_t, d)?;
     let s: Vec<f64> = s32.iter().map(|&v| f64::from(v)).collect();
     let (values, v) = linalg::leading_eigenpairs(&s, d, rank, FIT_ITERATIONS);
-    // U = W L V Σ⁻¹, kept transposed (rank × n_ff); a direction with no energy stays 0.
+    // U = W F V Σ⁻¹, kept transposed.
     let top = values.first().copied().unwrap_or(0.0);
     let mut u_t = vec![0f32; rank * n_ff];
     for (k, &val) in values.iter().enumerate() {
@@ -197,30 +206,155 @@ pub fn fit_layer(
         let row = &mut u_t[k * n_ff..(k + 1) * n_ff];
         for i in 0..d {
             let c = v[i * rank + k] as f32 * inv;
-            for (u, &m) in row.iter_mut().zip(&ml[i * n_ff..(i + 1) * n_ff]) {
+            for (u, &m) in row.iter_mut().zip(&wf_t[i * n_ff..(i + 1) * n_ff]) {
                 *u += c * m;
             }
         }
     }
-    // project = Uᵀ W: W's columns come from the identity pushed through the gate.
+    Ok(RankFit { u_t, values, wf_t })
+}
+
+/// `Uᵀ W` (`rank × d`): W's columns come from the identity pushed through the gate.
+fn project_gate(
+    backend: &dyn Backend,
+    gate: &Weight,
+    u_t: &[f32],
+    rank: usize,
+) -> Result<Vec<f32>> {
+    let (d, n_ff) = (gate.cols(), gate.rows());
     let identity: Vec<f32> = (0..d * d)
         .map(|at| f32::from(u8::from(at / d == at % d)))
         .collect();
     let w_t = apply(backend, gate, &identity, d)?;
-    let project = apply(backend, &f32_matrix(&w_t, n_ff, d), &u_t, rank)?;
-    let expand: Vec<f32> = (0..n_ff * rank)
+    apply(backend, &f32_matrix(&w_t, n_ff, d), u_t, rank)
+}
+
+/// `n_ff × rank` from its transpose.
+fn transposed(u_t: &[f32], rank: usize, n_ff: usize) -> Vec<f32> {
+    (0..n_ff * rank)
         .map(|at| u_t[(at % rank) * n_ff + at / rank])
-        .collect();
+        .collect()
+}
+
+/// Checks the arguments of a fit: `moments` of `d × d` values each.
+fn check_fit(layer: usize, gate: &Weight, rank: usize, moments: &[&[f64]]) -> Result<()> {
+    let (d, n_ff) = (gate.cols(), gate.rows());
+    if let Some(bad) = moments.iter().find(|m| m.len() != d * d) {
+        return Err(Error::InvalidArgument {
+            what: format!(
+                "layer {layer}: a predictor for a {n_ff} × {d} gate from a moment of {} values",
+                bad.len()
+            ),
+        });
+    }
+    if rank == 0 || rank > d {
+        return Err(Error::InvalidArgument {
+            what: format!("layer {layer}: a predictor of rank {rank} for a gate of width {d}"),
+        });
+    }
+    Ok(())
+}
+
+/// Fits layer `layer`'s predictor of rank `rank` for the gate projection `gate`, from
+/// the second moment `second_moment` (`d × d`, row-major, `E[x xᵀ]` of the MLP input
+/// over the calibration text). The products run on `backend`.
+pub fn fit_layer(
+    backend: &dyn Backend,
+    layer: usize,
+    gate: &Weight,
+    second_moment: &[f64],
+    rank: usize,
+) -> Result<LayerPredictor> {
+    check_fit(layer, gate, rank, &[second_moment])?;
+    let (d, n_ff) = (gate.cols(), gate.rows());
+    let fit = fit_rank(backend, gate, &linalg::cholesky(second_moment, d), rank)?;
+    let project = project_gate(backend, gate, &fit.u_t, rank)?;
     // σⱼ² = ‖(W L)ⱼ‖² − Σₖ Uⱼₖ² sₖ²: the energy of neuron j's gate the rank misses.
     let sigma: Vec<f32> = (0..n_ff)
         .map(|j| {
-            let total: f64 = (0..d).map(|i| f64::from(ml[i * n_ff + j]).powi(2)).sum();
-            let kept: f64 = (0..rank)
-                .map(|k| f64::from(u_t[k * n_ff + j]).powi(2) * values[k])
+            let total: f64 = (0..d)
+                .map(|i| f64::from(fit.wf_t[i * n_ff + j]).powi(2))
                 .sum();
-            (total - kept).max(0.0).sqrt() as f32
+            (total - fit.kept(j, n_ff)).max(0.0).sqrt() as f32
         })
         .collect();
+    let expand = transposed(&fit.u_t, rank, n_ff);
+    LayerPredictor::new(layer, d, n_ff, rank, &project, &expand, sigma)
+}
+
+/// Fits layer `layer`'s predictor of the gate from the layer's *attention* input `a`
+/// (Deja Vu's choice: known before attention runs, so the neurons can be fetched
+/// meanwhile), by reduced-rank regression of `g = W x` on `a`, from the moments over
+/// the calibration text: `xx = E[x xᵀ]`, `xa = E[x aᵀ]` (row `i`: MLP input
+/// coordinate `i`), `aa = E[a aᵀ]`, each `d × d` row-major.
+///
+/// The least-squares map is `B = W M` with `M = E[x aᵀ] E[a aᵀ]⁻¹`; the rank-`r` one
+/// keeps the leading left singular vectors `U` of `B L` (`L Lᵀ = E[a aᵀ]`), and
+/// `B L = W K` with `K = E[x aᵀ] L⁻ᵀ`, so the fit is [`fit_layer`]'s on the factor `K`.
+/// The prediction is `ĝ = U (Uᵀ W M) a`; its error on neuron `j` has the variance
+/// `E[gⱼ²] − Σₖ Uⱼₖ² sₖ²` (the regression's residual is orthogonal to `a`), with
+/// `E[gⱼ²] = wⱼᵀ E[x xᵀ] wⱼ`.
+pub fn fit_attention_layer(
+    backend: &dyn Backend,
+    layer: usize,
+    gate: &Weight,
+    xx: &[f64],
+    xa: &[f64],
+    aa: &[f64],
+    rank: usize,
+) -> Result<LayerPredictor> {
+    check_fit(layer, gate, rank, &[xx, xa, aa])?;
+    let (d, n_ff) = (gate.cols(), gate.rows());
+    // Ridge regression: without it the map fits the calibration text's quirks in the
+    // attention input's weak directions (a few thousand tokens for `d²` coefficients).
+    let mean_diag = (0..d).map(|i| aa[i * d + i]).sum::<f64>() / d as f64;
+    let mut aa = aa.to_vec();
+    for i in 0..d {
+        aa[i * d + i] += ATTENTION_RIDGE * mean_diag;
+    }
+    let la = linalg::cholesky(&aa, d);
+    // K = E[x aᵀ] L⁻ᵀ: row i solves L kᵢᵀ = (row i of E[x aᵀ])ᵀ, forward substitution.
+    let mut k = vec![0f64; d * d];
+    for i in 0..d {
+        let (row, s) = (&mut k[i * d..(i + 1) * d], &xa[i * d..(i + 1) * d]);
+        for j in 0..d {
+            let dot: f64 = (0..j).map(|m| la[j * d + m] * row[m]).sum();
+            row[j] = (s[j] - dot) / la[j * d + j];
+        }
+    }
+    let fit = fit_rank(backend, gate, &k, rank)?;
+    let project_x = project_gate(backend, gate, &fit.u_t, rank)?;
+    // Uᵀ W M = (Uᵀ W) K L⁻¹, row by row: q = p K, then y L = q by back substitution.
+    let mut project = vec![0f32; rank * d];
+    for (p, out) in project_x.chunks_exact(d).zip(project.chunks_exact_mut(d)) {
+        let mut q = vec![0f64; d];
+        for (i, &pi) in p.iter().enumerate() {
+            for (qj, &kij) in q.iter_mut().zip(&k[i * d..(i + 1) * d]) {
+                *qj += f64::from(pi) * kij;
+            }
+        }
+        let mut y = vec![0f64; d];
+        for j in (0..d).rev() {
+            let later: f64 = (j + 1..d).map(|i| y[i] * la[i * d + j]).sum();
+            y[j] = (q[j] - later) / la[j * d + j];
+        }
+        for (o, v) in out.iter_mut().zip(&y) {
+            *o = *v as f32;
+        }
+    }
+    // E[gⱼ²] = ‖(W Lₓ)ⱼ‖² with Lₓ Lₓᵀ = E[x xᵀ].
+    let lx = linalg::cholesky(xx, d);
+    let lx_columns: Vec<f32> = (0..d * d)
+        .map(|at| lx[(at % d) * d + at / d] as f32)
+        .collect();
+    let wl_t = apply(backend, gate, &lx_columns, d)?;
+    let sigma: Vec<f32> = (0..n_ff)
+        .map(|j| {
+            let total: f64 = (0..d).map(|i| f64::from(wl_t[i * n_ff + j]).powi(2)).sum();
+            (total - fit.kept(j, n_ff)).max(0.0).sqrt() as f32
+        })
+        .collect();
+    let expand = transposed(&fit.u_t, rank, n_ff);
     LayerPredictor::new(layer, d, n_ff, rank, &project, &expand, sigma)
 }
 
@@ -273,6 +407,21 @@ impl ActiveRegion {
     pub fn meets(&self, lo: f32, hi: f32) -> bool {
         hi > self.above || self.dip.is_some_and(|(a, b)| hi > a && lo < b)
     }
+
+    /// How deep `g` lies inside the region: positive inside (the distance to its
+    /// nearest edge), negative outside (minus the distance to it). So `g ± m` meets
+    /// the region exactly when the depth exceeds `−m`.
+    pub fn depth(&self, g: f32) -> f32 {
+        let above = g - self.above;
+        let dip = self.dip.map_or(f32::NEG_INFINITY, |(a, b)| {
+            if g > a && g < b {
+                (g - a).min(b - g)
+            } else {
+                -(a - g).max(g - b)
+            }
+        });
+        above.max(dip)
+    }
 }
 
 #[cfg(test)]
@@ -291,6 +440,15 @@ mod tests {
                 || r.dip.is_some_and(|(a, b)| (g - a).abs() < 1e-3 || (g - b).abs() < 1e-3);
             prop_assume!(!near_edge);
             prop_assert_eq!(inside, silu(g).abs() > t, "t {} g {} region {:?}", t, g, r);
+        }
+
+        /// `g ± m` meets the region exactly when its depth exceeds `−m`.
+        #[test]
+        fn depth_agrees_with_meets(t in 0f32..3.0, g in -12f32..12.0, m in 0f32..3.0) {
+            let r = ActiveRegion::for_threshold(t);
+            let depth = r.depth(g);
+            prop_assume!((depth + m).abs() > 1e-4);
+            prop_assert_eq!(r.meets(g - m, g + m), depth > -m, "t {} g {} m {} depth {}", t, g, m, depth);
         }
     }
 }

@@ -13,8 +13,9 @@ use crate::predictor::{LayerPredictor, Predictor};
 pub const QUANTILES: usize = 200;
 
 const MAGIC: &[u8; 8] = b"BLSTSPRS";
-/// Version 2 appends an optional predictor; version 1 files (without) still load.
-const VERSION: u32 = 2;
+/// Version 2 appends an optional predictor, version 3 an optional attention-input
+/// predictor after it; versions 1 and 2 still load.
+const VERSION: u32 = 3;
 
 /// Per layer, the quantiles of `|silu(gate(x))|` over a calibration text: entry `i` of a
 /// layer is the magnitude below which a fraction `i / QUANTILES` of that layer's
@@ -31,29 +32,38 @@ pub struct SparsityProfile {
     pub layers: Vec<Vec<f32>>,
     /// The predictor fitted on the same text, if one was (`ballast sparsify --rank`).
     pub predictor: Option<Predictor>,
+    /// The predictor of the same gates from each layer's attention input, fitted with
+    /// it ([`crate::Calibration::fit_attention_predictor`]): what the neuron mode's
+    /// prefetch uses.
+    pub attention_predictor: Option<Predictor>,
+}
+
+/// True if both are absent, or both hold the same matrices and error scales.
+fn same_predictor(a: &Option<Predictor>, b: &Option<Predictor>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => {
+            a.layers.len() == b.layers.len()
+                && a.layers.iter().zip(&b.layers).all(|(x, y)| {
+                    x.project.dims == y.project.dims
+                        && x.expand.dims == y.expand.dims
+                        && x.project.bytes.as_slice() == y.project.bytes.as_slice()
+                        && x.expand.bytes.as_slice() == y.expand.bytes.as_slice()
+                        && x.sigma == y.sigma
+                })
+        }
+        _ => false,
+    }
 }
 
 impl PartialEq for SparsityProfile {
     fn eq(&self, o: &SparsityProfile) -> bool {
-        let same_predictor = match (&self.predictor, &o.predictor) {
-            (None, None) => true,
-            (Some(a), Some(b)) => {
-                a.layers.len() == b.layers.len()
-                    && a.layers.iter().zip(&b.layers).all(|(x, y)| {
-                        x.project.dims == y.project.dims
-                            && x.expand.dims == y.expand.dims
-                            && x.project.bytes.as_slice() == y.project.bytes.as_slice()
-                            && x.expand.bytes.as_slice() == y.expand.bytes.as_slice()
-                            && x.sigma == y.sigma
-                    })
-            }
-            _ => false,
-        };
         self.fingerprint == o.fingerprint
             && self.n_ff == o.n_ff
             && self.tokens == o.tokens
             && self.layers == o.layers
-            && same_predictor
+            && same_predictor(&self.predictor, &o.predictor)
+            && same_predictor(&self.attention_predictor, &o.attention_predictor)
     }
 }
 
@@ -94,7 +104,8 @@ impl SparsityProfile {
     /// quantiles (`f32`, layer after layer); then (version 2) the predictor's rank `u32`
     /// (0: none) and, if any, the model width `u32` and per layer its `project`
     /// (`rank × width` f16), `expand` (`neurons × rank` f16) and error scales
-    /// (`neurons` f32); then a checksum `u64` of all before it.
+    /// (`neurons` f32); then (version 3) the attention-input predictor in the same
+    /// form; then a checksum `u64` of all before it.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut b = Vec::new();
         b.extend_from_slice(MAGIC);
@@ -109,23 +120,8 @@ impl SparsityProfile {
                 b.extend_from_slice(&v.to_le_bytes());
             }
         }
-        match &self.predictor {
-            None => b.extend_from_slice(&0u32.to_le_bytes()),
-            Some(p) => {
-                let first = p.layers.first();
-                let rank = first.map_or(0, LayerPredictor::rank);
-                let width = first.map_or(0, |l| l.project.cols());
-                b.extend_from_slice(&(rank as u32).to_le_bytes());
-                b.extend_from_slice(&(width as u32).to_le_bytes());
-                for l in &p.layers {
-                    b.extend_from_slice(l.project.bytes.as_slice());
-                    b.extend_from_slice(l.expand.bytes.as_slice());
-                    for v in &l.sigma {
-                        b.extend_from_slice(&v.to_le_bytes());
-                    }
-                }
-            }
-        }
+        write_predictor(&mut b, self.predictor.as_ref());
+        write_predictor(&mut b, self.attention_predictor.as_ref());
         let sum = checksum(&b);
         b.extend_from_slice(&sum.to_le_bytes());
         b
@@ -172,11 +168,25 @@ impl SparsityProfile {
             .ok_or_else(|| bad(format!("too short for {n_layers} layers of quantiles")))?;
         let data = &body[40..40 + quantile_bytes];
         let rest = &body[40 + quantile_bytes..];
-        let predictor = match version {
-            1 if rest.is_empty() => None,
-            1 => return Err(bad(format!("{} bytes after the quantiles", rest.len()))),
-            _ => read_predictor(rest, n_layers, n_ff).map_err(bad)?,
+        let (predictor, attention_predictor, after) = match version {
+            1 => (None, None, rest),
+            2 => {
+                let (first, after) = read_predictor(rest, n_layers, n_ff).map_err(bad)?;
+                (first, None, after)
+            }
+            _ => {
+                let (first, after) = read_predictor(rest, n_layers, n_ff).map_err(bad)?;
+                let (second, after) = read_predictor(after, n_layers, n_ff)
+                    .map_err(|why| bad(format!("attention predictor: {why}")))?;
+                (first, second, after)
+            }
         };
+        if !after.is_empty() {
+            return Err(bad(format!(
+                "{} bytes after the quantiles and predictors",
+                after.len()
+            )));
+        }
         let values: Vec<f32> = data
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
@@ -195,6 +205,7 @@ impl SparsityProfile {
             tokens,
             layers,
             predictor,
+            attention_predictor,
         })
     }
 
@@ -250,13 +261,33 @@ impl SparsityProfile {
     }
 }
 
-/// The predictor section of a version 2 file (see [`SparsityProfile::to_bytes`]), or
-/// why it is malformed.
+/// Appends a predictor section (see [`SparsityProfile::to_bytes`]): rank 0 for none.
+fn write_predictor(b: &mut Vec<u8>, predictor: Option<&Predictor>) {
+    let Some(p) = predictor else {
+        b.extend_from_slice(&0u32.to_le_bytes());
+        return;
+    };
+    let first = p.layers.first();
+    let rank = first.map_or(0, LayerPredictor::rank);
+    let width = first.map_or(0, |l| l.project.cols());
+    b.extend_from_slice(&(rank as u32).to_le_bytes());
+    b.extend_from_slice(&(width as u32).to_le_bytes());
+    for l in &p.layers {
+        b.extend_from_slice(l.project.bytes.as_slice());
+        b.extend_from_slice(l.expand.bytes.as_slice());
+        for v in &l.sigma {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+}
+
+/// A predictor section at the start of `bytes` (see [`SparsityProfile::to_bytes`]) and
+/// the bytes after it, or why it is malformed.
 fn read_predictor(
     bytes: &[u8],
     n_layers: usize,
     n_ff: usize,
-) -> std::result::Result<Option<Predictor>, String> {
+) -> std::result::Result<(Option<Predictor>, &[u8]), String> {
     let u32_at = |at: usize| -> std::result::Result<usize, String> {
         bytes
             .get(at..at + 4)
@@ -265,17 +296,16 @@ fn read_predictor(
     };
     let rank = u32_at(0)?;
     if rank == 0 {
-        return match bytes.len() {
-            4 => Ok(None),
-            n => Err(format!("{} bytes after the quantiles", n - 4)),
-        };
+        return Ok((None, &bytes[4..]));
     }
     let width = u32_at(4)?;
-    let per_layer = (rank as u64 * width as u64 + n_ff as u64 * rank as u64) * 2 + n_ff as u64 * 4;
-    if rank > width || (bytes.len() - 8) as u64 != per_layer * n_layers as u64 {
+    // u128: counts from a damaged file must not overflow.
+    let per_layer =
+        (rank as u128 * width as u128 + n_ff as u128 * rank as u128) * 2 + n_ff as u128 * 4;
+    let needed = per_layer * n_layers as u128;
+    if rank > width || ((bytes.len() - 8) as u128) < needed {
         return Err(format!(
-            "a predictor of rank {rank} and width {width} for {n_layers} layers of {n_ff} neurons takes {} bytes, the file has {}",
-            per_layer * n_layers as u64,
+            "a predictor of rank {rank} and width {width} for {n_layers} layers of {n_ff} neurons takes {needed} bytes, only {} remain",
             bytes.len() - 8
         ));
     }
@@ -308,7 +338,7 @@ fn read_predictor(
                 .map_err(|e| e.to_string())?,
         );
     }
-    Ok(Some(Predictor { layers }))
+    Ok((Some(Predictor { layers }), &bytes[at..]))
 }
 
 /// A histogram of activation magnitudes on a log scale (64 bins per octave from 2^-24
@@ -396,39 +426,71 @@ mod tests {
             tokens: 100,
             layers: vec![h.quantiles(); 3],
             predictor: None,
+            attention_predictor: None,
         }
     }
 
-    /// The profile with a rank-2 predictor for a width of 4.
-    fn profile_with_predictor() -> SparsityProfile {
+    /// Three layers of rank-2 predictors for a width of 4, from `seed`.
+    fn predictor(seed: usize) -> Predictor {
         let layers = (0..3)
             .map(|l| {
-                let project: Vec<f32> = (0..8).map(|i| (i + l) as f32 * 0.25).collect();
+                let project: Vec<f32> = (0..8).map(|i| (i + l + seed) as f32 * 0.25).collect();
                 let expand: Vec<f32> = (0..128).map(|i| i as f32 / 64.0 - 1.0).collect();
                 LayerPredictor::new(l, 4, 64, 2, &project, &expand, vec![0.5; 64]).unwrap()
             })
             .collect();
+        Predictor { layers }
+    }
+
+    /// The profile with both predictors.
+    fn profile_with_predictor() -> SparsityProfile {
         SparsityProfile {
-            predictor: Some(Predictor { layers }),
+            predictor: Some(predictor(0)),
+            attention_predictor: Some(predictor(1)),
             ..profile()
         }
     }
 
+    /// `profile`'s bytes as the version `version` wrote them (the sections it lacks cut
+    /// off, the checksum made again).
+    fn older(profile: &SparsityProfile, version: u32, cut: usize) -> Vec<u8> {
+        let mut b = profile.to_bytes();
+        b.truncate(b.len() - 8 - cut);
+        b[8..12].copy_from_slice(&version.to_le_bytes());
+        let sum = checksum(&b);
+        b.extend_from_slice(&sum.to_le_bytes());
+        b
+    }
+
     #[test]
-    fn predictors_round_trip_and_version_1_files_still_load() {
+    fn predictors_round_trip_and_older_versions_still_load() {
         let p = profile_with_predictor();
         let back = SparsityProfile::from_bytes(&p.to_bytes(), Path::new("p")).unwrap();
         assert_eq!(back, p);
         assert_ne!(back, profile());
-        // A version 1 file: no predictor section.
-        let mut v1 = profile().to_bytes();
-        v1.truncate(v1.len() - 12);
-        v1[8..12].copy_from_slice(&1u32.to_le_bytes());
-        let sum = checksum(&v1);
-        v1.extend_from_slice(&sum.to_le_bytes());
+        let only_one = SparsityProfile {
+            attention_predictor: None,
+            ..p.clone()
+        };
+        assert_ne!(back, only_one);
+        // Version 1: no predictor section; version 2: no attention predictor.
+        let v1 = older(&profile(), 1, 8);
         assert_eq!(
             SparsityProfile::from_bytes(&v1, Path::new("p")).unwrap(),
             profile()
+        );
+        let v2 = older(&only_one, 2, 4);
+        assert_eq!(
+            SparsityProfile::from_bytes(&v2, Path::new("p")).unwrap(),
+            only_one
+        );
+        // A version 2 file with a section after its predictor is refused.
+        let v2_long = older(&p, 2, 0);
+        let err = SparsityProfile::from_bytes(&v2_long, Path::new("p")).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("after the quantiles and predictors"),
+            "{err}"
         );
     }
 

@@ -1,13 +1,15 @@
 //! The sparse MLP in a real forward pass on tiny random models: exact at sparsity 0,
 //! at the calibrated sparsity elsewhere, fewer up-projection rows computed.
 
-use ballast_runtime::store::PassId;
+use ballast_runtime::ggml_type::GgmlType;
+use ballast_runtime::weights::{Weight, WeightBytes, WeightId};
+use ballast_runtime::CpuBackend;
 use ballast_runtime::{Model, Session};
-use ballast_sparse_mlp::{Predictor, SparseFfn, SparsityProfile};
+use ballast_sparse_mlp::{fit_attention_layer, SparseFfn};
 use proptest::prelude::*;
 
 mod common;
-use common::{calibrate, run, text, tiny, PROMPT};
+use common::{calibrate, calibrate_with_predictor, run, text, tiny, PROMPT};
 
 fn model(seed: u64) -> Model {
     tiny(seed, ballast_runtime::ggml_type::GgmlType::Q8_0)
@@ -70,25 +72,6 @@ fn calibrated_sparsity_skips_that_share_of_neurons() {
         .zip(&want)
         .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
     assert!(diff < scale, "logits moved by {diff} (scale {scale})");
-}
-
-/// The profile of `text` with a predictor of rank `rank` fitted on it.
-fn calibrate_with_predictor(model: &Model, text: &[u32], rank: usize) -> SparsityProfile {
-    let (ffn, calibration) = SparseFfn::calibrating_with_moments();
-    let mut session = Session::new(model.share_with_ffn(Box::new(ffn)), 64).unwrap();
-    session.feed(text).unwrap();
-    let mut profile = calibration.profile(1, text.len() as u64);
-    let layers = (0..model.config().n_layers)
-        .map(|l| {
-            let weights = model.store().layer(PassId(0), l).unwrap();
-            let gate = weights.matrix("ffn_gate.weight").unwrap();
-            calibration
-                .fit_predictor(model.backend().as_ref(), l, gate, rank)
-                .unwrap()
-        })
-        .collect();
-    profile.predictor = Some(Predictor { layers });
-    profile
 }
 
 /// A full-rank predictor is the gate itself (to f16): it loses almost no neuron, and
@@ -157,4 +140,71 @@ fn predictor_that_keeps_everything_changes_nothing() {
     for (a, b) in want.iter().zip(&got) {
         assert!(a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()));
     }
+}
+
+/// The attention-input fit is a (ridge) regression of the gate on the attention input:
+/// when the MLP input is an exact linear map of it (`x = A a`), a full-rank fit predicts
+/// the gate `W A a` from `a` alone, within the ridge's shrinkage and f16, and its error
+/// scales are small.
+#[test]
+fn attention_fit_recovers_a_linear_map() {
+    let (d, n_ff, samples) = (8usize, 16usize, 400usize);
+    let mut seed = 0x9e37_79b9_u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+    };
+    let w: Vec<f32> = (0..n_ff * d).map(|_| next() as f32).collect();
+    let a_map: Vec<f64> = (0..d * d).map(|_| next()).collect();
+    let inputs: Vec<Vec<f64>> = (0..samples)
+        .map(|_| (0..d).map(|_| next()).collect())
+        .collect();
+    let mapped = |a: &[f64]| -> Vec<f64> {
+        (0..d)
+            .map(|i| (0..d).map(|j| a_map[i * d + j] * a[j]).sum())
+            .collect()
+    };
+    let (mut aa, mut xa, mut xx) = (vec![0f64; d * d], vec![0f64; d * d], vec![0f64; d * d]);
+    for a in &inputs {
+        let x = mapped(a);
+        for i in 0..d {
+            for j in 0..d {
+                aa[i * d + j] += a[i] * a[j] / samples as f64;
+                xa[i * d + j] += x[i] * a[j] / samples as f64;
+                xx[i * d + j] += x[i] * x[j] / samples as f64;
+            }
+        }
+    }
+    let gate = Weight {
+        name: "gate".into(),
+        id: WeightId::fresh(),
+        ty: GgmlType::F32,
+        dims: vec![d, n_ff],
+        bytes: WeightBytes::from_vec(w.iter().flat_map(|v| v.to_le_bytes()).collect()),
+    };
+    let backend = CpuBackend::new(1);
+    let p = fit_attention_layer(&backend, 0, &gate, &xx, &xa, &aa, d).unwrap();
+    let (mut worst, mut scale) = (0f64, 0f64);
+    for a in inputs.iter().take(20) {
+        let x = mapped(a);
+        let a32: Vec<f32> = a.iter().map(|&v| v as f32).collect();
+        let (mut hidden, mut got) = (Vec::new(), vec![0f32; n_ff]);
+        p.predict(&backend, &a32, 1, &mut hidden, &mut got).unwrap();
+        for j in 0..n_ff {
+            let want: f64 = (0..d).map(|i| f64::from(w[j * d + i]) * x[i]).sum();
+            worst = worst.max((f64::from(got[j]) - want).abs());
+            scale = scale.max(want.abs());
+        }
+    }
+    assert!(
+        worst < 0.05 * scale,
+        "predictions off by {worst} (scale {scale})"
+    );
+    let sigma = p.sigma.iter().fold(0f32, |m, &s| m.max(s));
+    assert!(
+        f64::from(sigma) < 0.25 * scale,
+        "error scale {sigma} (scale {scale})"
+    );
 }

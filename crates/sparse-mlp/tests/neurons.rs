@@ -17,7 +17,9 @@ use ballast_sparse_mlp::{
 use proptest::prelude::*;
 
 mod common;
-use common::{calibrate, run_chunked as run, text, tiny as model, tiny_on, PROMPT};
+use common::{
+    calibrate, calibrate_with_predictor, run_chunked as run, text, tiny as model, tiny_on, PROMPT,
+};
 
 /// Every neuron record of `model`, in RAM.
 fn records(model: &Model) -> Arc<dyn NeuronSource> {
@@ -269,4 +271,76 @@ fn dropping_the_mlp_frees_its_stores() {
     let e = session.feed(&PROMPT).expect_err("refused").to_string();
     assert!(e.contains("backend it was made with"), "{e}");
     assert_eq!(cpu.neuron_store_bytes(), 0);
+}
+
+/// The prefetch (records of the neurons predicted from each layer's attention input,
+/// read from the neuron file on another thread while attention runs) moves reads,
+/// never results: token by token with a churning cache, the logits equal those of the
+/// same cache without it, bit for bit; its counters add up.
+#[test]
+fn the_prefetch_changes_no_result() {
+    let dense = model(21, GgmlType::Q4_1);
+    let profile = calibrate_with_predictor(&dense, &text(), 16);
+    let thresholds = profile.thresholds(0.5).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let in_order = vec![(0..256).collect::<Vec<u32>>(); 3];
+    let source = neuron_file(&dense, &dir.path().join("m.neurons"), in_order);
+    let plain = SparseFfn::new(thresholds.clone())
+        .with_neurons(source.clone(), 154, dense.backend())
+        .unwrap();
+    let ahead = SparseFfn::new(thresholds)
+        .with_neurons(source, 154, dense.backend())
+        .unwrap()
+        .with_prefetch(profile.attention_predictor.clone().unwrap(), 1.0)
+        .unwrap();
+    let (ps, ahs) = (plain.stats(), ahead.stats());
+    let a = run(dense.share_with_ffn(Box::new(plain)), &text()[..24], 1, 4);
+    let b = run(dense.share_with_ffn(Box::new(ahead)), &text()[..24], 1, 4);
+    assert_eq!(bits(&a), bits(&b));
+    let (p, s) = (*ps.lock().unwrap(), *ahs.lock().unwrap());
+    assert_eq!(p.active, s.active);
+    assert_eq!(p.prefetched, 0);
+    assert!(s.prefetched > 0 && s.prefetch_used <= s.prefetched, "{s:?}");
+    assert!(
+        s.prefetch_bytes > 0 && s.bytes_fetched >= s.prefetch_bytes,
+        "{s:?}"
+    );
+    assert!(
+        s.truly_active > 0 && s.recall() > 0.0 && s.recall() <= 1.0,
+        "{s:?}"
+    );
+    // Every active neuron the cache lacked came by the prefetch or in the MLP pass.
+    assert!(s.neuron_misses < p.neuron_misses, "{s:?} against {p:?}");
+}
+
+/// A prefetch predictor for another width of layer is refused, and so is a prefetch
+/// outside the neuron mode.
+#[test]
+fn a_prefetch_that_cannot_serve_is_refused() {
+    let dense = model(22, GgmlType::Q4_1);
+    let profile = calibrate_with_predictor(&dense, &text(), 8);
+    let predictor = profile.attention_predictor.clone().unwrap();
+    let thresholds = profile.thresholds(0.5).unwrap();
+    let err = SparseFfn::new(thresholds.clone())
+        .with_prefetch(predictor.clone(), 1.0)
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("neuron mode"), "{err}");
+    let (layout, layers) = layer_bytes(&dense);
+    let narrow: Vec<Vec<u8>> = layers
+        .iter()
+        .map(|l| l[..128 * layout.record_bytes()].to_vec())
+        .collect();
+    let half = Arc::new(MemoryNeurons::new(layout, 128, narrow).unwrap());
+    let err = SparseFfn::new(thresholds)
+        .with_neurons(half, 64, dense.backend())
+        .unwrap()
+        .with_prefetch(predictor, 1.0)
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string()
+            .contains("for 256 neurons, the records for 128"),
+        "{err}"
+    );
 }

@@ -5,9 +5,10 @@ use std::sync::Arc;
 
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::gguf::GgufFile;
+use ballast_runtime::store::PassId;
 use ballast_runtime::testing::TinyModelSpec;
 use ballast_runtime::{Backend, CpuBackend, Model, Session};
-use ballast_sparse_mlp::{SparseFfn, SparsityProfile};
+use ballast_sparse_mlp::{Predictor, SparseFfn, SparsityProfile};
 
 /// A tiny llama of 3 layers of 256 neurons with weights of `weight_type`.
 pub fn tiny(seed: u64, weight_type: GgmlType) -> Model {
@@ -64,3 +65,27 @@ pub fn text() -> Vec<u32> {
 }
 
 pub const PROMPT: [u32; 6] = [72, 101, 108, 108, 111, 44];
+
+/// The profile of `text` with predictors of rank `rank` fitted on it: from the MLP
+/// input, and from the attention input.
+pub fn calibrate_with_predictor(model: &Model, text: &[u32], rank: usize) -> SparsityProfile {
+    let (ffn, calibration) = SparseFfn::calibrating_with_moments();
+    let mut session = Session::new(model.share_with_ffn(Box::new(ffn)), 64).unwrap();
+    session.feed(text).unwrap();
+    let mut profile = calibration.profile(1, text.len() as u64);
+    let backend = model.backend().as_ref();
+    let (mut mlp, mut attention) = (Vec::new(), Vec::new());
+    for l in 0..model.config().n_layers {
+        let weights = model.store().layer(PassId(0), l).unwrap();
+        let gate = weights.matrix("ffn_gate.weight").unwrap();
+        mlp.push(calibration.fit_predictor(backend, l, gate, rank).unwrap());
+        attention.push(
+            calibration
+                .fit_attention_predictor(backend, l, gate, rank)
+                .unwrap(),
+        );
+    }
+    profile.predictor = Some(Predictor { layers: mlp });
+    profile.attention_predictor = Some(Predictor { layers: attention });
+    profile
+}
