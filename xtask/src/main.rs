@@ -38,7 +38,7 @@ use anyhow::{bail, Context, Result};
 const USAGE: &str =
     "usage: cargo xtask <fetch-model [NAME] | test | bench [--quick] | bench-tiered [--quick] | bench-kv
                     | bench-codec [MODEL] [--level N] | bench-serve [--quick] | bench-moe [--quick]
-                    | bench-pack | bench-neurons [--model PATH] [--tiered-only]
+                    | bench-pack | bench-neurons [--model PATH] [--tiered-only] [--limit MIB] [--ram SIZE] [--slots F] [--prefetch M [--rank R]]
                     | bench-tricksy [--quick] [--sparsity S] [--cache F] [-n N]
                     | tiny-model NAME FILE>
 
@@ -91,7 +91,10 @@ const USAGE: &str =
                 0.4 / 0.5 / 0.6, with MLP bytes read per token; then tiered streaming in an 88 MiB
                 cgroup, dense and with the MLP's up/down out of core (neuron file + cache):
                 storage bytes read per token, tokens/s, cache hits; rounds alternated, page
-                caches dropped before each run (--tiered-only: this table alone). BALLAST_BIN=path
+                caches dropped before each run (--tiered-only: this table alone). For another
+                model: --limit MIB (the cgroup), --ram SIZE, --slots F (--neuron-slots).
+                --prefetch M: also each sparsity with --prefetch --predictor-margin M (the
+                profile made with sparsify --rank R, --rank, default 64). BALLAST_BIN=path
                 skips the release build.
   bench-tricksy Tricksy's comparison on wgpu on the default model, same device memory for each:
                 naive offload (attention resident, every MLP matrix uploaded per use), partial
@@ -142,12 +145,39 @@ fn main() -> Result<()> {
                 .map(|i| args.get(i + 1).context("--model needs a path"))
                 .transpose()?
                 .map(std::path::PathBuf::from);
+            let value = |flag: &str| -> Result<Option<&String>> {
+                args.iter()
+                    .position(|a| a == flag)
+                    .map(|i| {
+                        args.get(i + 1)
+                            .with_context(|| format!("{flag} needs a value"))
+                    })
+                    .transpose()
+            };
+            let mut ooc = neuron_bench::OutOfCore::default();
+            if let Some(v) = value("--limit")? {
+                ooc.limit_mib = v.parse().context("--limit (MiB)")?;
+            }
+            if let Some(v) = value("--ram")? {
+                ooc.ram = v.clone();
+            }
+            if let Some(v) = value("--slots")? {
+                ooc.slots = v.clone();
+            }
+            if let Some(v) = value("--prefetch")? {
+                let rank = value("--rank")?
+                    .map(|r| r.parse().context("--rank"))
+                    .transpose()?
+                    .unwrap_or(64);
+                ooc.prefetch = Some((v.clone(), rank));
+            }
             neuron_bench::run(
                 &bin,
                 &fetch_model()?,
                 args.iter().any(|a| a == "--quick"),
                 args.iter().any(|a| a == "--tiered-only"),
                 model,
+                &ooc,
             )
         }
         Some("bench-codec") => {

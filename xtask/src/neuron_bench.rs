@@ -11,7 +11,13 @@
 //!    (`/proc/self/io` `read_bytes`), tokens/s, the cache's hit rate; the page caches
 //!    of the model and the neuron file dropped before each run.
 //!
-//! The model is copied into `$TMPDIR/ballast-neuron-bench` with its sparsity profile
+//! With `--prefetch M`, the out-of-core table also has, at each sparsity, the neuron
+//! mode with `--prefetch --predictor-margin M` (records of the neurons predicted from
+//! the attention input fetched while attention runs): every sparse row then uses a
+//! profile made with `ballast sparsify --rank R` (`--rank`, default 64), so that the
+//! rows share their thresholds.
+//!
+//! The model is copied into `$TMPDIR/ballast-neuron-bench/NAME` with its sparsity profile
 //! (made there by `ballast sparsify` if the model has none beside it) and its neuron
 //! file (`ballast sparsify --neurons`).
 
@@ -40,6 +46,30 @@ fn ballast(bin: &Path, args: &[&str]) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The out-of-core table's settings.
+pub struct OutOfCore {
+    /// The cgroup's memory limit.
+    pub limit_mib: u64,
+    /// `--ram` of the runs.
+    pub ram: String,
+    /// `--neuron-slots` of the sparse runs.
+    pub slots: String,
+    /// With prefetch rows: their `--predictor-margin`, and the profile's rank.
+    pub prefetch: Option<(String, usize)>,
+}
+
+impl Default for OutOfCore {
+    /// SmolLM2-135M's: dense tiered streaming is disk-bound in 88 MiB.
+    fn default() -> Self {
+        OutOfCore {
+            limit_mib: 88,
+            ram: "74M".into(),
+            slots: "0.6".into(),
+            prefetch: None,
+        }
+    }
 }
 
 /// The model copied into `work` with its profile and neuron file beside it.
@@ -85,16 +115,38 @@ pub fn run(
     quick: bool,
     tiered_only: bool,
     model: Option<PathBuf>,
+    ooc: &OutOfCore,
 ) -> Result<()> {
     let source = model.unwrap_or_else(|| default_model.to_path_buf());
-    let work = std::env::temp_dir().join("ballast-neuron-bench");
+    // One folder per model: its profile and neuron file are named for the copy.
+    let name = source
+        .file_name()
+        .context("the model's path names no file")?;
+    let work = std::env::temp_dir().join("ballast-neuron-bench").join(name);
     let model = prepare(bin, &source, &work)?;
+    let ranked = match &ooc.prefetch {
+        Some((_, rank)) => {
+            let ranked = work.join(format!("rank{rank}.sparsity"));
+            if !ranked.exists() {
+                let (m, r) = (
+                    model.to_str().context("a UTF-8 path")?,
+                    ranked.to_str().context("a UTF-8 path")?,
+                );
+                ballast(
+                    bin,
+                    &["sparsify", "-m", m, "--rank", &rank.to_string(), "-o", r],
+                )?;
+            }
+            Some(ranked)
+        }
+        None => None,
+    };
     let rounds = if quick { 1 } else { 3 };
     let n_gen = if quick { "16" } else { "32" };
     if !tiered_only {
         resident(bin, &source, &model, rounds, n_gen)?;
     }
-    out_of_core(bin, &model, rounds, n_gen)
+    out_of_core(bin, &model, rounds, n_gen, ooc, ranked.as_deref())
 }
 
 fn load() -> String {
@@ -163,8 +215,18 @@ fn resident(bin: &Path, source: &Path, model: &Path, rounds: usize, n_gen: &str)
 }
 
 /// The out-of-core table.
-fn out_of_core(bin: &Path, model: &Path, rounds: usize, n_gen: &str) -> Result<()> {
-    let (limit, ram, slots) = (88u64 << 20, "74M", "0.6");
+fn out_of_core(
+    bin: &Path,
+    model: &Path,
+    rounds: usize,
+    n_gen: &str,
+    ooc: &OutOfCore,
+    ranked: Option<&Path>,
+) -> Result<()> {
+    let (limit, ram, slots) = (ooc.limit_mib << 20, ooc.ram.as_str(), ooc.slots.as_str());
+    let ranked = ranked
+        .map(|p| p.to_str().context("a UTF-8 path"))
+        .transpose()?;
     println!("\n## The neuron mode out of core, under a memory limit\n");
     let cg = match Cgroup::create(
         &format!("ballast-neuron-bench-{}", std::process::id()),
@@ -183,17 +245,22 @@ fn out_of_core(bin: &Path, model: &Path, rounds: usize, n_gen: &str) -> Result<(
     );
     let mut sides: Vec<(String, Vec<&str>)> = vec![("dense".into(), vec![])];
     for s in SPARSITIES {
-        sides.push((
-            format!("neurons {s}"),
-            vec![
-                "--sparsity",
-                s,
-                "--sparse-mode",
-                "neurons",
-                "--neuron-slots",
-                slots,
-            ],
-        ));
+        let mut args = vec![
+            "--sparsity",
+            s,
+            "--sparse-mode",
+            "neurons",
+            "--neuron-slots",
+            slots,
+        ];
+        if let Some(r) = ranked {
+            args.extend(["--sparsity-profile", r]);
+        }
+        sides.push((format!("neurons {s}"), args.clone()));
+        if let Some((margin, _)) = &ooc.prefetch {
+            args.extend(["--prefetch", "--predictor-margin", margin]);
+            sides.push((format!("neurons {s}, prefetch"), args));
+        }
     }
     let mut figures: Vec<Vec<serde_json::Value>> = vec![Vec::new(); sides.len()];
     for k in alternating(rounds, sides.len()) {
@@ -206,8 +273,10 @@ fn out_of_core(bin: &Path, model: &Path, rounds: usize, n_gen: &str) -> Result<(
         .collect();
         figures[k].push(decode(bin, cg.as_ref(), model, &args)?);
     }
-    println!("| MLP | layers (A resident, C disk) | storage read per token (/proc) | layers streamed per token | neuron records fetched per token | cache hits | tokens/s (median) | per round | vs dense | peak RSS |");
-    println!("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |");
+    println!("| MLP | layers (A resident, C disk) | storage read per token (/proc) | layers streamed per token | neuron records fetched per token | cache hits | prefetched per token (used) | fetched in the MLP per token | recall | tokens/s (median) | per round | vs dense | peak RSS |");
+    println!(
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"
+    );
     let dense = median_of(&figures[0], |r| r["tokens_per_s_median"].as_f64());
     for ((label, _), runs) in sides.iter().zip(&figures) {
         let last = runs.last().context("no run")?;
@@ -216,8 +285,22 @@ fn out_of_core(bin: &Path, model: &Path, rounds: usize, n_gen: &str) -> Result<(
         let tps = median_of(runs, |r| r["tokens_per_s_median"].as_f64());
         let each = per_round(runs, 2);
         let sparse = &last["sparse"];
+        let prefetch = sparse["prefetched_per_token"]
+            .as_f64()
+            .map_or("-".into(), |p| {
+                format!(
+                    "{p:.0} ({:.1}%)",
+                    100.0 * sparse["prefetch_used"].as_f64().unwrap_or(0.0)
+                )
+            });
+        let in_mlp = sparse["fetched_in_mlp_per_token"]
+            .as_f64()
+            .map_or("-".into(), |f| format!("{f:.0}"));
+        let recall = sparse["recall"]
+            .as_f64()
+            .map_or("-".into(), |r| format!("{:.1}%", 100.0 * r));
         println!(
-            "| {label} | {} {} (`{map}`) | {:.2} MiB | {:.2} MiB | {} | {} | {tps:.2} | {each} | {:.2}x | {:.1} MiB |",
+            "| {label} | {} {} (`{map}`) | {:.2} MiB | {:.2} MiB | {} | {} | {prefetch} | {in_mlp} | {recall} | {tps:.2} | {each} | {:.2}x | {:.1} MiB |",
             count('A'),
             count('C'),
             median_of(runs, |r| r["process_read_bytes_per_token"].as_f64()) / MIB,

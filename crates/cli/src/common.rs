@@ -93,6 +93,11 @@ pub struct SparsityArgs {
     /// evicted and fetched again from the file when a token needs them).
     #[arg(long, default_value_t = 1.0)]
     pub neuron_slots: f64,
+    /// Neuron mode: reads of records in flight at once when a layer fetches many (1:
+    /// one at a time). Out of core a record is a scattered 4 KiB read; a disk serves
+    /// several side by side.
+    #[arg(long, default_value_t = ballast_sparse_mlp::DEFAULT_READERS)]
+    pub neuron_readers: usize,
 }
 
 impl ModelArgs {
@@ -368,7 +373,14 @@ pub fn apply_sparsity(
     let thresholds = profile.thresholds(sparsity).context("--sparsity")?;
     let mut ffn = SparseFfn::new(thresholds);
     if let Some(source) = neuron_source(args, path, file, &model)? {
-        ffn = ffn.with_neurons(source, neuron_slots(args, config.n_ff)?, model.backend())?;
+        anyhow::ensure!(
+            args.neuron_readers >= 1,
+            "--neuron-readers {}: at least 1",
+            args.neuron_readers
+        );
+        ffn = ffn
+            .with_neurons(source, neuron_slots(args, config.n_ff)?, model.backend())?
+            .with_readers(args.neuron_readers);
         anyhow::ensure!(
             args.prefetch || !args.measure_recall,
             "--measure-recall in the neuron mode measures the prefetch's predictor: add --prefetch"

@@ -421,6 +421,8 @@ struct NeuronMode {
     keep: Vec<bool>,
     part: Vec<f32>,
     prefetch: Option<Prefetch>,
+    /// Reads of records at once ([`SparseFfn::with_readers`]).
+    readers: usize,
 }
 
 /// The neuron mode's prefetch ([`SparseFfn::with_prefetch`]): a predictor from the
@@ -529,6 +531,68 @@ fn to_core(e: crate::Error) -> ballast_core::Error {
             source: Box::new(e),
         },
     }
+}
+
+/// Neurons per reader below which a read stays on the calling thread.
+const NEURONS_PER_READER: usize = 8;
+/// Readers at once by default ([`SparseFfn::with_readers`]).
+pub const DEFAULT_READERS: usize = 8;
+
+/// Reads the records of `neurons` of `layer` from `source` into `out` (appended, in
+/// the order asked), as [`NeuronSource::read`]; a long list is split into up to
+/// `readers` runs of consecutive asks, read at once on scoped threads. Out of core
+/// the records are scattered 4 KiB reads whose latency, one at a time, bounds the
+/// neuron mode: several in flight let the disk serve them side by side.
+fn read_records(
+    source: &dyn NeuronSource,
+    layer: usize,
+    neurons: &[u32],
+    out: &mut Vec<u8>,
+    readers: usize,
+) -> crate::Result<u64> {
+    let readers = (neurons.len() / NEURONS_PER_READER).min(readers);
+    if readers <= 1 {
+        return source.read(layer, neurons, out);
+    }
+    let chunk = neurons.len().div_ceil(readers);
+    let parts: Vec<crate::Result<(Vec<u8>, u64)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = neurons
+            .chunks(chunk)
+            .map(|part| {
+                scope.spawn(move || {
+                    let mut records = Vec::new();
+                    let read = source.read(layer, part, &mut records)?;
+                    Ok((records, read))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(crate::Error::InvalidArgument {
+                        what: "a neuron reader thread panicked".into(),
+                    })
+                })
+            })
+            .collect()
+    });
+    let mut read = 0;
+    let base = out.len();
+    for part in parts {
+        match part {
+            Ok((records, bytes)) => {
+                out.extend_from_slice(&records);
+                read += bytes;
+            }
+            Err(e) => {
+                // Nothing of a failed read is left in `out`.
+                out.truncate(base);
+                return Err(e);
+            }
+        }
+    }
+    Ok(read)
 }
 
 /// The runs of `true` in `keep`, as ranges, into `ranges`.
@@ -666,8 +730,20 @@ impl SparseFfn {
             keep: Vec::new(),
             part: Vec::new(),
             prefetch: None,
+            readers: DEFAULT_READERS,
         });
         Ok(self)
+    }
+
+    /// In the neuron mode, reads up to `readers` parts of a fetch at once (at least 1;
+    /// [`DEFAULT_READERS`] unless set): out of core, the disk serves scattered reads
+    /// side by side, which one at a time leave it waiting on each one's latency.
+    /// Results do not depend on it.
+    pub fn with_readers(mut self, readers: usize) -> SparseFfn {
+        if let Some(nm) = self.neurons.as_mut() {
+            nm.readers = readers.max(1);
+        }
+        self
     }
 
     /// In the neuron mode, fetches while attention runs (Tricksy, Deja Vu): at each
@@ -814,12 +890,13 @@ impl SparseFfn {
         let fills = pf.lookup.fills.clone();
         let neurons: Vec<u32> = fills.iter().map(|&(n, _)| n).collect();
         let source = nm.source.clone();
+        let readers = nm.readers;
         let mut records = std::mem::take(&mut pf.spare);
         records.clear();
         let read = std::thread::Builder::new()
             .name("neuron prefetch".into())
             .spawn(move || {
-                let read = source.read(layer, &neurons, &mut records)?;
+                let read = read_records(source.as_ref(), layer, &neurons, &mut records, readers)?;
                 Ok((records, read))
             });
         match read {
@@ -922,14 +999,18 @@ impl SparseFfn {
                     nm.fill_slots.push(s);
                 }
                 nm.records.clear();
-                let written = nm
-                    .source
-                    .read(layer, &nm.fill_neurons, &mut nm.records)
-                    .map_err(to_core)
-                    .and_then(|read| {
-                        backend.neuron_slots_write(store, &nm.fill_slots, &nm.records)?;
-                        Ok(read)
-                    });
+                let written = read_records(
+                    nm.source.as_ref(),
+                    layer,
+                    &nm.fill_neurons,
+                    &mut nm.records,
+                    nm.readers,
+                )
+                .map_err(to_core)
+                .and_then(|read| {
+                    backend.neuron_slots_write(store, &nm.fill_slots, &nm.records)?;
+                    Ok(read)
+                });
                 match written {
                     Ok(read) => {
                         stats.bytes_fetched += if read > 0 {

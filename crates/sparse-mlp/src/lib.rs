@@ -58,7 +58,7 @@ mod source;
 
 pub use cache::{CacheCounts, Lookup, NeuronCache};
 pub use error::{Error, Result};
-pub use ffn::{Calibration, SparseFfn, SparseStats};
+pub use ffn::{Calibration, SparseFfn, SparseStats, DEFAULT_READERS};
 pub use file::{
     hot_first, neuron_file_path, NeuronFile, NeuronFileHeader, NeuronFileWriter, HEADER_BYTES,
     NEURON_FILE_VERSION,

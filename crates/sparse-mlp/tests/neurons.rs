@@ -313,6 +313,62 @@ fn the_prefetch_changes_no_result() {
     assert!(s.neuron_misses < p.neuron_misses, "{s:?} against {p:?}");
 }
 
+/// Reading a fetch in parts at once (`with_readers`) gives the records of reading it
+/// in one go: token by token with a churning cache served from a neuron file, the
+/// logits are the same bit for bit for 1, 3 and 8 readers; a damaged record is still
+/// named, whichever reader meets it.
+#[test]
+fn readers_at_once_change_no_result() {
+    let dense = model(23, GgmlType::Q8_0);
+    let profile = calibrate(&dense, &text());
+    let thresholds = profile.thresholds(0.4).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.neurons");
+    let source = neuron_file(&dense, &path, vec![(0..256).collect::<Vec<u32>>(); 3]);
+    let logits = |readers: usize| {
+        let ffn = SparseFfn::new(thresholds.clone())
+            .with_neurons(source.clone(), 200, dense.backend())
+            .unwrap()
+            .with_readers(readers);
+        let stats = ffn.stats();
+        let out = run(dense.share_with_ffn(Box::new(ffn)), &text()[..12], 1, 3);
+        let misses = stats.lock().unwrap().neuron_misses;
+        (bits(&out), misses)
+    };
+    let (one, misses) = logits(1);
+    assert!(misses > 3 * 200, "the cache churned: {misses} fetched");
+    assert_eq!(logits(3), (one.clone(), misses));
+    assert_eq!(logits(8), (one, misses));
+    // A damaged record three fifths into the file: some reader of the first pass meets it.
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = bytes.len() - 2 * (bytes.len() - 48) / 5;
+    bytes[at] ^= 0x20;
+    std::fs::write(&path, &bytes).unwrap();
+    let config = dense.config();
+    let damaged: Arc<dyn NeuronSource> = Arc::new(
+        NeuronFile::open(
+            &path,
+            5,
+            config.n_layers,
+            config.n_ff,
+            config.d_model,
+            GgmlType::Q8_0,
+        )
+        .unwrap(),
+    );
+    // Threshold 0: the neuron path, every neuron with a nonzero gate active.
+    let ffn = SparseFfn::new(vec![0.0; 3])
+        .with_neurons(damaged, 256, dense.backend())
+        .unwrap()
+        .with_readers(8);
+    let mut session = Session::new(dense.share_with_ffn(Box::new(ffn)), 64).unwrap();
+    let err = session.feed(&text()[..4]).unwrap_err();
+    assert!(
+        err.to_string().contains("m.neurons") && err.to_string().contains("damaged"),
+        "{err}"
+    );
+}
+
 /// A prefetch predictor for another width of layer is refused, and so is a prefetch
 /// outside the neuron mode.
 #[test]
