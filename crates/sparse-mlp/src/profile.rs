@@ -298,6 +298,10 @@ fn read_predictor(
     if rank == 0 {
         return Ok((None, &bytes[4..]));
     }
+    if n_layers == 0 {
+        // Nothing to predict, and no layer to say its width: it would not write back.
+        return Err(format!("a predictor of rank {rank} for no layers"));
+    }
     let width = u32_at(4)?;
     // u128: counts from a damaged file must not overflow.
     let per_layer =
@@ -492,6 +496,27 @@ mod tests {
                 .contains("after the quantiles and predictors"),
             "{err}"
         );
+    }
+
+    /// Found by the fuzz target: a predictor section for a profile of no layers parsed
+    /// to a predictor that wrote back as none.
+    #[test]
+    fn a_predictor_for_no_layers_is_refused() {
+        let empty = SparsityProfile {
+            layers: Vec::new(),
+            ..profile()
+        };
+        let mut b = empty.to_bytes();
+        b.truncate(b.len() - 16);
+        for v in [8u32, 4, 0] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        let sum = checksum(&b);
+        b.extend_from_slice(&sum.to_le_bytes());
+        let err = SparsityProfile::from_bytes(&b, Path::new("p")).unwrap_err();
+        assert!(err.to_string().contains("no layers"), "{err}");
+        let back = SparsityProfile::from_bytes(&empty.to_bytes(), Path::new("p")).unwrap();
+        assert_eq!(back, empty);
     }
 
     #[test]
