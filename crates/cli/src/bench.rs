@@ -202,7 +202,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
             true,
             common::neuron_cache_bytes(&args.sparse, &args.store, &path, &file)?,
         )?;
-        let (model, sparse) = common::apply_sparsity(&args.sparse, &path, &file, built.model)?;
+        let out_of_core = built.tiered.is_some();
+        let (model, sparse) =
+            common::apply_sparsity(&args.sparse, &path, &file, built.model, out_of_core)?;
         // Dense MLP weight bytes a decoded token reads, for the sparse MLP's figures.
         let dense_mlp_bytes: u64 = file
             .tensors()

@@ -135,6 +135,7 @@ fn load(args: &ServeArgs) -> Result<Engine> {
         &path,
         &loaded.file,
         loaded.model.share(),
+        loaded.tiered.is_some(),
     )?;
     Ok(Engine {
         model,
