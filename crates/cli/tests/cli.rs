@@ -1021,12 +1021,12 @@ fn neuron_mode_runs_mapped_and_out_of_core_and_bad_neuron_files_are_named() {
     assert!(ok && out == streamed.0, "{err}");
     let (ok, _, err) = run(&["--store", "tiered", "--ram", "40M", "--neuron-slots", "0"]);
     assert!(!ok && err.contains("--neuron-slots"), "{err}");
-    // A damaged record is named when a token needs it (the records start after the
-    // header and each layer's order).
+    // A damaged record is named when a token needs it (the records start on the first
+    // 4 KiB page after the header and each layer's order).
     let good = std::fs::read(&neurons).unwrap();
     let u32_at = |at: usize| u32::from_le_bytes(good[at..at + 4].try_into().unwrap()) as usize;
-    assert_eq!(u32_at(8), 2, "version 2");
-    let records = 48 + u32_at(20) * (u32_at(24) * 4 + 4);
+    assert_eq!(u32_at(8), 3, "version 3");
+    let records = (48 + u32_at(20) * (u32_at(24) * 4 + 4)).next_multiple_of(4096);
     let mut bytes = good.clone();
     bytes[48 + 4 * 3] ^= 1;
     std::fs::write(&neurons, &bytes).unwrap();

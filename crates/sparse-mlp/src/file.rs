@@ -10,24 +10,42 @@
 //! so it is not the default. The order changes where a record sits, never what it
 //! holds: results do not depend on it.
 //!
-//! Layout (little-endian), version 2:
+//! Layout (little-endian), version 3:
 //!
 //! | bytes | what |
 //! |---|---|
 //! | 8 | magic `BLSTNRNS` |
-//! | 4 | version (2) |
+//! | 4 | version (3) |
 //! | 8 | model fingerprint ([`ballast_core::fingerprint::model_fingerprint`]) |
 //! | 4 × 6 | layers, neurons per layer, width, up type id, down type id, record bytes |
 //! | 4 | CRC-32 of the 44 bytes before it |
 //! | layers × (neurons × 4 + 4) | per layer, its order (the neuron `u32` stored at each place, a permutation of the layer's neurons), then the CRC-32 of (layer `u32`, the order's bytes) |
-//! | (layers × neurons) × (record + 4) | per layer, per place: the record of the neuron the order puts there, then the CRC-32 of (layer `u32`, neuron `u32`, record) |
+//! | to the next multiple of 4096 | zeros |
+//! | layers × section | per layer, its records section, starting on a multiple of 4096: per place, the record of the neuron the order puts there, then the CRC-32 of (layer `u32`, neuron `u32`, record): a *stride* of record bytes + 4 |
 //!
-//! Version 1 (the files of earlier builds) has no order section and stores each layer's
-//! records in neuron order; it is still read, as that order. Every read checks each
-//! record's CRC-32 (a damaged or misplaced record is [`Error::DamagedRecord`], naming
-//! the file, layer and neuron); opening checks the header's and every order's (a
-//! damaged order, or one that is not a permutation, is refused naming the layer), and
-//! refuses a file for another model, of another layout, or of the wrong length.
+//! In a records section, when the stride is at most 4096, the records sit `per_page =
+//! ⌊4096 / stride⌋` to a 4 KiB page: place `p` at byte `(p / per_page) × 4096 + (p %
+//! per_page) × stride` of the section, the rest of each page zeros, the section
+//! `⌈neurons / per_page⌉` whole pages. So no record and its CRC-32 crosses a page
+//! boundary of the file, and one neuron read through the page cache, or from storage out
+//! of core, touches one page, not two (back to back, records of 976 bytes on SmolLM2 cross
+//! one in four times). When the stride is over 4096, the records are back to back from
+//! the section's start, and the section is padded to whole pages: a record then spans
+//! `⌈stride / 4096⌉` pages or one more, and starting each on a page would save at most
+//! that one page at the cost of padding every record to whole pages (for a stride just
+//! over 4096, nearly doubling the file, and reading the padding in every run of
+//! adjacent records). [`NeuronFileHeader::record_offset`] gives where a record sits.
+//! The padding holds nothing and is not checked (a damaged padding byte changes no
+//! record); the file's length is.
+//!
+//! Version 2 (the files of earlier builds) is the same without the padding: the records
+//! follow the orders, back to back. Version 1 has no order section either and stores
+//! each layer's records in neuron order. Both are still read, as their layouts say.
+//! Every read checks each record's CRC-32 (a damaged or misplaced record is
+//! [`Error::DamagedRecord`], naming the file, layer and neuron); opening checks the
+//! header's and every order's (a damaged order, or one that is not a permutation, is
+//! refused naming the layer), and refuses a file for another model, of another layout,
+//! or of the wrong length.
 
 use std::fs::File;
 use std::io::Write;
@@ -41,16 +59,23 @@ use crate::source::{check_read, NeuronSource};
 use crate::{Error, Result};
 
 const MAGIC: &[u8; 8] = b"BLSTNRNS";
-/// The version this build writes; it reads it and version 1.
-pub const NEURON_FILE_VERSION: u32 = 2;
+/// The version this build writes; it reads it and versions 1 and 2.
+pub const NEURON_FILE_VERSION: u32 = 3;
 /// Header bytes, its CRC-32 included.
 pub const HEADER_BYTES: usize = 48;
+/// The page a record of a version 3 file does not cross.
+const PAGE: u64 = 4096;
+
+/// `x` rounded up to a whole number of pages (saturating).
+fn page_up(x: u64) -> u64 {
+    x.div_ceil(PAGE).saturating_mul(PAGE)
+}
 
 /// What a neuron file holds, from its header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NeuronFileHeader {
-    /// The format version: [`NEURON_FILE_VERSION`], or 1 (records in neuron order,
-    /// no order section).
+    /// The format version: [`NEURON_FILE_VERSION`], 2 (records back to back, no
+    /// padding) or 1 (records in neuron order, no order section either).
     pub version: u32,
     /// The model's fingerprint.
     pub fingerprint: u64,
@@ -77,20 +102,62 @@ impl NeuronFileHeader {
         }
     }
 
-    /// Where the records start: after the header and the orders.
-    pub fn records_start(&self) -> u64 {
-        // Saturating: a damaged header's counts must not overflow (it is refused by
-        // its length instead).
+    // The sizes below saturate: a damaged header's counts must not overflow (it is
+    // refused by its length instead).
+
+    /// Where the orders end: after the header and every layer's order.
+    fn orders_end(&self) -> u64 {
         (self.n_layers as u64)
             .saturating_mul(self.order_bytes())
             .saturating_add(HEADER_BYTES as u64)
     }
 
+    /// Records (and their CRC-32) per 4 KiB page: in version 3 with a stride of at most
+    /// 4096 bytes; `None` when they are back to back.
+    fn per_page(&self) -> Option<u64> {
+        let stride = self.stride() as u64;
+        (self.version >= 3 && stride <= PAGE).then(|| PAGE / stride)
+    }
+
+    /// Bytes of one layer's records section (in version 3, whole pages).
+    fn section_bytes(&self) -> u64 {
+        let n_ff = self.n_ff as u64;
+        match self.per_page() {
+            Some(per_page) => n_ff.div_ceil(per_page).saturating_mul(PAGE),
+            None if self.version >= 3 => page_up(n_ff.saturating_mul(self.stride() as u64)),
+            None => n_ff.saturating_mul(self.stride() as u64),
+        }
+    }
+
+    /// Where the records start: after the header and the orders (in version 3, at the
+    /// next multiple of 4096).
+    pub fn records_start(&self) -> u64 {
+        if self.version >= 3 {
+            page_up(self.orders_end())
+        } else {
+            self.orders_end()
+        }
+    }
+
+    /// Where the record (then its CRC-32) at place `place` of layer `layer` starts.
+    pub fn record_offset(&self, layer: usize, place: usize) -> u64 {
+        let place = place as u64;
+        let in_section = match self.per_page() {
+            Some(per_page) => (place / per_page)
+                .saturating_mul(PAGE)
+                .saturating_add((place % per_page) * self.stride() as u64),
+            None => place.saturating_mul(self.stride() as u64),
+        };
+        (layer as u64)
+            .saturating_mul(self.section_bytes())
+            .saturating_add(self.records_start())
+            .saturating_add(in_section)
+    }
+
     /// The whole file's length.
     pub fn file_len(&self) -> u64 {
         (self.n_layers as u64)
-            .saturating_mul(self.n_ff as u64)
-            .saturating_mul(self.stride() as u64)
+            .saturating_mul(self.section_bytes())
             .saturating_add(self.records_start())
     }
 
@@ -221,6 +288,8 @@ pub struct NeuronFileWriter {
     path: PathBuf,
     tmp: PathBuf,
     file: std::io::BufWriter<File>,
+    /// Bytes written so far.
+    written: u64,
     layers_written: usize,
 }
 
@@ -264,22 +333,46 @@ impl NeuronFileWriter {
             path: tmp.clone(),
             source,
         };
-        let mut file = std::io::BufWriter::new(File::create(&tmp).map_err(io)?);
-        file.write_all(&header.to_bytes()).map_err(io)?;
-        for (l, order) in orders.iter().enumerate() {
-            let bytes: Vec<u8> = order.iter().flat_map(|n| n.to_le_bytes()).collect();
-            file.write_all(&bytes).map_err(io)?;
-            file.write_all(&order_crc(l, &bytes).to_le_bytes())
-                .map_err(io)?;
-        }
-        Ok(NeuronFileWriter {
+        let file = std::io::BufWriter::new(File::create(&tmp).map_err(io)?);
+        let mut w = NeuronFileWriter {
             header,
-            orders,
+            orders: Vec::new(),
             path: path.to_path_buf(),
             tmp,
             file,
+            written: 0,
             layers_written: 0,
-        })
+        };
+        w.put(&header.to_bytes())?;
+        for (l, order) in orders.iter().enumerate() {
+            let bytes: Vec<u8> = order.iter().flat_map(|n| n.to_le_bytes()).collect();
+            w.put(&bytes)?;
+            w.put(&order_crc(l, &bytes).to_le_bytes())?;
+        }
+        w.pad_to(header.records_start())?;
+        w.orders = orders;
+        Ok(w)
+    }
+
+    /// Writes `bytes`.
+    fn put(&mut self, bytes: &[u8]) -> Result<()> {
+        self.file.write_all(bytes).map_err(|source| Error::Io {
+            path: self.tmp.clone(),
+            source,
+        })?;
+        self.written += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Writes zeros up to byte `at` of the file.
+    fn pad_to(&mut self, at: u64) -> Result<()> {
+        const ZEROS: [u8; PAGE as usize] = [0; PAGE as usize];
+        debug_assert!(at >= self.written, "the layout places nothing backwards");
+        while self.written < at {
+            let n = (at - self.written).min(PAGE) as usize;
+            self.put(&ZEROS[..n])?;
+        }
+        Ok(())
     }
 
     /// Appends the next layer's records ([`crate::layer_records`]: `n_ff` records in
@@ -298,17 +391,15 @@ impl NeuronFileWriter {
             });
         }
         let layer = self.layers_written;
-        let io = |source| Error::Io {
-            path: self.tmp.clone(),
-            source,
-        };
-        for &j in &self.orders[layer] {
-            let record = &records[j as usize * rb..][..rb];
-            self.file.write_all(record).map_err(io)?;
-            self.file
-                .write_all(&record_crc(layer, j as usize, record).to_le_bytes())
-                .map_err(io)?;
+        for place in 0..self.header.n_ff {
+            let j = self.orders[layer][place] as usize;
+            let record = &records[j * rb..][..rb];
+            self.pad_to(self.header.record_offset(layer, place))?;
+            self.put(record)?;
+            self.put(&record_crc(layer, j, record).to_le_bytes())?;
         }
+        // The section's padding: the next layer's starts on a page (version 3).
+        self.pad_to(self.header.record_offset(layer + 1, 0))?;
         self.layers_written += 1;
         Ok(())
     }
@@ -327,6 +418,7 @@ impl NeuronFileWriter {
                 ),
             });
         }
+        debug_assert_eq!(self.written, self.header.file_len());
         let file = self.file.into_inner().map_err(|e| io(e.into_error()))?;
         file.sync_all().map_err(io)?;
         std::fs::rename(&self.tmp, &self.path).map_err(|source| Error::Io {
@@ -337,7 +429,8 @@ impl NeuronFileWriter {
 }
 
 /// An open neuron file: a [`NeuronSource`] reading records with `pread`, a run of
-/// records adjacent in the file in one read, every record's CRC-32 checked.
+/// records adjacent in the file in one read, every record's CRC-32 checked. The bytes a
+/// read returns are the bytes it read, the padding inside a run included.
 pub struct NeuronFile {
     path: PathBuf,
     file: File,
@@ -405,7 +498,7 @@ impl NeuronFile {
                 }
             }
         } else {
-            let mut orders = vec![0u8; (header.records_start() - HEADER_BYTES as u64) as usize];
+            let mut orders = vec![0u8; (header.orders_end() - HEADER_BYTES as u64) as usize];
             file.read_exact_at(&mut orders, HEADER_BYTES as u64)
                 .map_err(io)?;
             for (l, (section, row)) in orders
@@ -469,14 +562,15 @@ impl NeuronFile {
     }
 
     /// Reads the records of `neurons` of `layer` into `out` (appended, in the order
-    /// asked): the asked neurons sorted by place, each run of adjacent places one read.
+    /// asked): the asked neurons sorted by place, each run of adjacent places one read
+    /// (in version 3, with the padding between them, skipped).
     fn read_records(&self, layer: usize, neurons: &[u32], out: &mut Vec<u8>) -> Result<u64> {
-        let (stride, rb, n_ff) = (
-            self.header.stride(),
+        let (h, rb, n_ff) = (
+            &self.header,
             self.header.layout.record_bytes(),
             self.header.n_ff,
         );
-        let layer_start = self.header.records_start() + (layer * n_ff) as u64 * stride as u64;
+        let stride = h.stride();
         let place = &self.place[layer * n_ff..(layer + 1) * n_ff];
         // (place, index asked), in file order.
         let mut by_place: Vec<(u32, u32)> = neurons
@@ -496,16 +590,21 @@ impl NeuronFile {
             while end < by_place.len() && by_place[end].0 as usize == first + (end - i) {
                 end += 1;
             }
-            buf.resize((end - i) * stride, 0);
+            // The run's bytes: from its first record to the end of its last one's CRC.
+            let at = h.record_offset(layer, first);
+            let len = h.record_offset(layer, first + (end - i - 1)) + stride as u64 - at;
+            buf.resize(len as usize, 0);
             self.file
-                .read_exact_at(&mut buf, layer_start + (first * stride) as u64)
+                .read_exact_at(&mut buf, at)
                 .map_err(|source| Error::Io {
                     path: self.path.clone(),
                     source,
                 })?;
-            read += buf.len() as u64;
-            for (chunk, &(_, asked)) in buf.chunks_exact(stride).zip(&by_place[i..end]) {
+            read += len;
+            for &(place, asked) in &by_place[i..end] {
                 let neuron = neurons[asked as usize] as usize;
+                let chunk =
+                    &buf[(h.record_offset(layer, place as usize) - at) as usize..][..stride];
                 let (record, crc) = chunk.split_at(rb);
                 if record_crc(layer, neuron, record)
                     != u32::from_le_bytes(crc.try_into().expect("4 bytes"))

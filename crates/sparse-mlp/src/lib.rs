@@ -18,8 +18,9 @@
 //! - [`SparseFfn::with_neurons`]: the neuron mode, computing the MLP over neuron
 //!   records (one neuron's up row and down column side by side) held in a per-layer
 //!   [`NeuronCache`] of the backend's slots, fetching only the active neurons it lacks
-//!   from a [`NeuronSource`]: the [`NeuronFile`] beside the model, whose layers store
-//!   their records in neuron order or hot first ([`hot_first`] of
+//!   from a [`NeuronSource`]: the [`NeuronFile`] beside the model (a record of up to
+//!   4 KiB never crosses a page, so one alone is one page read), whose layers store their records in
+//!   neuron order or hot first ([`hot_first`] of
 //!   [`Calibration::active_counts`]; measured not to save reads).
 //! - [`SparseFfn::with_prefetch`]: in the neuron mode, a second predictor of the same
 //!   gates, fitted on each layer's *attention* input by reduced-rank regression

@@ -1,8 +1,9 @@
-//! Fuzzes the neuron-file reader (versions 1 and 2): any bytes must open or give a
-//! typed error, and a file that opens must give each layer's order as a permutation
-//! and read every record (all of a layer at once, every other one, and the first half
-//! of the layer's places, which are runs in file order) or give a typed error, never
-//! a panic.
+//! Fuzzes the neuron-file reader (versions 1, 2 and 3): any bytes must open or give a
+//! typed error, and a file that opens must give each layer's order as a permutation,
+//! place every record inside the file (in version 3 within one 4 KiB page when it fits
+//! in one, each layer's records on a page), and read every record (all of a layer at
+//! once, every other one, and the first half of the layer's places, which are runs in
+//! file order, in version 3 across padding) or give a typed error, never a panic.
 #![no_main]
 
 use std::path::PathBuf;
@@ -35,6 +36,19 @@ fuzz_target!(|data: &[u8]| {
     };
     if h.file_len() > 1 << 24 {
         return;
+    }
+    let stride = h.stride() as u64;
+    for layer in 0..h.n_layers {
+        for place in 0..h.n_ff {
+            let at = h.record_offset(layer, place);
+            assert!(at >= h.records_start() && at + stride <= h.file_len());
+            if h.version >= 3 && stride <= 4096 {
+                assert_eq!(at / 4096, (at + stride - 1) / 4096, "a record crosses a page");
+            }
+        }
+        if h.version >= 3 {
+            assert_eq!(h.record_offset(layer, 0) % 4096, 0);
+        }
     }
     let mut out = Vec::new();
     for layer in 0..file.n_layers() {
