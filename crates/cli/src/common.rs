@@ -353,10 +353,7 @@ pub fn apply_sparsity(
         return Ok((model, None));
     };
     ensure_silu_mlp(&model, path)?;
-    let profile_path = args
-        .sparsity_profile
-        .clone()
-        .unwrap_or_else(|| SparsityProfile::path_for(path));
+    let profile_path = profile_path(args, path);
     anyhow::ensure!(
         profile_path.exists(),
         "--sparsity needs the model's sparsity profile, and {} does not exist: make it with `ballast sparsify -m {}`",
@@ -378,6 +375,8 @@ pub fn apply_sparsity(
     let thresholds = profile.thresholds(sparsity).context("--sparsity")?;
     let mut ffn = SparseFfn::new(thresholds);
     if let Some(source) = neuron_source(args, path, file, &model)? {
+        // The row mode's predictor is of no use here: free it before the cache fills.
+        let (_, attention_predictor) = (profile.predictor, profile.attention_predictor);
         // Out of core a fetch waits on the disk, and reads in flight side by side pay;
         // from the page cache they are copies, which threads only slow (SmolLM2 at
         // sparsity 0.4 with 60% of slots: 47.6 t/s with 1, 35.4 with 8).
@@ -395,7 +394,7 @@ pub fn apply_sparsity(
             "--measure-recall in the neuron mode measures the prefetch's predictor: add --prefetch"
         );
         if args.prefetch {
-            let predictor = profile.attention_predictor.with_context(|| {
+            let predictor = attention_predictor.with_context(|| {
                 format!(
                     "--prefetch needs the attention-input predictor, and {} has none: make the profile again with `ballast sparsify --rank R`",
                     profile_path.display()
@@ -453,7 +452,8 @@ fn neurons_path(args: &SparsityArgs, path: &Path) -> Result<Option<PathBuf>> {
 }
 
 /// With tiered streaming (`--store tiered`, or `--ram`) in the neuron mode: the bytes
-/// of the neuron cache (layers × `--neuron-slots` of their neurons × a record), which
+/// of the neuron cache (layers × `--neuron-slots` of their neurons × a record, and with
+/// `--prefetch` its predictor), which
 /// the plan counts inside the RAM budget; the layers then stream without their up and
 /// down matrices. `None` otherwise.
 pub fn neuron_cache_bytes(
@@ -476,10 +476,34 @@ pub fn neuron_cache_bytes(
     };
     let config = ballast_runtime::model::ModelConfig::from_gguf(file)?;
     let f = open_neurons(&neurons_path, file, &config)?;
-    Ok(Some(
-        (config.n_layers * neuron_slots(sparse, config.n_ff)?) as u64
-            * f.header().layout.record_bytes() as u64,
-    ))
+    let cache = (config.n_layers * neuron_slots(sparse, config.n_ff)?) as u64
+        * f.header().layout.record_bytes() as u64;
+    // The prefetch's predictor stays in RAM beside the cache (read here, before the
+    // model takes its budget, so that its parse does not come on top of it).
+    let predictor = if sparse.prefetch {
+        let profile = SparsityProfile::load(
+            &profile_path(sparse, path),
+            ballast_kv_cache::model_fingerprint(file),
+            config.n_layers,
+            config.n_ff,
+        )?;
+        profile.attention_predictor.map_or(0, |p| {
+            p.layers
+                .iter()
+                .map(|l| (l.bytes() + l.sigma.len() * 4) as u64)
+                .sum()
+        })
+    } else {
+        0
+    };
+    Ok(Some(cache + predictor))
+}
+
+/// The sparsity profile `--sparsity` reads: `--sparsity-profile`, else beside the model.
+fn profile_path(args: &SparsityArgs, model: &Path) -> PathBuf {
+    args.sparsity_profile
+        .clone()
+        .unwrap_or_else(|| SparsityProfile::path_for(model))
 }
 
 /// The neuron file at `neurons`, checked against the model of `file`.
