@@ -366,17 +366,23 @@ pub fn apply_sparsity(
         args.predictor_margin
     );
     let config = model.config();
-    let profile = SparsityProfile::load(
+    // Only the predictor the mode uses is built: the neuron mode's prefetch, or the row
+    // mode's (a predictor of a larger model is tens of MB).
+    let neuron_mode = neurons_path(args, path)?.is_some();
+    let profile = SparsityProfile::load_wanting(
         &profile_path,
         ballast_kv_cache::model_fingerprint(file),
         config.n_layers,
         config.n_ff,
+        ballast_sparse_mlp::Wanted {
+            predictor: !neuron_mode && !args.no_predictor,
+            attention_predictor: neuron_mode && args.prefetch,
+        },
     )?;
     let thresholds = profile.thresholds(sparsity).context("--sparsity")?;
     let mut ffn = SparseFfn::new(thresholds);
     if let Some(source) = neuron_source(args, path, file, &model)? {
-        // The row mode's predictor is of no use here: free it before the cache fills.
-        let (_, attention_predictor) = (profile.predictor, profile.attention_predictor);
+        let attention_predictor = profile.attention_predictor;
         // Out of core a fetch waits on the disk, and reads in flight side by side pay;
         // from the page cache they are copies, which threads only slow (SmolLM2 at
         // sparsity 0.4 with 60% of slots: 47.6 t/s with 1, 35.4 with 8).
@@ -481,11 +487,15 @@ pub fn neuron_cache_bytes(
     // The prefetch's predictor stays in RAM beside the cache (read here, before the
     // model takes its budget, so that its parse does not come on top of it).
     let predictor = if sparse.prefetch {
-        let profile = SparsityProfile::load(
+        let profile = SparsityProfile::load_wanting(
             &profile_path(sparse, path),
             ballast_kv_cache::model_fingerprint(file),
             config.n_layers,
             config.n_ff,
+            ballast_sparse_mlp::Wanted {
+                predictor: false,
+                attention_predictor: true,
+            },
         )?;
         profile.attention_predictor.map_or(0, |p| {
             p.layers

@@ -65,5 +65,5 @@ pub use file::{
     NEURON_FILE_VERSION,
 };
 pub use predictor::{fit_attention_layer, fit_layer, ActiveRegion, LayerPredictor, Predictor};
-pub use profile::{MagnitudeHistogram, SparsityProfile, QUANTILES};
+pub use profile::{MagnitudeHistogram, SparsityProfile, Wanted, QUANTILES};
 pub use source::{layer_records, MemoryNeurons, NeuronSource};

@@ -130,6 +130,17 @@ impl SparsityProfile {
     /// Reads what [`SparsityProfile::to_bytes`] wrote; `path` names the file in errors.
     /// A damaged file, another version, or quantiles that do not ascend are refused.
     pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<SparsityProfile> {
+        SparsityProfile::from_bytes_wanting(bytes, path, Wanted::ALL)
+    }
+
+    /// As [`SparsityProfile::from_bytes`], building only the predictors `wanted` asks
+    /// for (the others are checked for their length, and left out): a predictor of a
+    /// large model is tens of MB, and a run that will not use it should not hold it.
+    pub fn from_bytes_wanting(
+        bytes: &[u8],
+        path: &Path,
+        wanted: Wanted,
+    ) -> Result<SparsityProfile> {
         let bad = |why: String| Error::Profile {
             path: path.to_path_buf(),
             why,
@@ -171,13 +182,16 @@ impl SparsityProfile {
         let (predictor, attention_predictor, after) = match version {
             1 => (None, None, rest),
             2 => {
-                let (first, after) = read_predictor(rest, n_layers, n_ff).map_err(bad)?;
+                let (first, after) =
+                    read_predictor(rest, n_layers, n_ff, wanted.predictor).map_err(bad)?;
                 (first, None, after)
             }
             _ => {
-                let (first, after) = read_predictor(rest, n_layers, n_ff).map_err(bad)?;
-                let (second, after) = read_predictor(after, n_layers, n_ff)
-                    .map_err(|why| bad(format!("attention predictor: {why}")))?;
+                let (first, after) =
+                    read_predictor(rest, n_layers, n_ff, wanted.predictor).map_err(bad)?;
+                let (second, after) =
+                    read_predictor(after, n_layers, n_ff, wanted.attention_predictor)
+                        .map_err(|why| bad(format!("attention predictor: {why}")))?;
                 (first, second, after)
             }
         };
@@ -236,11 +250,23 @@ impl SparsityProfile {
         n_layers: usize,
         n_ff: usize,
     ) -> Result<SparsityProfile> {
+        SparsityProfile::load_wanting(path, fingerprint, n_layers, n_ff, Wanted::ALL)
+    }
+
+    /// As [`SparsityProfile::load`], building only the predictors `wanted` asks for.
+    pub fn load_wanting(
+        path: &Path,
+        fingerprint: u64,
+        n_layers: usize,
+        n_ff: usize,
+        wanted: Wanted,
+    ) -> Result<SparsityProfile> {
         let bytes = std::fs::read(path).map_err(|source| Error::Io {
             path: path.to_path_buf(),
             source,
         })?;
-        let p = SparsityProfile::from_bytes(&bytes, path)?;
+        let p = SparsityProfile::from_bytes_wanting(&bytes, path, wanted)?;
+        drop(bytes);
         let bad = |why: String| Error::Profile {
             path: path.to_path_buf(),
             why,
@@ -259,6 +285,23 @@ impl SparsityProfile {
         }
         Ok(p)
     }
+}
+
+/// Which predictors [`SparsityProfile::load_wanting`] builds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Wanted {
+    /// The MLP-input predictor (the row mode's).
+    pub predictor: bool,
+    /// The attention-input predictor (the neuron mode's prefetch).
+    pub attention_predictor: bool,
+}
+
+impl Wanted {
+    /// Both.
+    pub const ALL: Wanted = Wanted {
+        predictor: true,
+        attention_predictor: true,
+    };
 }
 
 /// Appends a predictor section (see [`SparsityProfile::to_bytes`]): rank 0 for none.
@@ -287,6 +330,7 @@ fn read_predictor(
     bytes: &[u8],
     n_layers: usize,
     n_ff: usize,
+    build: bool,
 ) -> std::result::Result<(Option<Predictor>, &[u8]), String> {
     let u32_at = |at: usize| -> std::result::Result<usize, String> {
         bytes
@@ -312,6 +356,9 @@ fn read_predictor(
             "a predictor of rank {rank} and width {width} for {n_layers} layers of {n_ff} neurons takes {needed} bytes, only {} remain",
             bytes.len() - 8
         ));
+    }
+    if !build {
+        return Ok((None, &bytes[8 + needed as usize..]));
     }
     let f16s = |b: &[u8]| -> Vec<f32> {
         b.chunks_exact(2)
@@ -517,6 +564,32 @@ mod tests {
         assert!(err.to_string().contains("no layers"), "{err}");
         let back = SparsityProfile::from_bytes(&empty.to_bytes(), Path::new("p")).unwrap();
         assert_eq!(back, empty);
+    }
+
+    /// A load that wants neither predictor gives the same thresholds without them, and
+    /// still refuses a file whose predictor is cut short.
+    #[test]
+    fn predictors_not_wanted_are_left_out() {
+        let p = profile_with_predictor();
+        let none = Wanted {
+            predictor: false,
+            attention_predictor: false,
+        };
+        let bytes = p.to_bytes();
+        let got = SparsityProfile::from_bytes_wanting(&bytes, Path::new("p"), none).unwrap();
+        assert_eq!(got, profile());
+        let only = Wanted {
+            predictor: false,
+            attention_predictor: true,
+        };
+        let got = SparsityProfile::from_bytes_wanting(&bytes, Path::new("p"), only).unwrap();
+        assert!(got.predictor.is_none());
+        assert!(same_predictor(
+            &got.attention_predictor,
+            &p.attention_predictor
+        ));
+        let short = older(&p, 3, 8);
+        assert!(SparsityProfile::from_bytes_wanting(&short, Path::new("p"), none).is_err());
     }
 
     #[test]
