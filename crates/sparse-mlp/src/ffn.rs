@@ -457,6 +457,16 @@ struct PendingFetch {
 }
 
 impl NeuronMode {
+    /// The number of `layer`'s slot store on the backend, made at its first use.
+    fn ensure_store(&mut self, backend: &dyn Backend, layer: usize) -> ballast_core::Result<u64> {
+        let store = self.store_base + layer as u64;
+        if !self.created[layer] {
+            backend.neuron_slots_create(store, self.cache.capacity(), &self.source.layout())?;
+            self.created[layer] = true;
+        }
+        Ok(store)
+    }
+
     /// Waits for the prefetch in flight, if any, and writes its records to their slots
     /// (forgetting them if the read or the write failed), counting it in `stats`.
     fn finish_prefetch(
@@ -467,7 +477,16 @@ impl NeuronMode {
         let Some(pending) = self.prefetch.as_mut().and_then(|p| p.pending.take()) else {
             return Ok(());
         };
-        let store = self.store_base + pending.layer as u64;
+        // Its layer's store exists unless the pass that started it failed before its
+        // MLP, in the model's first pass.
+        let store = match self.ensure_store(backend, pending.layer) {
+            Ok(store) => store,
+            Err(e) => {
+                let _ = pending.read.join();
+                self.cache.forget(pending.layer, &pending.fills);
+                return Err(e);
+            }
+        };
         let written = match pending.read.join() {
             Ok(Ok((records, read))) => {
                 let slots: Vec<u32> = pending.fills.iter().map(|&(_, s)| s).collect();
@@ -947,11 +966,7 @@ impl SparseFfn {
             }));
         }
         let mut stats = SparseStats::default();
-        let store = nm.store_base + layer as u64;
-        if !nm.created[layer] {
-            backend.neuron_slots_create(store, nm.cache.capacity(), &layout)?;
-            nm.created[layer] = true;
-        }
+        let store = nm.ensure_store(backend, layer)?;
         // The records read during attention go to their slots before anything reads
         // the store.
         nm.finish_prefetch(backend, &mut stats)?;
