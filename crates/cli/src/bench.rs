@@ -190,6 +190,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let backend = common::backend(args.device, t)?;
         let on_device = backend.device_forward().is_some();
         let ctx = args.n_prompt.max(args.n_gen) + 1;
+        let reserve = common::neuron_reserve(&args.sparse, &args.store, &path, &file)?;
         let built = tiered::build(
             &file,
             pack.as_ref(),
@@ -200,11 +201,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
             ctx,
             args.n_prompt.max(1),
             true,
-            common::neuron_cache_bytes(&args.sparse, &args.store, &path, &file)?,
+            reserve.bytes,
         )?;
         let out_of_core = built.tiered.is_some();
-        let (model, sparse) =
-            common::apply_sparsity(&args.sparse, &path, &file, built.model, out_of_core)?;
+        let (model, sparse) = common::apply_sparsity(
+            &args.sparse,
+            &path,
+            &file,
+            built.model,
+            out_of_core,
+            reserve.profile,
+        )?;
         // Dense MLP weight bytes a decoded token reads, for the sparse MLP's figures.
         let dense_mlp_bytes: u64 = file
             .tensors()

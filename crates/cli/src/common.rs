@@ -313,6 +313,7 @@ pub fn load(args: &ModelArgs, threads: usize, ctx: usize, batch: usize) -> Resul
     let tokenizer = Tokenizer::from_gguf(&file)
         .with_context(|| format!("building the tokenizer of {}", path.display()))?;
     let backend = backend(args.device, threads)?;
+    let reserve = neuron_reserve(&args.sparse, &args.store, &path, &file)?;
     let built = crate::tiered::build(
         &file,
         pack.as_ref(),
@@ -323,10 +324,17 @@ pub fn load(args: &ModelArgs, threads: usize, ctx: usize, batch: usize) -> Resul
         ctx,
         batch,
         false,
-        neuron_cache_bytes(&args.sparse, &args.store, &path, &file)?,
+        reserve.bytes,
     )?;
     let out_of_core = built.tiered.is_some();
-    let (model, _) = apply_sparsity(&args.sparse, &path, &file, built.model, out_of_core)?;
+    let (model, _) = apply_sparsity(
+        &args.sparse,
+        &path,
+        &file,
+        built.model,
+        out_of_core,
+        reserve.profile,
+    )?;
     Ok(Loaded {
         file,
         tokenizer,
@@ -341,13 +349,15 @@ pub fn load(args: &ModelArgs, threads: usize, ctx: usize, batch: usize) -> Resul
 /// its predictor unless `--no-predictor`) and its counters, or the model as it is
 /// without a sparsity. `out_of_core`: the layers stream (tiered), so the neuron file is
 /// read from the disk rather than from the page cache (the default of
-/// `--neuron-readers`).
+/// `--neuron-readers`). `preloaded`: the profile if [`neuron_reserve`] read it already
+/// (before the model took its budget), else it is read here.
 pub fn apply_sparsity(
     args: &SparsityArgs,
     path: &Path,
     file: &GgufFile,
     model: Model,
     out_of_core: bool,
+    preloaded: Option<SparsityProfile>,
 ) -> Result<(Model, Option<SparseCounters>)> {
     let Some(sparsity) = args.sparsity else {
         return Ok((model, None));
@@ -369,16 +379,19 @@ pub fn apply_sparsity(
     // Only the predictor the mode uses is built: the neuron mode's prefetch, or the row
     // mode's (a predictor of a larger model is tens of MB).
     let neuron_mode = neurons_path(args, path)?.is_some();
-    let profile = SparsityProfile::load_wanting(
-        &profile_path,
-        ballast_kv_cache::model_fingerprint(file),
-        config.n_layers,
-        config.n_ff,
-        ballast_sparse_mlp::Wanted {
-            predictor: !neuron_mode && !args.no_predictor,
-            attention_predictor: neuron_mode && args.prefetch,
-        },
-    )?;
+    let profile = match preloaded {
+        Some(profile) => profile,
+        None => SparsityProfile::load_wanting(
+            &profile_path,
+            ballast_kv_cache::model_fingerprint(file),
+            config.n_layers,
+            config.n_ff,
+            ballast_sparse_mlp::Wanted {
+                predictor: !neuron_mode && !args.no_predictor,
+                attention_predictor: neuron_mode && args.prefetch,
+            },
+        )?,
+    };
     let thresholds = profile.thresholds(sparsity).context("--sparsity")?;
     let mut ffn = SparseFfn::new(thresholds);
     if let Some(source) = neuron_source(args, path, file, &model)? {
@@ -457,17 +470,27 @@ fn neurons_path(args: &SparsityArgs, path: &Path) -> Result<Option<PathBuf>> {
     Ok(Some(neurons_path))
 }
 
-/// With tiered streaming (`--store tiered`, or `--ram`) in the neuron mode: the bytes
-/// of the neuron cache (layers × `--neuron-slots` of their neurons × a record, and with
-/// `--prefetch` its predictor), which
-/// the plan counts inside the RAM budget; the layers then stream without their up and
-/// down matrices. `None` otherwise.
-pub fn neuron_cache_bytes(
+/// What the neuron mode takes from the RAM budget, worked out before the model is built.
+#[derive(Default)]
+pub struct NeuronReserve {
+    /// With tiered streaming (`--store tiered`, or `--ram`) in the neuron mode: the
+    /// bytes of the neuron cache (layers × `--neuron-slots` of their neurons × a record,
+    /// and with `--prefetch` its predictor), which the plan counts inside the RAM
+    /// budget; the layers then stream without their up and down matrices.
+    pub bytes: Option<u64>,
+    /// The sparsity profile (with `--prefetch` its predictor), read here so that its
+    /// file (tens of MB with predictors) is not read on top of the model's budget: hand
+    /// it to [`apply_sparsity`].
+    pub profile: Option<SparsityProfile>,
+}
+
+/// The [`NeuronReserve`] of `sparse` and `store` for the model at `path`.
+pub fn neuron_reserve(
     sparse: &SparsityArgs,
     store: &crate::tiered::StoreArgs,
     path: &Path,
     file: &GgufFile,
-) -> Result<Option<u64>> {
+) -> Result<NeuronReserve> {
     use crate::tiered::StoreKind;
     let tiered = match store.store {
         StoreKind::Tiered => true,
@@ -475,38 +498,44 @@ pub fn neuron_cache_bytes(
         _ => false,
     };
     if !tiered {
-        return Ok(None);
+        return Ok(NeuronReserve::default());
     }
     let Some(neurons_path) = neurons_path(sparse, path)? else {
-        return Ok(None);
+        return Ok(NeuronReserve::default());
     };
     let config = ballast_runtime::model::ModelConfig::from_gguf(file)?;
     let f = open_neurons(&neurons_path, file, &config)?;
     let cache = (config.n_layers * neuron_slots(sparse, config.n_ff)?) as u64
         * f.header().layout.record_bytes() as u64;
-    // The prefetch's predictor stays in RAM beside the cache (read here, before the
-    // model takes its budget, so that its parse does not come on top of it).
-    let predictor = if sparse.prefetch {
-        let profile = SparsityProfile::load_wanting(
-            &profile_path(sparse, path),
+    let profile_path = profile_path(sparse, path);
+    let profile = if profile_path.exists() {
+        Some(SparsityProfile::load_wanting(
+            &profile_path,
             ballast_kv_cache::model_fingerprint(file),
             config.n_layers,
             config.n_ff,
             ballast_sparse_mlp::Wanted {
                 predictor: false,
-                attention_predictor: true,
+                attention_predictor: sparse.prefetch,
             },
-        )?;
-        profile.attention_predictor.map_or(0, |p| {
+        )?)
+    } else {
+        // `apply_sparsity` names what is missing.
+        None
+    };
+    let predictor_bytes: u64 = profile
+        .as_ref()
+        .and_then(|p| p.attention_predictor.as_ref())
+        .map_or(0, |p| {
             p.layers
                 .iter()
                 .map(|l| (l.bytes() + l.sigma.len() * 4) as u64)
                 .sum()
-        })
-    } else {
-        0
-    };
-    Ok(Some(cache + predictor))
+        });
+    Ok(NeuronReserve {
+        bytes: Some(cache + predictor_bytes),
+        profile,
+    })
 }
 
 /// The sparsity profile `--sparsity` reads: `--sparsity-profile`, else beside the model.

@@ -136,6 +136,7 @@ fn load(args: &ServeArgs) -> Result<Engine> {
         &loaded.file,
         loaded.model.share(),
         loaded.tiered.is_some(),
+        None,
     )?;
     Ok(Engine {
         model,
