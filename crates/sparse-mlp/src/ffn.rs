@@ -173,6 +173,11 @@ fn outer_sum(
     Ok(product)
 }
 
+/// A sum over `tokens` tokens as their mean.
+fn mean(sum: &[f64], tokens: u64) -> Vec<f64> {
+    sum.iter().map(|v| v / tokens as f64).collect()
+}
+
 /// Adds `product` (f32) into `sum` (f64), sized to it.
 fn accumulate(sum: &mut Vec<f64>, product: &[f32]) {
     sum.resize(product.len(), 0.0);
@@ -315,12 +320,13 @@ impl Calibration {
                 what: format!("the calibration saw no input of layer {layer}"),
             });
         };
-        let mean: Vec<f64> = moment
-            .sum
-            .iter()
-            .map(|v| v / moment.tokens as f64)
-            .collect();
-        predictor::fit_layer(backend, layer, gate, &mean, rank)
+        predictor::fit_layer(
+            backend,
+            layer,
+            gate,
+            &mean(&moment.sum, moment.tokens),
+            rank,
+        )
     }
 
     /// Fits layer `layer`'s predictor of rank `rank` for its gate projection `gate`
@@ -349,9 +355,6 @@ impl Calibration {
             return Err(none(format!(
                 "the calibration saw no attention and MLP input of layer {layer}"
             )));
-        };
-        let mean = |sum: &[f64], tokens: u64| -> Vec<f64> {
-            sum.iter().map(|v| v / tokens as f64).collect()
         };
         predictor::fit_attention_layer(
             backend,
@@ -433,11 +436,10 @@ struct Prefetch {
     regions: Vec<Option<ActiveRegion>>,
     hidden: Vec<f32>,
     predicted: Vec<f32>,
-    /// Per neuron: predicted for the layer's pass (for the recall).
-    chosen: Vec<bool>,
-    /// Per neuron: how deep its prediction lies in the active region, in error scales.
+    /// Per neuron: how deep its prediction lies in the active region, in error scales
+    /// (predicted for the layer's pass when above `-margin`).
     score: Vec<f32>,
-    /// The layer `chosen` is for.
+    /// The layer `score` is for.
     chosen_layer: Option<usize>,
     wanted: Vec<u32>,
     lookup: Lookup,
@@ -807,7 +809,6 @@ impl SparseFfn {
             regions,
             hidden: Vec::new(),
             predicted: Vec::new(),
-            chosen: Vec::new(),
             score: Vec::new(),
             chosen_layer: None,
             wanted: Vec::new(),
@@ -866,12 +867,10 @@ impl SparseFfn {
                 *c = c.max(region.depth(g) / sigma.max(f32::MIN_POSITIVE));
             }
         }
-        pf.chosen.clear();
-        pf.chosen.extend(pf.score.iter().map(|&z| z > -pf.margin));
         pf.chosen_layer = Some(layer);
         pf.wanted.clear();
         pf.wanted
-            .extend((0..n_ff as u32).filter(|&j| pf.chosen[j as usize]));
+            .extend((0..n_ff as u32).filter(|&j| pf.score[j as usize] > -pf.margin));
         let capacity = nm.cache.capacity();
         if pf.wanted.len() > capacity {
             // More than the slots: keep every predicted neuron the cache holds (a fill
@@ -983,7 +982,7 @@ impl SparseFfn {
                 stats.missed += nm
                     .active
                     .iter()
-                    .filter(|&&j| !pf.chosen[j as usize])
+                    .filter(|&&j| pf.score[j as usize] <= -pf.margin)
                     .count() as u64;
                 pf.chosen_layer = None;
             }
