@@ -22,20 +22,33 @@
 //! - `tiny-model NAME FILE`: write one of the tiny reference models (`llama-spm`,
 //!   `qwen3`, `gemma3`, `qwen3moe`, `mixtral`) whose llama.cpp logits the runtime's tests hold Ballast to.
 
+//!
+//! `test` and `--help` need none of the workspace's crates, so the binary `cargo xtask`
+//! builds first is small; every other task runs in a build with the `full` feature
+//! (`cargo run -p xtask --features full`), which this one starts.
+
+#[cfg(feature = "full")]
 mod codec_bench;
+#[cfg(feature = "full")]
+mod full;
+#[cfg(feature = "full")]
 mod moe_bench;
+#[cfg(feature = "full")]
 mod neuron_bench;
+#[cfg(feature = "full")]
 mod pack_bench;
+#[cfg(feature = "full")]
 mod serve_bench;
+#[cfg(feature = "full")]
 mod tier_bench;
+#[cfg(feature = "full")]
 mod tricksy_bench;
 
-use ballast_runtime::backend::ops::*;
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
-const USAGE: &str =
+pub(crate) const USAGE: &str =
     "usage: cargo xtask <fetch-model [NAME] | test | bench [--quick] | bench-tiered [--quick] | bench-kv
                     | bench-codec [MODEL] [--level N] | bench-serve [--quick] | bench-moe [--quick]
                     | bench-pack | bench-neurons [--model PATH] [--tiered-only] [--limit MIB] [--ram SIZE] [--slots F] [--prefetch M [--rank R]]
@@ -53,7 +66,9 @@ const USAGE: &str =
                 one round), side by side with llama-bench of the same flags when
                 LLAMA_BENCH=/path/to/llama-bench is set (alternated, same run), with each decode's
                 weight bytes per second against the measured memory read bandwidth (the
-                roofline); then the KV update modes and the criterion kernel benches (not with --quick).
+                roofline); with LLAMA_BENCH_AVX2=/path/to/a-llama-bench-built-without-AVX-512, a
+                second table with Ballast forced to AVX2 (BALLAST_SIMD=avx2) against it; then the
+                KV update modes and the criterion kernel benches (not with --quick).
   bench-tiered  tiered streaming vs plain mmap under a memory limit smaller than the default
                 model (a cgroup it creates when it may: root and a writable memory controller),
                 a synthetic 2 GB model (written to the temp folder) under a 1 GiB limit, and
@@ -113,176 +128,45 @@ const USAGE: &str =
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
-        Some("fetch-model") => match args.get(1) {
-            Some(name) => fetch_named(name),
-            None => fetch_model(),
-        }
-        .map(|_| ()),
         Some("test") => test(),
-        Some("bench") => bench(args.iter().any(|a| a == "--quick")),
-        Some("bench-tiered") => bench_tiered(args.iter().any(|a| a == "--quick")),
-        Some("bench-moe") => {
-            moe_bench::run(&release_ballast()?, args.iter().any(|a| a == "--quick"))
-        }
-        Some("bench-kv") => bench_kv(),
-        Some("bench-pack") => {
-            // BALLAST_BIN skips the release build (the debug binary's runtime is
-            // optimized too).
-            let bin = match std::env::var_os("BALLAST_BIN") {
-                Some(b) => b.into(),
-                None => release_ballast()?,
-            };
-            pack_bench::run(&bin, &fetch_model()?, args.iter().any(|a| a == "--quick"))
-        }
-        Some("bench-neurons") => {
-            let bin = match std::env::var_os("BALLAST_BIN") {
-                Some(b) => b.into(),
-                None => release_ballast()?,
-            };
-            let model = args
-                .iter()
-                .position(|a| a == "--model")
-                .map(|i| args.get(i + 1).context("--model needs a path"))
-                .transpose()?
-                .map(std::path::PathBuf::from);
-            let value = |flag: &str| -> Result<Option<&String>> {
-                args.iter()
-                    .position(|a| a == flag)
-                    .map(|i| {
-                        args.get(i + 1)
-                            .with_context(|| format!("{flag} needs a value"))
-                    })
-                    .transpose()
-            };
-            let mut ooc = neuron_bench::OutOfCore::default();
-            if let Some(v) = value("--limit")? {
-                ooc.limit_mib = v.parse().context("--limit (MiB)")?;
-            }
-            if let Some(v) = value("--ram")? {
-                ooc.ram = v.clone();
-            }
-            if let Some(v) = value("--slots")? {
-                ooc.slots = v.clone();
-            }
-            if let Some(v) = value("--prefetch")? {
-                let rank = value("--rank")?
-                    .map(|r| r.parse().context("--rank"))
-                    .transpose()?
-                    .unwrap_or(64);
-                ooc.prefetch = Some((v.clone(), rank));
-            }
-            neuron_bench::run(
-                &bin,
-                &fetch_model()?,
-                args.iter().any(|a| a == "--quick"),
-                args.iter().any(|a| a == "--tiered-only"),
-                model,
-                &ooc,
-            )
-        }
-        Some("bench-codec") => {
-            let level = match args.iter().position(|a| a == "--level") {
-                Some(i) => args
-                    .get(i + 1)
-                    .context("--level needs a value")?
-                    .parse()
-                    .context("--level")?,
-                None => 9,
-            };
-            let model = match args.get(1).filter(|a| !a.starts_with("--")) {
-                Some(m) => std::path::PathBuf::from(m),
-                None => fetch_model()?,
-            };
-            codec_bench::run(&model, level)
-        }
-        Some("bench-serve") => {
-            // BALLAST_BIN skips the release build (e.g. the debug binary, whose
-            // runtime is optimized too).
-            let bin = match std::env::var_os("BALLAST_BIN") {
-                Some(b) => b.into(),
-                None => release_ballast()?,
-            };
-            serve_bench::run(&bin, args.iter().any(|a| a == "--quick"))
-        }
-        Some("bench-tricksy") => {
-            let bin = match std::env::var_os("BALLAST_BIN") {
-                Some(b) => b.into(),
-                None => release_ballast()?,
-            };
-            let flag = |name: &str| -> Result<Option<String>> {
-                match args.iter().position(|a| a == name) {
-                    Some(i) => Ok(Some(
-                        args.get(i + 1)
-                            .with_context(|| format!("{name} needs a value"))?
-                            .clone(),
-                    )),
-                    None => Ok(None),
-                }
-            };
-            let quick = args.iter().any(|a| a == "--quick");
-            let opts = tricksy_bench::Options {
-                n_gen: flag("-n")?
-                    .map(|v| v.parse())
-                    .transpose()
-                    .context("-n")?
-                    .unwrap_or(if quick { 16 } else { 64 }),
-                sparsity: flag("--sparsity")?
-                    .map(|v| v.parse())
-                    .transpose()
-                    .context("--sparsity")?
-                    .unwrap_or(0.5),
-                cache: flag("--cache")?
-                    .map(|v| v.parse())
-                    .transpose()
-                    .context("--cache")?
-                    .unwrap_or(0.6),
-            };
-            tricksy_bench::run(&bin, &fetch_model()?, &opts)
-        }
-        Some("tiny-model") => tiny_model(&args[1..]),
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
             Ok(())
         }
-        Some(other) => bail!("unknown task '{other}'\n\n{USAGE}"),
+        Some(_) => run_full(&args),
     }
 }
 
-fn tiny_model(args: &[String]) -> Result<()> {
-    let [name, file] = args else {
-        bail!("usage: cargo xtask tiny-model NAME FILE\n\n{USAGE}");
-    };
-    let known = ballast_runtime::testing::REFERENCE_SPECS;
-    let Some(spec) = ballast_runtime::testing::reference_spec(name) else {
-        bail!("unknown tiny model '{name}' (known: {})", known.join(", "));
-    };
-    let bytes = spec.to_gguf_bytes().context("writing the model")?;
-    std::fs::write(file, &bytes).with_context(|| format!("writing {file}"))?;
-    eprintln!("{name}: {} bytes -> {file}", bytes.len());
-    Ok(())
+#[cfg(feature = "full")]
+fn run_full(args: &[String]) -> Result<()> {
+    full::run(args)
 }
 
-fn fetch_model() -> Result<std::path::PathBuf> {
-    fetch_named(ballast_runtime::model_cache::DEFAULT_MODEL.name)
+/// Runs the task in xtask's `full` build (the workspace's crates linked in), with the
+/// same arguments, and exits with its status.
+#[cfg(not(feature = "full"))]
+fn run_full(args: &[String]) -> Result<()> {
+    let status = cargo()
+        .args([
+            "run",
+            "--quiet",
+            "--package",
+            "xtask",
+            "--features",
+            "full",
+            "--",
+        ])
+        .args(args)
+        .status()
+        .context("starting cargo run -p xtask --features full")?;
+    std::process::exit(status.code().unwrap_or(1));
 }
 
-fn fetch_named(name: &str) -> Result<std::path::PathBuf> {
-    use ballast_runtime::model_cache;
-    let Some(known) = model_cache::known_model(name) else {
-        let names: Vec<&str> = model_cache::KNOWN_MODELS.iter().map(|m| m.name).collect();
-        bail!("unknown model '{name}' (known: {})", names.join(", "));
-    };
-    let path = model_cache::ensure_model(known, |line| eprintln!("{line}"))
-        .with_context(|| format!("fetching {name}"))?;
-    println!("{}", path.display());
-    Ok(path)
-}
-
-fn cargo() -> Command {
+pub(crate) fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
 }
 
-fn step(name: &str, cmd: &mut Command) -> Result<()> {
+pub(crate) fn step(name: &str, cmd: &mut Command) -> Result<()> {
     eprintln!("==> {name}");
     let status = cmd.status().with_context(|| format!("starting {name}"))?;
     if !status.success() {
@@ -340,8 +224,13 @@ fn check_lever_deps() -> Result<()> {
     Ok(())
 }
 
+/// CI's checks, in an order that compiles each crate as few times as the checks
+/// allow: clippy type-checks everything once (`--features xtask/full`, so the bench
+/// code is linted too); `cargo test --workspace --no-run` then builds every crate once
+/// in the dev profile, with the feature set of the whole workspace; the model fetch and
+/// the openai end-to-end test use the `ballast` binary that build made, rather than a
+/// `cargo build -p` whose narrower feature set would compile the dependencies again.
 fn test() -> Result<()> {
-    fetch_model()?;
     step(
         "cargo fmt --check",
         cargo().args(["fmt", "--all", "--", "--check"]),
@@ -353,6 +242,8 @@ fn test() -> Result<()> {
             "clippy",
             "--workspace",
             "--all-targets",
+            "--features",
+            "xtask/full",
             "--",
             "-D",
             "warnings",
@@ -372,10 +263,41 @@ fn test() -> Result<()> {
             "warnings",
         ]),
     )?;
+    step(
+        "cargo test --no-run (build)",
+        cargo().args(["test", "--workspace", "--no-run"]),
+    )?;
+    // The end-to-end tests run the default model.
+    step(
+        "ballast fetch-model",
+        Command::new(debug_ballast()?).arg("fetch-model"),
+    )?;
     step("cargo test", cargo().args(["test", "--workspace"]))?;
     neon_tests()?;
     openai_e2e()?;
     Ok(())
+}
+
+/// The workspace's target folder: `CARGO_TARGET_DIR`, else `target` at its root.
+fn target_dir() -> std::path::PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => dir.into(),
+        None => std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join("target"),
+    }
+}
+
+/// The debug `ballast` that `cargo test --workspace` builds for the CLI's tests.
+fn debug_ballast() -> Result<std::path::PathBuf> {
+    let bin = target_dir().join("debug").join("ballast");
+    if !bin.is_file() {
+        bail!(
+            "{} is missing: `cargo test --workspace --no-run` should have built it",
+            bin.display()
+        );
+    }
+    Ok(bin)
 }
 
 const AARCH64: &str = "aarch64-unknown-linux-gnu";
@@ -489,244 +411,11 @@ fn openai_e2e() -> Result<()> {
         eprintln!("==> openai end-to-end test skipped: no openai package ({how})");
         return Ok(());
     }
-    // `cargo test` built the debug binary the CLI's tests run.
-    step(
-        "build ballast (debug)",
-        cargo().args(["build", "-p", "ballast-cli"]),
-    )?;
-    let target = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
-    let bin = std::path::Path::new(&target).join("debug").join("ballast");
+    let bin = debug_ballast()?;
     step(
         "openai end-to-end test (ballast serve)",
         Command::new("python3")
             .arg(format!("{DIR}/test_openai.py"))
             .env("BALLAST_BIN", bin),
     )
-}
-
-fn release_ballast() -> Result<std::path::PathBuf> {
-    step(
-        "build ballast",
-        cargo().args(["build", "--release", "-p", "ballast-cli"]),
-    )?;
-    let target = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
-    Ok(std::path::Path::new(&target)
-        .join("release")
-        .join("ballast"))
-}
-
-fn bench_tiered(quick: bool) -> Result<()> {
-    let model = fetch_model()?;
-    let ballast = release_ballast()?;
-    tier_bench::run(&ballast, &model, quick)
-}
-
-/// Tokens per second per (threads, test) of each round, for one side of the table.
-type Speeds = std::collections::BTreeMap<(usize, String), Vec<f64>>;
-
-fn bench(quick: bool) -> Result<()> {
-    let ballast = release_ballast()?;
-    let llama = std::env::var_os("LLAMA_BENCH");
-    let reps = if quick { "3" } else { "5" };
-    let rounds = if quick { 1 } else { 2 };
-    let flags = ["-p", "128", "-n", "128", "-r", reps, "-t", "1,2"];
-    let mut table = Vec::new();
-    // The default model (Q4_1) and a real K-quant one (Q5_0, Q8_0, Q4_K, Q6_K).
-    for name in ["smollm2-135m", "qwen2.5-coder-0.5b"] {
-        let model = fetch_named(name)?;
-        let (mut ours, mut theirs) = (Speeds::new(), Speeds::new());
-        let mut roof = std::collections::BTreeMap::new();
-        for round in 0..rounds {
-            // Alternate which goes first, so neither always meets a warm or a hot machine.
-            for side in [round % 2, 1 - round % 2] {
-                if side == 0 {
-                    eprintln!("==> ballast bench {name} (round {})", round + 1);
-                    let out = Command::new(&ballast)
-                        .args(["bench", "--json", "-m"])
-                        .arg(&model)
-                        .args(flags)
-                        .output()
-                        .context("running ballast bench")?;
-                    if !out.status.success() {
-                        bail!(
-                            "ballast bench failed: {}",
-                            String::from_utf8_lossy(&out.stderr)
-                        );
-                    }
-                    for line in String::from_utf8_lossy(&out.stdout).lines() {
-                        let v: serde_json::Value = serde_json::from_str(line)?;
-                        let (Some(test), Some(t)) = (v["test"].as_str(), v["threads"].as_u64())
-                        else {
-                            continue;
-                        };
-                        let key = (t as usize, test.to_string());
-                        let tps = v["tokens_per_s_median"].as_f64().unwrap_or(0.0);
-                        ours.entry(key.clone()).or_default().push(tps);
-                        if let (Some(w), Some(bw)) = (
-                            v["weight_bytes_per_token"].as_f64(),
-                            v["read_bandwidth_bytes_per_s"].as_f64(),
-                        ) {
-                            roof.insert(key, (w, bw));
-                        }
-                    }
-                } else if let Some(llama) = &llama {
-                    eprintln!("==> llama-bench {name} (round {})", round + 1);
-                    let out = Command::new(llama)
-                        .arg("-m")
-                        .arg(&model)
-                        .args(flags)
-                        .args(["-o", "json"])
-                        .output()
-                        .context("running llama-bench (LLAMA_BENCH)")?;
-                    if !out.status.success() {
-                        bail!(
-                            "llama-bench failed: {}",
-                            String::from_utf8_lossy(&out.stderr)
-                        );
-                    }
-                    let runs: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)
-                        .context("reading llama-bench's JSON")?;
-                    for r in runs {
-                        let (p, n) = (r["n_prompt"].as_u64(), r["n_gen"].as_u64());
-                        let test = match (p, n) {
-                            (_, Some(n)) if n > 0 => format!("tg{n}"),
-                            (Some(p), _) => format!("pp{p}"),
-                            _ => continue,
-                        };
-                        let t = r["n_threads"].as_u64().unwrap_or(0) as usize;
-                        let tps = r["avg_ts"].as_f64().unwrap_or(0.0);
-                        theirs.entry((t, test)).or_default().push(tps);
-                    }
-                }
-            }
-        }
-        for (key, speeds) in &ours {
-            table.push((
-                name,
-                key.clone(),
-                speeds.clone(),
-                theirs.get(key).cloned(),
-                roof.get(key).copied(),
-            ));
-        }
-    }
-    let median = |v: &[f64]| {
-        let mut v = v.to_vec();
-        v.sort_by(f64::total_cmp);
-        match v.len() {
-            0 => f64::NAN,
-            n if n % 2 == 0 => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-            n => v[n / 2],
-        }
-    };
-    let rounds_of = |v: &[f64]| {
-        v.iter()
-            .map(|x| format!("{x:.1}"))
-            .collect::<Vec<_>>()
-            .join(" / ")
-    };
-    println!("\n== Ballast and llama.cpp, same machine, same run ({rounds} round(s), alternated; t/s per round, ratio of the medians)");
-    println!("| model | threads | test | Ballast t/s | llama.cpp t/s | ratio | weights read per second | memory read bandwidth | of the roofline |");
-    println!("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |");
-    for (name, (t, test), ours, theirs, roof) in table {
-        let (theirs_s, ratio) = match &theirs {
-            Some(v) => (rounds_of(v), format!("{:.2}", median(&ours) / median(v))),
-            None => ("(set LLAMA_BENCH)".to_string(), "-".to_string()),
-        };
-        let (achieved, bw, pct) = match roof {
-            Some((w, bw)) => {
-                let a = w * median(&ours);
-                (
-                    format!("{:.2} GB/s", a / 1e9),
-                    format!("{:.2} GB/s", bw / 1e9),
-                    format!("{:.0}%", 100.0 * a / bw),
-                )
-            }
-            None => ("-".into(), "-".into(), "-".into()),
-        };
-        println!(
-            "| {name} | {t} | {test} | {} | {theirs_s} | {ratio} | {achieved} | {bw} | {pct} |",
-            rounds_of(&ours)
-        );
-    }
-    bench_kv()?;
-    if !quick {
-        step(
-            "criterion kernel benches",
-            cargo().args(["bench", "-p", "ballast-runtime"]),
-        )?;
-    }
-    Ok(())
-}
-
-/// One decode step as the cache sees it, per mode and cache size: the update (evict the
-/// token after 4 sinks, append one token to each of 30 layers) and then attention with
-/// 9 query heads per layer, timed apart, at 1 and 2 threads (the update spreads large
-/// memmoves over the threads, attention its heads). Prints medians and the KV bytes
-/// moved per step.
-fn bench_kv() -> Result<()> {
-    use ballast_kv_cache::{new_cache, set_update_threads, Precision, UpdateMode};
-    use ballast_runtime::backend::AttentionShape;
-    use ballast_runtime::{CpuBackend, KvShape};
-    use std::time::Instant;
-
-    let shape = KvShape {
-        n_layers: 30,
-        n_kv_heads: 3,
-        head_dim: 64,
-    };
-    let attn = AttentionShape::new(9, 3, 64);
-    let dim = shape.kv_dim();
-    let row: Vec<f32> = (0..dim).map(|i| (i as f32 * 0.37).sin()).collect();
-    let q: Vec<f32> = (0..9 * 64).map(|i| (i as f32 * 0.11).cos()).collect();
-    let mut out = vec![0f32; q.len()];
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    println!("\n== KV update modes: one decode step at a full cache (f16, 30 layers x 3 x 64), median of 32 steps");
-    println!(
-        "| mode | cached tokens | threads | KV bytes moved / step | update (ms) | attention (ms) |"
-    );
-    println!("| --- | ---: | ---: | ---: | ---: | ---: |");
-    for n in [256usize, 1024, 4096] {
-        for mode in UpdateMode::ALL {
-            for threads in [1usize, 2] {
-                set_update_threads(threads);
-                let backend = CpuBackend::new(threads);
-                let mut cache = new_cache(mode, shape, n, Precision::F16)?;
-                let fill: Vec<f32> = row.iter().cycle().take(n * dim).copied().collect();
-                let positions: Vec<u32> = (0..n as u32).collect();
-                for l in 0..shape.n_layers {
-                    cache.append(l, &positions, &fill, &fill)?;
-                }
-                let (mut update, mut attend) = (Vec::new(), Vec::new());
-                let moved_before = cache.moved_bytes();
-                let steps = 32;
-                for s in 0..steps {
-                    let pos = (n + s) as u32;
-                    let t = Instant::now();
-                    cache.evict(4..5);
-                    for l in 0..shape.n_layers {
-                        cache.append(l, &[pos], &row, &row)?;
-                    }
-                    update.push(t.elapsed().as_secs_f64() * 1e3);
-                    let t = Instant::now();
-                    for l in 0..shape.n_layers {
-                        backend.attention(&q, &[pos], &cache.view(l), &attn, &mut out)?;
-                    }
-                    attend.push(t.elapsed().as_secs_f64() * 1e3);
-                }
-                let moved = (cache.moved_bytes() - moved_before) / steps as u64;
-                println!(
-                    "| {} | {n} | {threads} | {moved} | {:.3} | {:.3} |",
-                    mode.name(),
-                    median(&mut update),
-                    median(&mut attend)
-                );
-            }
-        }
-    }
-    set_update_threads(0);
-    Ok(())
 }

@@ -395,7 +395,7 @@ fn tiered(ballast: &Path, quick: bool) -> Result<()> {
     // batch); the rest of the process (tokenizer tables, runtime, buffers per
     // sequence: 11-22 MiB of anonymous memory measured) comes on top.
     const LIMIT: u64 = 64 << 20;
-    let model = crate::fetch_model()?;
+    let model = crate::full::fetch_model()?;
     // A private copy: its page cache is ours to drop and is charged to our cgroup.
     let work = std::env::temp_dir().join("ballast-serve-bench");
     std::fs::create_dir_all(&work)?;
