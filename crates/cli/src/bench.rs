@@ -30,6 +30,10 @@ pub struct BenchArgs {
     /// Tokens to generate per repetition (0 to skip).
     #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
     pub n_gen: usize,
+    /// Tokens already in the KV cache before each test (llama-bench's depth): decode
+    /// at depth is where attention costs most.
+    #[arg(short = 'd', long = "n-depth", default_value_t = 0)]
+    pub n_depth: usize,
     /// Repetitions of each test.
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     pub repetitions: usize,
@@ -189,7 +193,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
     for &t in &threads {
         let backend = common::backend(args.device, t)?;
         let on_device = backend.device_forward().is_some();
-        let ctx = args.n_prompt.max(args.n_gen) + 1;
+        let depth = args.n_depth;
+        let ctx = depth + args.n_prompt.max(args.n_gen) + 1;
+        // Prompt tokens per pass: the pp test's, and chunks of up to 512 to fill the depth.
+        let batch = args.n_prompt.max(depth.min(512)).max(1);
         let reserve = common::neuron_reserve(&args.sparse, &args.store, &path, &file)?;
         let built = tiered::build(
             &file,
@@ -199,7 +206,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             &args.store,
             mapped,
             ctx,
-            args.n_prompt.max(1),
+            batch,
             true,
             reserve.bytes,
         )?;
@@ -236,7 +243,22 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         backend_name = model.backend().name();
         let vocab = model.config().vocab_size;
-        let mut session = Session::with_batch(model, ctx, args.n_prompt.max(1))?;
+        let mut session = Session::with_batch(model, ctx, batch)?;
+        // The context every test starts from: `depth` tokens, processed once per thread
+        // count; each repetition rewinds to it.
+        let at_depth = |test: String| {
+            if depth > 0 {
+                format!("{test} @ d{depth}")
+            } else {
+                test
+            }
+        };
+        if depth > 0 {
+            progress.set_message(format!(
+                "filling the context to depth {depth} at {t} threads"
+            ));
+            session.feed(&prompt_tokens(depth, vocab))?;
+        }
         if args.n_prompt > 0 {
             progress.set_message(format!("pp{} at {t} threads", args.n_prompt));
             session.set_batch(args.n_prompt);
@@ -244,13 +266,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
             session.feed(&prompt)?; // warm-up
             let mut speeds = Vec::new();
             for _ in 0..args.repetitions {
-                session.rewind(0);
+                session.rewind(depth);
                 let start = Instant::now();
                 session.feed(&prompt)?;
                 speeds.push(args.n_prompt as f64 / start.elapsed().as_secs_f64());
             }
             results.push(TestResult {
-                test: format!("pp{}", args.n_prompt),
+                test: at_depth(format!("pp{}", args.n_prompt)),
                 threads: t,
                 tokens_per_s: speeds,
                 per_token: None,
@@ -260,7 +282,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         if args.n_gen > 0 {
             progress.set_message(format!("tg{} at {t} threads", args.n_gen));
             let tokens = prompt_tokens(args.n_gen, vocab);
-            session.rewind(0);
+            session.rewind(depth);
             session.feed(&tokens[..1])?; // warm-up
             let mut speeds = Vec::new();
             let mut busy = OpTimesSnapshot::default();
@@ -271,7 +293,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 .as_ref()
                 .map(|s| *s.lock().unwrap_or_else(|p| p.into_inner()));
             for _ in 0..args.repetitions {
-                session.rewind(0);
+                session.rewind(depth);
                 backend.op_times().reset();
                 let start = Instant::now();
                 for &id in &tokens {
@@ -399,7 +421,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             let accounted = busy.matmul + busy.attention + busy.other;
             pt.other += wall.saturating_sub(accounted) / n.max(1) as u32;
             results.push(TestResult {
-                test: format!("tg{}", args.n_gen),
+                test: at_depth(format!("tg{}", args.n_gen)),
                 threads: t,
                 tokens_per_s: speeds,
                 per_token: Some(pt),

@@ -143,7 +143,7 @@ pub struct PlanArgs {
     /// Prefetch depth (slots in the ring; `ballast run` uses 3 by default, the seed's
     /// double buffering is 2).
     #[arg(long, default_value_t = 3)]
-    pub depth: usize,
+    pub prefetch_depth: usize,
     /// With a pack on the CPU: the form of the layers kept in RAM (see `ballast run
     /// --help`); the plan shows all three side by side.
     #[arg(long, value_enum, default_value_t = tiered::RamTierKind::Auto)]
@@ -284,7 +284,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         budgets: Budgets { device, ram },
         ctx: args.ctx,
         batch: args.batch,
-        depth: args.depth.max(1),
+        depth: args.prefetch_depth.max(1),
         ram_tier: args.ram_tier.for_plan(),
     };
     let p = plan(&request)?;

@@ -90,7 +90,7 @@ pub struct StoreArgs {
     /// Prefetch depth of tiered streaming: slots in the ring (2 = double buffering).
     /// The default 3 absorbs scheduling jitter on a busy machine for one more slot.
     #[arg(long, default_value_t = 3)]
-    pub depth: usize,
+    pub prefetch_depth: usize,
     /// Reader threads of tiered streaming (2 keep a read queued while one finishes).
     #[arg(long, default_value_t = 2)]
     pub io_threads: usize,
@@ -353,7 +353,7 @@ pub fn build(
         },
         ctx: ctx as u64,
         batch: batch as u64,
-        depth: args.depth.max(1),
+        depth: args.prefetch_depth.max(1),
         ram_tier: args.ram_tier.for_plan(),
     })?;
     let options = TieredOptions {

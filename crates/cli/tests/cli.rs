@@ -220,6 +220,20 @@ fn bench_and_perplexity_report_figures() {
         .all(|r| r["tokens_per_s_median"].as_f64().unwrap() > 0.0));
     assert!(rows[1]["per_token_ms"]["matmul"].as_f64().unwrap() > 0.0);
 
+    // llama-bench's depth: each test starts from 24 tokens already in the cache.
+    let o = ballast(&[
+        "bench", "-m", m, "-p", "8", "-n", "4", "-d", "24", "-r", "2", "-t", "1", "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let tests: Vec<&str> = rows.iter().filter_map(|r| r["test"].as_str()).collect();
+    assert_eq!(tests, ["pp8 @ d24", "tg4 @ d24"]);
+    let held = &rows.last().unwrap()["kv_held"];
+    assert_eq!(held["tokens"].as_u64(), Some(24 + 4), "{held}");
+
     let text = dir.path().join("text.txt");
     std::fs::write(
         &text,
