@@ -75,7 +75,7 @@ fn weight(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Weight {
 
 fn dequantized(w: &Weight) -> Vec<f32> {
     let mut out = vec![0.0; w.rows() * w.cols()];
-    quant::dequantize(w.ty, w.bytes.as_slice(), &mut out).unwrap();
+    quant::dequantize(w.ty, w.bytes.as_slice().unwrap(), &mut out).unwrap();
     out
 }
 
