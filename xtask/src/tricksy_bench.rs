@@ -76,7 +76,7 @@ struct Run {
 struct NotCached(WeightBytes);
 
 impl ByteSource for NotCached {
-    fn bytes(&self) -> &[u8] {
+    fn bytes(&self) -> ballast_runtime::Result<&[u8]> {
         self.0.as_slice()
     }
     fn cache_on_device(&self) -> bool {
@@ -140,9 +140,9 @@ fn neuron_records(layers: &[LayerWeights], n_embd: usize) -> Result<MemoryNeuron
             down_type: GgmlType::Q8_0,
         };
         let mut dense = vec![0f32; down.rows() * down.cols()];
-        ballast_runtime::quant::dequantize(down.ty, down.bytes.as_slice(), &mut dense)?;
+        ballast_runtime::quant::dequantize(down.ty, down.bytes.as_slice()?, &mut dense)?;
         let mut records = Vec::with_capacity(n_ff * lay.record_bytes());
-        layer_records(&lay, up.bytes.as_slice(), &dense, n_ff, &mut records)?;
+        layer_records(&lay, up.bytes.as_slice()?, &dense, n_ff, &mut records)?;
         layout = Some(lay);
         all.push(records);
     }

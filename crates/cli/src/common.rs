@@ -708,9 +708,10 @@ impl KvArgs {
         let kind = self.kind(ctx);
         let capacity = kind.budget().unwrap_or(ctx);
         let cache = self.cache(model, capacity, chunk)?;
-        let policy =
-            StreamingLlm::from_kind(kind, model.backend().clone(), model.config().rope.clone())?
-                .map(|p| Box::new(p) as Box<dyn KvPolicy>);
+        // Each layer's own RoPE: gemma3's sliding layers turn with another base.
+        let layer_ropes = model.config().layer_ropes();
+        let policy = StreamingLlm::from_kind(kind, model.backend().clone(), layer_ropes)?
+            .map(|p| Box::new(p) as Box<dyn KvPolicy>);
         Ok((cache, policy))
     }
 }

@@ -206,11 +206,11 @@ fn write_neurons(args: &SparsifyArgs) -> Result<()> {
             layout.up_type
         );
         down.resize(down_w.rows() * down_w.cols(), 0.0);
-        ballast_runtime::quant::dequantize(down_w.ty, down_w.bytes.as_slice(), &mut down)?;
+        ballast_runtime::quant::dequantize(down_w.ty, down_w.bytes.as_slice()?, &mut down)?;
         records.clear();
         layer_records(
             &layout,
-            up.bytes.as_slice(),
+            up.bytes.as_slice()?,
             &down,
             config.n_ff,
             &mut records,

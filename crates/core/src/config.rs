@@ -71,15 +71,16 @@ pub struct ModelConfig {
     pub n_kv_heads: usize,
     /// Size of one head (`{arch}.attention.key_length`, default `d_model / n_heads`).
     pub head_dim: usize,
-    /// RoPE parameters.
-    pub rope: Rope,
     /// RMSNorm epsilon (`{arch}.attention.layer_norm_rms_epsilon`).
     pub rms_eps: f32,
     /// Context the model was trained for (`{arch}.context_length`).
     pub context_length: usize,
     /// Vocabulary size (rows of the embedding table).
     pub vocab_size: usize,
-    /// How each layer attends (heads, RoPE, window), one entry per layer.
+    /// How each layer attends (heads, RoPE, window), one entry per layer. There is no
+    /// model-wide RoPE: gemma3's sliding layers rotate with another base than its
+    /// global ones, so whatever rotates keys (a KV policy re-rotating its sinks) takes
+    /// each layer's own ([`ModelConfig::layer_ropes`]).
     pub layer_attention: Vec<AttentionSpec>,
     /// The activation of the gated MLP (GELU for gemma3, SiLU for the others).
     pub ffn_act: Activation,
@@ -210,7 +211,7 @@ impl ModelConfig {
             } else {
                 shape
             },
-            rope: rope.clone(),
+            rope,
             qk_norm: matches!(
                 arch,
                 Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Qwen3Moe
@@ -279,7 +280,6 @@ impl ModelConfig {
             n_heads,
             n_kv_heads,
             head_dim,
-            rope,
             rms_eps,
             context_length,
             vocab_size,
@@ -303,6 +303,15 @@ impl ModelConfig {
     /// Key/value width: `n_kv_heads * head_dim`.
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+
+    /// The RoPE each layer rotates its queries and keys with, one per layer (from
+    /// [`ModelConfig::layer_attention`]).
+    pub fn layer_ropes(&self) -> Vec<Rope> {
+        self.layer_attention
+            .iter()
+            .map(|spec| spec.rope.clone())
+            .collect()
     }
 }
 

@@ -44,7 +44,7 @@
 //!     bytes: WeightBytes::new(file.clone(), range)?,
 //! };
 //! assert_eq!((weight.ty, weight.rows(), weight.cols()), (GgmlType::F32, 2, 3));
-//! assert_eq!(&weight.bytes.as_slice()[..4], &1.0f32.to_le_bytes());
+//! assert_eq!(&weight.bytes.as_slice()?[..4], &1.0f32.to_le_bytes());
 //! # Ok(())
 //! # }
 //! ```

@@ -10,8 +10,10 @@ use crate::gguf::GgufFile;
 /// Anything that owns a block of bytes that weights can point into: a memory-mapped
 /// GGUF file, a buffer read into RAM, a decompressed layer.
 pub trait ByteSource: Send + Sync {
-    /// All the bytes of the source.
-    fn bytes(&self) -> &[u8];
+    /// All the bytes of the source, or why they cannot be had: a source that produces
+    /// them on demand (a layer lent coded, decoded on first use) fails with a typed
+    /// error, naming the file, when what it reads from has changed underneath.
+    fn bytes(&self) -> Result<&[u8]>;
 
     /// Whether a backend with its own memory may keep a device copy of these bytes for
     /// as long as the source lives (uploaded once, found again by address). A store
@@ -23,9 +25,9 @@ pub trait ByteSource: Send + Sync {
     }
 
     /// The number of bytes, without producing them (a source that decodes on demand
-    /// knows its length before it has decoded anything).
+    /// knows its length before it has decoded anything, and overrides this).
     fn byte_len(&self) -> usize {
-        self.bytes().len()
+        self.bytes().map_or(0, <[u8]>::len)
     }
 
     /// The bytes `range` as they are stored coded, chunk by chunk in order, for a
@@ -86,16 +88,16 @@ pub struct CodedChunk<'a> {
 }
 
 impl ByteSource for Vec<u8> {
-    fn bytes(&self) -> &[u8] {
-        self
+    fn bytes(&self) -> Result<&[u8]> {
+        Ok(self)
     }
 }
 
 /// A GGUF file's bytes (memory-mapped or read into RAM): the weights loaded from it
 /// point into it.
 impl ByteSource for GgufFile {
-    fn bytes(&self) -> &[u8] {
-        self.as_bytes()
+    fn bytes(&self) -> Result<&[u8]> {
+        Ok(self.as_bytes())
     }
 }
 
@@ -145,9 +147,15 @@ impl WeightBytes {
         }
     }
 
-    /// The bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        &self.source.bytes()[self.range.clone()]
+    /// The bytes, or the source's error if it could not produce them (see
+    /// [`ByteSource::bytes`]).
+    pub fn as_slice(&self) -> Result<&[u8]> {
+        let all = self.source.bytes()?;
+        all.get(self.range.clone()).ok_or(Error::WeightRange {
+            start: self.range.start,
+            end: self.range.end,
+            len: all.len(),
+        })
     }
 
     /// See [`ByteSource::cache_on_device`].

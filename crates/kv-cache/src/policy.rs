@@ -50,7 +50,8 @@ impl PolicyKind {
 /// only the sinks are wrong after an eviction. This policy re-rotates the sinks'
 /// keys so that they sit just before the window (`w0 - n_sink + i`, where `w0` is the
 /// position of the oldest window token), which gives every query-key pair exactly the
-/// paper's in-cache distance. Cost: `n_sink` key rows per layer per eviction (a
+/// paper's in-cache distance. Each layer's sinks turn with that layer's own RoPE
+/// (gemma3's sliding layers use another base than its global ones). Cost: `n_sink` key rows per layer per eviction (a
 /// constant, unlike llama.cpp's context shift, which re-rotates the whole window).
 /// Each rotation starts from the sinks' keys as first seen, so rounding does not
 /// accumulate over a long stream. Approximate like every eviction: measured by
@@ -58,7 +59,8 @@ impl PolicyKind {
 pub struct StreamingLlm {
     n_sink: usize,
     window: usize,
-    rope: Option<(Arc<dyn Backend>, Rope)>,
+    /// The backend that rotates, and each layer's RoPE.
+    rope: Option<(Arc<dyn Backend>, Vec<Rope>)>,
     anchors: Vec<Option<SinkAnchor>>,
     scratch: (Vec<u32>, Vec<f32>, Vec<f32>),
 }
@@ -90,24 +92,26 @@ impl StreamingLlm {
     }
 
     /// The policy `kind` describes (`None` for [`PolicyKind::None`]), re-rotating
-    /// sinks with `backend` and the model's `rope`.
+    /// sinks with `backend` and `layer_ropes`, the RoPE of each layer.
     pub fn from_kind(
         kind: PolicyKind,
         backend: Arc<dyn Backend>,
-        rope: Rope,
+        layer_ropes: Vec<Rope>,
     ) -> Result<Option<StreamingLlm>> {
         Ok(match kind {
             PolicyKind::None => None,
             PolicyKind::Window { window } => Some(StreamingLlm::new(0, window)?),
             PolicyKind::Streaming { n_sink, window } => {
-                Some(StreamingLlm::new(n_sink, window)?.with_rope(backend, rope))
+                Some(StreamingLlm::new(n_sink, window)?.with_rope(backend, layer_ropes))
             }
         })
     }
 
-    /// Re-rotates the sinks with `backend`'s RoPE and the model's `rope` settings.
-    pub fn with_rope(mut self, backend: Arc<dyn Backend>, rope: Rope) -> StreamingLlm {
-        self.rope = Some((backend, rope));
+    /// Re-rotates the sinks with `backend`'s RoPE op and `layer_ropes`: the settings
+    /// each layer rotated its keys with, one per layer of the cache (a model's
+    /// `ModelConfig::layer_ropes`).
+    pub fn with_rope(mut self, backend: Arc<dyn Backend>, layer_ropes: Vec<Rope>) -> StreamingLlm {
+        self.rope = Some((backend, layer_ropes));
         self
     }
 
@@ -115,14 +119,24 @@ impl StreamingLlm {
     fn reanchor_sinks(&mut self, cache: &mut dyn KvCache) -> Result<()> {
         let shape = cache.shape();
         let dim = shape.kv_dim();
-        let Some((backend, rope)) = &self.rope else {
+        let Some((backend, ropes)) = &self.rope else {
             return Err(Error::InvalidArgument {
                 what: "StreamingLLM with attention sinks needs the model's RoPE to re-rotate them (StreamingLlm::with_rope)".into(),
             });
         };
+        if ropes.len() != shape.n_layers {
+            return Err(Error::InvalidArgument {
+                what: format!(
+                    "StreamingLLM was given the RoPE of {} layers for a cache of {}",
+                    ropes.len(),
+                    shape.n_layers
+                ),
+            });
+        }
         self.anchors.resize(shape.n_layers, None);
         let (positions, keys, values) = &mut self.scratch;
-        for layer in 0..shape.n_layers {
+        // One RoPE per layer (checked above).
+        for (layer, rope) in ropes.iter().enumerate() {
             positions.clear();
             // Positions first: with the sinks' anchor kept, their rows are not needed
             // (a cache on a device would otherwise read them back every step).

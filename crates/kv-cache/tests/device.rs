@@ -28,8 +28,12 @@ fn session(backend: Arc<dyn Backend>, precision: Precision, policy: bool) -> Ses
     let model = load(backend.clone());
     let cache = new_cache(UpdateMode::PointerShift, model.kv_shape(), 16, precision).unwrap();
     let policy: Option<Box<dyn KvPolicy>> = policy.then(|| {
-        let rope = model.config().rope.clone();
-        Box::new(StreamingLlm::new(4, 12).unwrap().with_rope(backend, rope)) as Box<dyn KvPolicy>
+        let layer_ropes = model.config().layer_ropes();
+        Box::new(
+            StreamingLlm::new(4, 12)
+                .unwrap()
+                .with_rope(backend, layer_ropes),
+        ) as Box<dyn KvPolicy>
     });
     Session::with_cache(model, cache, policy)
 }
@@ -253,10 +257,10 @@ fn a_session_on_a_device_cache_reads_back_only_logits() {
             .new_kv_cache(model.kv_shape(), 16, element(precision))
             .unwrap()
             .unwrap();
-        let rope = model.config().rope.clone();
+        let layer_ropes = model.config().layer_ropes();
         let policy = StreamingLlm::new(4, 12)
             .unwrap()
-            .with_rope(gpu.clone(), rope);
+            .with_rope(gpu.clone(), layer_ropes);
         let vocab = model.config().vocab_size;
         let mut on_gpu = Session::with_cache(model, cache, Some(Box::new(policy)));
         let mut next = on_cpu.feed_greedy(&PROMPT).unwrap();

@@ -61,7 +61,7 @@ fn streamed_attention_equals_in_cache_positions() {
             let mut cache = new_cache(mode, SHAPE, n_sink + window, Precision::F32).unwrap();
             let mut policy = StreamingLlm::new(n_sink, window)
                 .unwrap()
-                .with_rope(backend.clone(), rope());
+                .with_rope(backend.clone(), vec![rope(); SHAPE.n_layers]);
             for t in 0..n_tokens {
                 policy.before_pass(cache.as_mut(), 1).unwrap();
                 for layer in 0..SHAPE.n_layers {
@@ -134,7 +134,7 @@ fn streamed(backend: &Arc<CpuBackend>, n_tokens: usize) -> (StreamingLlm, Box<dy
     let mut cache = new_cache(UpdateMode::PointerShift, SHAPE, 8, Precision::F16).unwrap();
     let mut policy = StreamingLlm::new(2, 6)
         .unwrap()
-        .with_rope(backend.clone(), rope());
+        .with_rope(backend.clone(), vec![rope(); SHAPE.n_layers]);
     for t in 0..n_tokens {
         policy.before_pass(cache.as_mut(), 1).unwrap();
         for layer in 0..SHAPE.n_layers {
@@ -169,12 +169,12 @@ fn the_policy_state_restores_the_sinks_exactly() {
     let mut fresh_cache = copy_of(cache.as_ref());
     let mut restored = StreamingLlm::new(2, 6)
         .unwrap()
-        .with_rope(backend.clone(), rope());
+        .with_rope(backend.clone(), vec![rope(); SHAPE.n_layers]);
     restored.restore_state(&state).unwrap();
     assert_eq!(restored.state(), state);
     let mut fresh = StreamingLlm::new(2, 6)
         .unwrap()
-        .with_rope(backend.clone(), rope());
+        .with_rope(backend.clone(), vec![rope(); SHAPE.n_layers]);
 
     let sinks = |c: &dyn KvCache| {
         let (mut p, mut k, mut v) = (vec![], vec![], vec![]);

@@ -17,7 +17,7 @@ use ballast_runtime::ggml_type::GgmlType;
 #[cfg(feature = "gpu")]
 use ballast_runtime::gpu::GpuContext;
 use ballast_runtime::kv::{
-    DenseKv, KvCache, KvRows, KvSegment, KvShape, KvView, MASKED_POSITION, Q8_BLOCK,
+    DenseKv, KvCache, KvElement, KvRows, KvSegment, KvShape, KvView, MASKED_POSITION, Q8_BLOCK,
 };
 use ballast_runtime::quant;
 use ballast_runtime::weights::Weight;
@@ -75,7 +75,7 @@ fn weight(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Weight {
 
 fn dequantized(w: &Weight) -> Vec<f32> {
     let mut out = vec![0.0; w.rows() * w.cols()];
-    quant::dequantize(w.ty, w.bytes.as_slice(), &mut out).unwrap();
+    quant::dequantize(w.ty, w.bytes.as_slice().unwrap(), &mut out).unwrap();
     out
 }
 
@@ -389,15 +389,12 @@ fn rope_case(
 }
 
 /// The element type of the cache in an attention case.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum KvElem {
-    F32,
-    F16,
-    Q8,
-}
-
-fn kv_elem() -> impl Strategy<Value = KvElem> {
-    prop_oneof![Just(KvElem::F32), Just(KvElem::F16), Just(KvElem::Q8)]
+fn kv_elem() -> impl Strategy<Value = KvElement> {
+    prop_oneof![
+        Just(KvElement::F32),
+        Just(KvElement::F16),
+        Just(KvElement::Q8)
+    ]
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -409,13 +406,13 @@ fn attention_case(
     cached: usize,
     n: usize,
     split: usize,
-    elem: KvElem,
+    elem: KvElement,
     seed: u64,
 ) -> Result<(), TestCaseError> {
     // A q8 cache holds whole blocks per row (the cache refuses other lengths), so each
     // segment starts on a block.
     let head_dim = match elem {
-        KvElem::Q8 => head_dim.div_ceil(Q8_BLOCK) * Q8_BLOCK,
+        KvElement::Q8 => head_dim.div_ceil(Q8_BLOCK) * Q8_BLOCK,
         _ => head_dim,
     };
     let total = cached + n;
@@ -454,9 +451,9 @@ fn attention_case(
             (&vals, &vals16, &vals8, &vscales)
         };
         match elem {
-            KvElem::F32 => KvRows::F32(&a[r]),
-            KvElem::F16 => KvRows::F16(&b[r]),
-            KvElem::Q8 => KvRows::Q8 {
+            KvElement::F32 => KvRows::F32(&a[r]),
+            KvElement::F16 => KvRows::F16(&b[r]),
+            KvElement::Q8 => KvRows::Q8 {
                 scales: &s[r.start / Q8_BLOCK..r.end.div_ceil(Q8_BLOCK)],
                 quants: &q[r],
             },
@@ -489,12 +486,12 @@ fn attention_case(
     // rounds the query and its running sums to f16 at every key (the GPU keeps f32 sums
     // over the same f16 keys and values), so about 2^-11 per key, relative.
     let tolerance = match elem {
-        KvElem::F16 => 5e-3,
-        KvElem::F32 | KvElem::Q8 => 1e-5,
+        KvElement::F16 => 5e-3,
+        KvElement::F32 | KvElement::Q8 => 1e-5,
     };
     let mag: Vec<f64> = want.iter().map(|_| 1.0).collect();
     check_close("attention", &got, &want, &mag, tolerance)?;
-    if elem == KvElem::F32 {
+    if elem == KvElement::F32 {
         // Against an f64 statement of the mask: causal, masked slots skipped, and for a
         // window only the keys within it.
         let kv_of = |h: usize| h / group;

@@ -24,7 +24,9 @@ fn records(up: &Weight, down: &[f32], layout: &NeuronLayout) -> Vec<u8> {
     let (n_embd, n_ff) = (layout.n_embd, up.rows());
     let mut out = Vec::new();
     for j in 0..n_ff {
-        out.extend_from_slice(&up.bytes.as_slice()[j * up.row_bytes()..][..up.row_bytes()]);
+        out.extend_from_slice(
+            &up.bytes.as_slice().unwrap()[j * up.row_bytes()..][..up.row_bytes()],
+        );
         let column: Vec<f32> = (0..n_embd).map(|r| down[r * n_ff + j]).collect();
         match layout.down_type {
             GgmlType::Q8_0 => quantize_q8_0(&column, &mut out),

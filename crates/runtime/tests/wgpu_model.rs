@@ -350,8 +350,8 @@ struct LiveCount {
 }
 
 impl ByteSource for Lent {
-    fn bytes(&self) -> &[u8] {
-        &self.bytes
+    fn bytes(&self) -> ballast_runtime::Result<&[u8]> {
+        Ok(&self.bytes)
     }
     fn cache_on_device(&self) -> bool {
         false
@@ -392,7 +392,7 @@ impl WeightStore for LendingStore {
         let mut ranges = Vec::new();
         for w in l.weights() {
             ranges.push(bytes.len()..bytes.len() + w.bytes.len());
-            bytes.extend_from_slice(w.bytes.as_slice());
+            bytes.extend_from_slice(w.bytes.as_slice().unwrap());
         }
         let source: Arc<dyn ByteSource> = Arc::new(Lent {
             bytes,

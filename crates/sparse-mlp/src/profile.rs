@@ -47,8 +47,8 @@ fn same_predictor(a: &Option<Predictor>, b: &Option<Predictor>) -> bool {
                 && a.layers.iter().zip(&b.layers).all(|(x, y)| {
                     x.project.dims == y.project.dims
                         && x.expand.dims == y.expand.dims
-                        && x.project.bytes.as_slice() == y.project.bytes.as_slice()
-                        && x.expand.bytes.as_slice() == y.expand.bytes.as_slice()
+                        && x.project.bytes.as_slice().ok() == y.project.bytes.as_slice().ok()
+                        && x.expand.bytes.as_slice().ok() == y.expand.bytes.as_slice().ok()
                         && x.sigma == y.sigma
                 })
         }
@@ -315,9 +315,12 @@ fn write_predictor(b: &mut Vec<u8>, predictor: Option<&Predictor>) {
     let width = first.map_or(0, |l| l.project.cols());
     b.extend_from_slice(&(rank as u32).to_le_bytes());
     b.extend_from_slice(&(width as u32).to_le_bytes());
+    // A predictor's matrices are its own f16 buffers in memory (`LayerPredictor::new`
+    // and the profile reader make them so), which cannot fail to give their bytes.
+    let held = "a predictor's matrices are held in memory";
     for l in &p.layers {
-        b.extend_from_slice(l.project.bytes.as_slice());
-        b.extend_from_slice(l.expand.bytes.as_slice());
+        b.extend_from_slice(l.project.bytes.as_slice().expect(held));
+        b.extend_from_slice(l.expand.bytes.as_slice().expect(held));
         for v in &l.sigma {
             b.extend_from_slice(&v.to_le_bytes());
         }

@@ -37,7 +37,7 @@ fn layer_bytes(model: &Model) -> (NeuronLayout, Vec<Vec<u8>>) {
             let up = w.matrix("ffn_up.weight").unwrap();
             let down = w.matrix("ffn_down.weight").unwrap();
             let mut values = vec![0f32; down.rows() * down.cols()];
-            quant::dequantize(down.ty, down.bytes.as_slice(), &mut values).unwrap();
+            quant::dequantize(down.ty, down.bytes.as_slice().unwrap(), &mut values).unwrap();
             let lay = NeuronLayout {
                 n_embd: config.d_model,
                 up_type: up.ty,
@@ -45,7 +45,14 @@ fn layer_bytes(model: &Model) -> (NeuronLayout, Vec<Vec<u8>>) {
             };
             layout = Some(lay);
             let mut out = Vec::new();
-            layer_records(&lay, up.bytes.as_slice(), &values, up.rows(), &mut out).unwrap();
+            layer_records(
+                &lay,
+                up.bytes.as_slice().unwrap(),
+                &values,
+                up.rows(),
+                &mut out,
+            )
+            .unwrap();
             out
         })
         .collect();

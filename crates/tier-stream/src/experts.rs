@@ -105,8 +105,8 @@ impl ExpertCounters {
 struct ExpertBuf(AlignedBuf);
 
 impl ByteSource for ExpertBuf {
-    fn bytes(&self) -> &[u8] {
-        self.0.as_slice()
+    fn bytes(&self) -> ballast_core::Result<&[u8]> {
+        Ok(self.0.as_slice())
     }
 
     /// Read per use: the device must not keep it.

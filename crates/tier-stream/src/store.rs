@@ -287,7 +287,7 @@ impl Beneath {
                 let layer = inner.layer(passes.next(), index)?;
                 let mut moved = 0u64;
                 for (w, r) in layer.weights().zip(&layout.ranges) {
-                    let bytes = w.bytes.as_slice();
+                    let bytes = w.bytes.as_slice()?;
                     if bytes.len() != r.len() {
                         return Err(Error::PlanMismatch {
                             why: format!(
@@ -351,8 +351,8 @@ struct Resident {
 }
 
 impl ByteSource for Resident {
-    fn bytes(&self) -> &[u8] {
-        self.buf.as_slice()
+    fn bytes(&self) -> ballast_core::Result<&[u8]> {
+        Ok(self.buf.as_slice())
     }
 
     fn cache_on_device(&self) -> bool {
@@ -368,8 +368,8 @@ struct Slot {
 }
 
 impl ByteSource for Slot {
-    fn bytes(&self) -> &[u8] {
-        self.buf.as_ref().map_or(&[], |b| b.as_slice())
+    fn bytes(&self) -> ballast_core::Result<&[u8]> {
+        Ok(self.buf.as_ref().map_or(&[], |b| b.as_slice()))
     }
 
     /// Lent for one use: the slot holds another layer next time.
@@ -725,7 +725,7 @@ impl TieredStore {
                 globals.token_embd.bytes = globals.output.bytes.clone();
             }
         } else if plan.head_on_disk {
-            crate::io::advise_sequential(globals.output.bytes.as_slice());
+            crate::io::advise_sequential(globals.output.bytes.as_slice()?);
         }
         TieredStore::start(globals, layouts, plan, Beneath::File(reader), options)
     }

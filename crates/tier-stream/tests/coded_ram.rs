@@ -83,7 +83,9 @@ fn plan_with(fx: &Fixture, store: &CompressedStore, tiers: Vec<Tier>, slots: usi
 }
 
 fn layer_bytes(l: &LayerWeights) -> Vec<Vec<u8>> {
-    l.weights().map(|w| w.bytes.as_slice().to_vec()).collect()
+    l.weights()
+        .map(|w| w.bytes.as_slice().unwrap().to_vec())
+        .collect()
 }
 
 fn tiers_from(picks: &[u8]) -> Vec<Tier> {

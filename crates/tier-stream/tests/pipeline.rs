@@ -107,8 +107,9 @@ fn fnv(bytes: &[u8]) -> u64 {
 }
 
 fn layer_checksum(l: &LayerWeights) -> u64 {
-    l.weights()
-        .fold(0u64, |h, w| h.rotate_left(7) ^ fnv(w.bytes.as_slice()))
+    l.weights().fold(0u64, |h, w| {
+        h.rotate_left(7) ^ fnv(w.bytes.as_slice().unwrap())
+    })
 }
 
 struct Fixture {

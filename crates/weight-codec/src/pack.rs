@@ -113,14 +113,19 @@ impl PackedTensor {
 }
 
 enum Storage {
-    Mmap(memmap2::Mmap),
+    /// The map and the file it maps, kept open to see whether the file was cut short
+    /// while mapped ([`PackFile::check_mapped_len`]).
+    Mmap {
+        map: memmap2::Mmap,
+        file: std::fs::File,
+    },
     Owned(Vec<u8>),
 }
 
 impl Storage {
     fn bytes(&self) -> &[u8] {
         match self {
-            Storage::Mmap(m) => m,
+            Storage::Mmap { map, .. } => map,
             Storage::Owned(v) => v,
         }
     }
@@ -215,10 +220,13 @@ impl PackFile {
         };
         let storage = if mmap {
             let file = std::fs::File::open(path).map_err(io)?;
-            // SAFETY: read-only map; as for GGUF files, the pack must not be truncated or
-            // rewritten by another process while open (a changed chunk would still be
-            // caught by its checksums).
-            Storage::Mmap(unsafe { memmap2::Mmap::map(&file) }.map_err(io)?)
+            // SAFETY: read-only map. Another process may still rewrite or cut the file
+            // while it is open: a changed chunk is caught by its checksums, and a file
+            // cut short by `check_mapped_len` before each chunk is read through the map
+            // (a read past the new end would raise SIGBUS), which leaves only a cut
+            // between that check and the read unguarded.
+            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+            Storage::Mmap { map, file }
         } else {
             Storage::Owned(std::fs::read(path).map_err(io)?)
         };
@@ -403,10 +411,36 @@ impl PackFile {
         Ok(())
     }
 
+    /// An error naming the file if it is mapped and has been cut shorter than the map
+    /// since it was opened: reading the map past the file's new end would raise SIGBUS
+    /// instead of an error. One `fstat`, done before chunks are read through the map.
+    pub fn check_mapped_len(&self) -> Result<()> {
+        let Storage::Mmap { map, file } = &self.storage else {
+            return Ok(());
+        };
+        let len = file
+            .metadata()
+            .map_err(|source| Error::Io {
+                path: self.path.clone(),
+                source,
+            })?
+            .len();
+        if len < map.len() as u64 {
+            return Err(Error::Truncated {
+                path: self.path.clone(),
+                what: "the open memory map (the file was cut short while in use)".into(),
+                needed: map.len() as u64,
+                len,
+            });
+        }
+        Ok(())
+    }
+
     /// The stored bytes of `chunk`: borrowed from the map or memory, or read from the
     /// file (see [`PackFile::read_chunks_from_disk`]).
     fn stored_bytes(&self, chunk: &Chunk) -> Result<std::borrow::Cow<'_, [u8]>> {
         let Some(file) = self.chunk_reader.get() else {
+            self.check_mapped_len()?;
             return Ok(std::borrow::Cow::Borrowed(self.stored(chunk)));
         };
         use std::os::unix::fs::FileExt;
@@ -475,6 +509,7 @@ impl PackFile {
     /// The stored bytes of chunk `index` of `tensor` (through the map), checked against
     /// their CRC-32: what a device that decodes the chunk itself is lent.
     pub fn checked_stored(&self, tensor: &PackedTensor, index: usize) -> Result<&[u8]> {
+        self.check_mapped_len()?;
         let stored = self.stored(self.chunk(tensor, index)?);
         self.check_stored(tensor, index, stored)?;
         Ok(stored)
@@ -564,6 +599,7 @@ impl PackFile {
         threads: usize,
     ) -> Result<GgufFile> {
         let mut map = zeroed_map(&self.path, self.gguf_len)?;
+        self.check_mapped_len()?;
         let header = &self.storage.bytes()[self.gguf_header.clone()];
         if header.len() as u64 > self.gguf_len {
             return Err(Error::BadIndex {

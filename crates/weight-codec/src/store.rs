@@ -144,8 +144,8 @@ struct Decoded {
 }
 
 impl ByteSource for Decoded {
-    fn bytes(&self) -> &[u8] {
-        &self.bytes
+    fn bytes(&self) -> ballast_core::Result<&[u8]> {
+        Ok(&self.bytes)
     }
     fn cache_on_device(&self) -> bool {
         self.cache_on_device
@@ -192,18 +192,22 @@ struct CodedLayer {
 }
 
 impl ByteSource for CodedLayer {
-    fn bytes(&self) -> &[u8] {
-        self.decoded.get_or_init(|| {
-            let mut bytes = vec![0u8; self.raw];
-            // The chunks passed their stored checksums when this layer was lent, and
-            // the CPU decoder accepted the same stored bytes (raw checksums held) at the
-            // layer's first request; decoding them again fails only if the file changed
-            // under the map since, as a mapped GGUF file can.
-            decode_layer(&self.pack, &self.tensors, &self.ranges, &mut bytes, 1)
-                .unwrap_or_else(|e| panic!("a validated layer no longer decodes: {e}"));
+    /// The layer decoded on the CPU, on first use. The chunks passed their stored
+    /// checksums when this layer was lent, and the CPU decoder accepted the same stored
+    /// bytes at the layer's first request; decoding them again fails only if the pack
+    /// was changed or cut short under the map since, which is an error naming the
+    /// file, tensor and chunk (and is asked again on the next call).
+    fn bytes(&self) -> ballast_core::Result<&[u8]> {
+        if let Some(bytes) = self.decoded.get() {
+            return Ok(bytes);
+        }
+        let mut bytes = vec![0u8; self.raw];
+        decode_layer(&self.pack, &self.tensors, &self.ranges, &mut bytes, 1)?;
+        // Two threads may decode at once: the first kept is counted, the other dropped.
+        Ok(self.decoded.get_or_init(|| {
             self.counters.add_live(self.raw);
             bytes
-        })
+        }))
     }
 
     fn byte_len(&self) -> usize {

@@ -7,13 +7,16 @@ use std::path::Path;
 use std::sync::Arc;
 
 use ballast_core::ggml_type::GgmlType;
+use ballast_core::store::PassId;
+use ballast_core::weights::{LayerWeights, Weight};
+use ballast_core::WeightStore;
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::model::load_weights;
 use ballast_runtime::testing::TinyModelSpec;
 use ballast_runtime::{CpuBackend, DenseFfn, Model, ModelConfig, Session};
 use ballast_weight_codec::store::skeleton;
 use ballast_weight_codec::{
-    write_pack, CachePolicy, CompressedStore, PackFile, PackOptions, StoreOptions,
+    write_pack, CachePolicy, Codec, CompressedStore, PackFile, PackOptions, StoreOptions,
 };
 
 /// A model over the pack at `path` with a `CompressedStore`, and its counters.
@@ -206,4 +209,122 @@ fn packed_default_model_gives_the_plain_files_greedy_ids() {
     let pack = PackFile::open(&packed, true).unwrap();
     let plain = GgufFile::open(&path, true).unwrap();
     assert!(pack.to_gguf(2).unwrap().as_bytes() == plain.as_bytes());
+}
+
+/// A store over a mapped pack of the tiny model (Q8_0, split in planes and rANS-coded
+/// lane by lane so that a device could decode it), lending layers coded
+/// (`device_decode`) unless told not to; no prefetch, so only the layers asked for are
+/// read.
+fn mapped_store(dir: &Path, device_decode: bool) -> (std::path::PathBuf, CompressedStore) {
+    let spec = TinyModelSpec {
+        n_layers: 4,
+        ..TinyModelSpec::default()
+    };
+    let opts = PackOptions {
+        chunk_bytes: 1000,
+        candidates: vec![Codec::PLANES_RANS_LANES],
+        ..PackOptions::default()
+    };
+    let (_, packed) = common::pack_tiny_model(dir, &spec, &opts);
+    let pack = Arc::new(PackFile::open(&packed, true).unwrap());
+    let gguf = Arc::new(skeleton(&pack, 1).unwrap());
+    let config = ModelConfig::from_gguf(&gguf).unwrap();
+    let (globals, layers) = load_weights(&gguf, &config).unwrap();
+    let opts = StoreOptions {
+        prefetch: false,
+        device_decode,
+        ..StoreOptions::default()
+    };
+    let store = CompressedStore::new(pack, globals, layers, opts, true).unwrap();
+    (packed, store)
+}
+
+/// `err` and its sources, one line.
+fn chain(err: &dyn std::error::Error) -> String {
+    let mut all = err.to_string();
+    let mut e = err;
+    while let Some(src) = e.source() {
+        all.push_str(&format!(": {src}"));
+        e = src;
+    }
+    all
+}
+
+/// Layer 2 as a device would get it after its first pass: lent coded, its host bytes
+/// not yet decoded; and its `ffn_up` matrix.
+fn lent_coded(store: &CompressedStore) -> (Arc<LayerWeights>, Weight) {
+    store.layer(PassId(1), 2).unwrap();
+    let layer = store.layer(PassId(2), 2).unwrap();
+    let up = layer
+        .weights()
+        .find(|w| w.name == "blk.2.ffn_up.weight")
+        .unwrap()
+        .clone();
+    assert!(up.bytes.coded().is_some(), "layer 2 is lent coded");
+    (layer, up)
+}
+
+/// A chunk changed in place (the map sees it) after a layer was lent coded: asking for
+/// that layer's host bytes is an error naming the pack, tensor and chunk (it used to
+/// panic), and so is the layer's next request.
+#[test]
+fn a_pack_changed_under_a_lent_layer_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (packed, store) = mapped_store(dir.path(), true);
+    let (_layer, up) = lent_coded(&store);
+    let pack = PackFile::open(&packed, false).unwrap();
+    let t = pack.tensor("blk.2.ffn_up.weight").unwrap().clone();
+    let data_start = pack.file_len() - pack.tensors().iter().map(|t| t.stored_len()).sum::<u64>();
+    let at = data_start + t.chunks[1].offset + 3;
+    let byte = std::fs::read(&packed).unwrap()[at as usize];
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&packed)
+            .unwrap();
+        f.write_all_at(&[byte ^ 0x21], at).unwrap();
+    }
+    let err = up.bytes.as_slice().unwrap_err();
+    let msg = chain(&err);
+    assert!(
+        msg.contains(&packed.display().to_string()) && msg.contains("blk.2.ffn_up.weight, chunk 1"),
+        "{msg}"
+    );
+    let err = store.layer(PassId(3), 2).unwrap_err();
+    assert!(
+        chain(&err).contains("blk.2.ffn_up.weight, chunk 1"),
+        "{err}"
+    );
+}
+
+/// A pack cut short under an open store: the lent layer's host bytes, and any layer
+/// asked for after, are an error naming the file (reading the map past the file's new
+/// end would otherwise kill the process with SIGBUS), with layers lent coded or not.
+#[test]
+fn a_pack_cut_short_under_an_open_store_is_an_error_naming_it() {
+    for device_decode in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let (packed, store) = mapped_store(dir.path(), device_decode);
+        let lent = device_decode.then(|| lent_coded(&store));
+        if !device_decode {
+            store.layer(PassId(1), 2).unwrap();
+        }
+        let len = std::fs::metadata(&packed).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&packed)
+            .unwrap()
+            .set_len(len / 2)
+            .unwrap();
+        let name = packed.display().to_string();
+        if let Some((_layer, up)) = &lent {
+            let msg = chain(&up.bytes.as_slice().unwrap_err());
+            assert!(msg.contains(&name) && msg.contains("cut short"), "{msg}");
+        }
+        for index in [1, 2, 3] {
+            let msg = chain(&store.layer(PassId(10 + index as u64), index).unwrap_err());
+            assert!(msg.contains(&name) && msg.contains("cut short"), "{msg}");
+        }
+    }
 }

@@ -76,7 +76,13 @@ impl CpuBackend {
                 let rows = part.weight.rows();
                 let (r0, r1) = (part.rows.start + lo - first, part.rows.start + hi - first);
                 let row_bytes = part.weight.row_bytes();
-                let w = &part.weight.bytes.as_slice()[r0 * row_bytes..r1 * row_bytes];
+                let w = match part.weight.bytes.as_slice() {
+                    Ok(all) => &all[r0 * row_bytes..r1 * row_bytes],
+                    Err(e) => {
+                        *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                        continue;
+                    }
+                };
                 let act = &acts[part.act];
                 let result = if n_tokens == 1 {
                     // SAFETY: rows r0..r1 of this part's output belong to this thread alone.
@@ -266,6 +272,7 @@ impl LinearOps for CpuBackend {
             let cols = table.cols();
             let rows = table.rows();
             let row_bytes = table.row_bytes();
+            let bytes = table.bytes.as_slice()?;
             for (&id, dst) in ids.iter().zip(out.chunks_exact_mut(cols)) {
                 let id = id as usize;
                 if id >= rows {
@@ -274,7 +281,7 @@ impl LinearOps for CpuBackend {
                         vocab: rows,
                     });
                 }
-                let src = &table.bytes.as_slice()[id * row_bytes..(id + 1) * row_bytes];
+                let src = &bytes[id * row_bytes..(id + 1) * row_bytes];
                 quant::dequantize(table.ty, src, dst)?;
             }
             Ok(())

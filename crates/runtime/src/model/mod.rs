@@ -74,7 +74,7 @@ fn weight(file: &Arc<GgufFile>, name: &str, dims: &[usize]) -> Result<Weight> {
 fn vector(file: &Arc<GgufFile>, name: &str, len: usize) -> Result<Arc<[f32]>> {
     let w = weight(file, name, &[len])?;
     let mut out = vec![0.0; len];
-    quant::dequantize(w.ty, w.bytes.as_slice(), &mut out)?;
+    quant::dequantize(w.ty, w.bytes.as_slice()?, &mut out)?;
     Ok(out.into())
 }
 

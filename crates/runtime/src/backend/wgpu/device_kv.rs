@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use half::f16;
 
-use super::ops::{record_kv_write, KvElem};
+use super::ops::{record_kv_write, DeviceKvLayout};
 use super::record::Recorder;
 use crate::error::{Error, Result};
 use crate::gpu::{GpuBuffer, GpuContext};
@@ -107,14 +107,6 @@ pub struct DeviceKv {
     moved: u64,
 }
 
-fn elem_of(element: KvElement) -> KvElem {
-    match element {
-        KvElement::F32 => KvElem::F32,
-        KvElement::F16 => KvElem::F16,
-        KvElement::Q8 => KvElem::Q8,
-    }
-}
-
 impl DeviceKv {
     /// An empty cache of `shape` holding at most `capacity` tokens as `element`, its
     /// buffers allocated on `ctx`'s device now (a plan reserves them).
@@ -157,7 +149,7 @@ impl DeviceKv {
                 ),
             });
         }
-        let elem = elem_of(element);
+        let elem = element;
         let usage = wgpu::BufferUsages::STORAGE
             | wgpu::BufferUsages::COPY_DST
             | wgpu::BufferUsages::COPY_SRC;
@@ -200,8 +192,8 @@ impl DeviceKv {
         Arc::ptr_eq(&self.ctx, ctx)
     }
 
-    pub(super) fn elem(&self) -> KvElem {
-        elem_of(self.element)
+    pub(super) fn elem(&self) -> KvElement {
+        self.element
     }
 
     /// The buffers and scan length a pass binds for `layer`.
@@ -380,19 +372,19 @@ impl DeviceKv {
         let elem = self.elem();
         let gather = |raw: &[u8]| -> HostRows {
             match elem {
-                KvElem::F32 | KvElem::F16 => {
-                    let size = if elem == KvElem::F32 { 4 } else { 2 };
+                KvElement::F32 | KvElement::F16 => {
+                    let size = if elem == KvElement::F32 { 4 } else { 2 };
                     let mut out = Vec::with_capacity(l.order.len() * dim * size);
                     for &s in &l.order {
                         out.extend_from_slice(&raw[s as usize * dim * size..][..dim * size]);
                     }
-                    if elem == KvElem::F32 {
+                    if elem == KvElement::F32 {
                         HostRows::F32(bytemuck::pod_collect_to_vec(&out))
                     } else {
                         HostRows::F16(bytemuck::pod_collect_to_vec(&out))
                     }
                 }
-                KvElem::Q8 => {
+                KvElement::Q8 => {
                     let spr = dim / Q8_BLOCK;
                     let scale_at = elem.scale_word(l.rows.max(1) * dim) * 4;
                     let mut quants = Vec::with_capacity(l.order.len() * dim);
@@ -441,14 +433,14 @@ impl DeviceKv {
                 }
             };
             match elem {
-                KvElem::F32 | KvElem::F16 => {
+                KvElement::F32 | KvElement::F16 => {
                     let mut data: Vec<u8> = (0..n).flat_map(|i| token(i).to_vec()).collect();
                     data.resize(data.len().next_multiple_of(4), 0);
                     if !data.is_empty() {
                         queue.write_buffer(buffer.raw(), 0, &data);
                     }
                 }
-                KvElem::Q8 => {
+                KvElement::Q8 => {
                     let mut quants: Vec<u8> =
                         (0..n).flat_map(|i| token(i)[..dim].to_vec()).collect();
                     let mut scales: Vec<u8> =

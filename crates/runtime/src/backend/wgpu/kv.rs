@@ -5,14 +5,14 @@
 
 use super::*;
 use crate::kv::{KvElement, Q8_BLOCK};
-use ops::KvElem;
+use ops::DeviceKvLayout;
 
 /// The device's copy of the KV cache, mirroring the host [`KvCache`] of a session, in
 /// the element type [`mirror_element`] gives: the pass writes new rows into it with
 /// `kv_write` (rounded exactly as the host rounds them) and attention reads it as
 /// stored, so the device holds what the host holds.
 pub(super) struct KvMirror {
-    pub(super) elem: KvElem,
+    pub(super) elem: KvElement,
     pub(super) capacity: usize,
     pub(super) kv_dim: usize,
     pub(super) keys: Vec<GpuBuffer>,
@@ -40,10 +40,10 @@ pub const MAX_KV_MIRRORS: usize = 4;
 /// device's matmul order differs anyway, and the f32 copy happens to stay on the path).
 /// So an f16 cache costs f32 on the device until the device pass is held to llama.cpp
 /// by something less brittle than greedy ids.
-pub(super) fn mirror_element(host: KvElement) -> KvElem {
+pub(super) fn mirror_element(host: KvElement) -> KvElement {
     match host {
-        KvElement::F32 | KvElement::F16 => KvElem::F32,
-        KvElement::Q8 => KvElem::Q8,
+        KvElement::F32 | KvElement::F16 => KvElement::F32,
+        KvElement::Q8 => KvElement::Q8,
     }
 }
 
@@ -74,19 +74,19 @@ fn write_rows(
     };
     let from = from & !1;
     match packed.elem {
-        KvElem::F32 => write(
+        KvElement::F32 => write(
             from * dim * 4,
             &packed.bytes[from * dim * 4..rows * dim * 4],
         ),
-        KvElem::F16 => write(
+        KvElement::F16 => write(
             from * dim * 2,
             &packed.bytes[from * dim * 2..rows * dim * 2],
         ),
-        KvElem::Q8 => {
+        KvElement::Q8 => {
             write(from * dim, &packed.bytes[from * dim..rows * dim]);
             let per_row = 2 * dim.div_ceil(Q8_BLOCK);
-            let src = KvElem::Q8.scale_word(rows * dim) * 4;
-            let dst = KvElem::Q8.scale_word(capacity * dim) * 4;
+            let src = KvElement::Q8.scale_word(rows * dim) * 4;
+            let dst = KvElement::Q8.scale_word(capacity * dim) * 4;
             write(
                 dst + from * per_row,
                 &packed.bytes[src + from * per_row..src + rows * per_row],
@@ -204,7 +204,7 @@ impl WgpuBackend {
             if same >= rows {
                 continue;
             }
-            let (k, v) = if elem == KvElem::F32 {
+            let (k, v) = if elem == KvElement::F32 {
                 // An f16 host cache widened to the f32 mirror (see mirror_element).
                 let (k, v, _) = flatten_view(&view);
                 let as_packed = |x: Vec<f32>| PackedRows {

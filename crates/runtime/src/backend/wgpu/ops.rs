@@ -1,10 +1,10 @@
 //! The encoders: each records one op's dispatches (with the bytes it moves) into a
 //! [`Recorder`]. The device pass and the host-slice ops both use them. Also the device
-//! layout of cached keys and values in their stored type ([`KvElem`]), which the
+//! layout of cached keys and values in their stored type ([`DeviceKvLayout`]), which the
 //! attention and KV-write kernels share.
 
 use super::*;
-use crate::kv::Q8_BLOCK;
+use crate::kv::{KvElement, Q8_BLOCK};
 
 /// The expert indirection of a product over stacked experts' matrices
 /// ([`WgpuBackend::record_matmul_with`]).
@@ -391,7 +391,10 @@ impl WgpuBackend {
         rec.dispatch(
             &ATTENTION,
             "attention",
-            &[("KTYPE", keys.elem.id()), ("VTYPE", values.elem.id())],
+            &[
+                ("KTYPE", keys.elem.kernel_type()),
+                ("VTYPE", values.elem.kernel_type()),
+            ],
             &[q, keys.buffer, values.buffer, kpos, qpos, &scores, out],
             Params::new(
                 [
@@ -463,14 +466,14 @@ impl WgpuBackend {
 
 /// Records the conversion of `n` f32 rows of `dim` values (rows `first_row..` of `src`) into
 /// `elem` and their write at row slots `slots[..n]` (u32; distinct) of `dst`, a
-/// buffer of `capacity` rows in `elem`'s layout ([`KvElem::buffer_bytes`]). Rounds
+/// buffer of `capacity` rows in `elem`'s layout ([`DeviceKvLayout::buffer_bytes`]). Rounds
 /// exactly as the host cache does, so the device rows equal the host's bit for bit.
 /// Slots at or past `capacity` are skipped. q8 rows must be a multiple of
 /// [`Q8_BLOCK`] long (as the cache requires), so each row's quants start on a word.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn record_kv_write(
     rec: &mut Recorder<'_>,
-    elem: KvElem,
+    elem: KvElement,
     src: &wgpu::Buffer,
     first_row: usize,
     n: usize,
@@ -479,15 +482,15 @@ pub(super) fn record_kv_write(
     dst: &wgpu::Buffer,
     capacity: usize,
 ) -> Result<()> {
-    if elem == KvElem::Q8 && dim % Q8_BLOCK != 0 {
+    if elem == KvElement::Q8 && dim % Q8_BLOCK != 0 {
         return Err(Error::InvalidArgument {
             what: format!("q8 KV rows must be a multiple of {Q8_BLOCK} long, these are {dim}"),
         });
     }
     let (entry, invocations) = match elem {
-        KvElem::F32 => ("kv_write_f32", n * dim),
-        KvElem::F16 => ("kv_write_f16", n * (dim / 2 + 1)),
-        KvElem::Q8 => ("kv_write_q8", n * dim / Q8_BLOCK),
+        KvElement::F32 => ("kv_write_f32", n * dim),
+        KvElement::F16 => ("kv_write_f16", n * (dim / 2 + 1)),
+        KvElement::Q8 => ("kv_write_q8", n * dim / Q8_BLOCK),
     };
     rec.dispatch(
         &KV_WRITE,
@@ -513,70 +516,58 @@ pub(super) fn record_kv_write(
     Ok(())
 }
 
-/// The element type keys and values are stored in on the device. Layout of a buffer of
-/// `n` elements (what attention.wgsl reads and kv_write.wgsl writes): f32, one per word;
-/// f16, two per word, the lower half first; q8, four int8 per word, lowest byte first,
-/// then from word [`KvElem::scale_word`] one f16 scale per [`Q8_BLOCK`] elements, two
-/// per word ([`KvRows::Q8`] with the scales after the quants). Each part is padded to a
-/// whole word.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum KvElem {
-    F32,
-    F16,
-    Q8,
+/// The device layout of cached keys and values of each [`KvElement`] (what
+/// attention.wgsl reads and kv_write.wgsl writes), for a buffer of `n` elements: f32,
+/// one per word; f16, two per word, the lower half first; q8, four int8 per word,
+/// lowest byte first, then from word [`DeviceKvLayout::scale_word`] one f16 scale per
+/// [`Q8_BLOCK`] elements, two per word ([`KvRows::Q8`] with the scales after the
+/// quants). Each part is padded to a whole word.
+pub(super) trait DeviceKvLayout {
+    /// The kernels' override constant (KTYPE, VTYPE).
+    fn kernel_type(self) -> f64;
+    /// First word of the q8 scales in a buffer of `elems` elements (0 for the others).
+    fn scale_word(self, elems: usize) -> usize;
+    /// Bytes of a buffer of `elems` elements.
+    fn buffer_bytes(self, elems: usize) -> usize;
+    /// Bytes `elems` elements take as stored: 4, 2, or 34 per 32 (1.0625 each).
+    fn read_bytes(self, elems: usize) -> u64;
 }
 
-impl KvElem {
-    pub(super) fn of(rows: &KvRows<'_>) -> KvElem {
-        match rows {
-            KvRows::F32(_) => KvElem::F32,
-            KvRows::F16(_) => KvElem::F16,
-            KvRows::Q8 { .. } => KvElem::Q8,
+impl DeviceKvLayout for KvElement {
+    fn kernel_type(self) -> f64 {
+        match self {
+            KvElement::F32 => 0.0,
+            KvElement::F16 => 1.0,
+            KvElement::Q8 => 2.0,
         }
     }
 
-    fn name(self) -> &'static str {
+    fn scale_word(self, elems: usize) -> usize {
         match self {
-            KvElem::F32 => "f32",
-            KvElem::F16 => "f16",
-            KvElem::Q8 => "q8",
-        }
-    }
-
-    /// The kernels' override constant (KTYPE, VTYPE).
-    fn id(self) -> f64 {
-        match self {
-            KvElem::F32 => 0.0,
-            KvElem::F16 => 1.0,
-            KvElem::Q8 => 2.0,
-        }
-    }
-
-    /// First word of the q8 scales in a buffer of `elems` elements (0 for the others).
-    pub(super) fn scale_word(self, elems: usize) -> usize {
-        match self {
-            KvElem::Q8 => elems.div_ceil(4),
+            KvElement::Q8 => elems.div_ceil(4),
             _ => 0,
         }
     }
 
-    /// Bytes of a buffer of `elems` elements.
-    pub(super) fn buffer_bytes(self, elems: usize) -> usize {
+    fn buffer_bytes(self, elems: usize) -> usize {
         match self {
-            KvElem::F32 => 4 * elems,
-            KvElem::F16 => 4 * elems.div_ceil(2),
-            KvElem::Q8 => 4 * (self.scale_word(elems) + elems.div_ceil(Q8_BLOCK).div_ceil(2)),
+            KvElement::F32 => 4 * elems,
+            KvElement::F16 => 4 * elems.div_ceil(2),
+            KvElement::Q8 => 4 * (self.scale_word(elems) + elems.div_ceil(Q8_BLOCK).div_ceil(2)),
         }
     }
 
-    /// Bytes `elems` elements take as stored: 4, 2, or 34 per 32 (1.0625 each).
-    pub(super) fn read_bytes(self, elems: usize) -> u64 {
-        let e = elems as u64;
-        match self {
-            KvElem::F32 => 4 * e,
-            KvElem::F16 => 2 * e,
-            KvElem::Q8 => e + 2 * e.div_ceil(Q8_BLOCK as u64),
-        }
+    fn read_bytes(self, elems: usize) -> u64 {
+        self.row_bytes(elems) as u64
+    }
+}
+
+/// The element type `rows` are stored in.
+pub(super) fn element_of(rows: &KvRows<'_>) -> KvElement {
+    match rows {
+        KvRows::F32(_) => KvElement::F32,
+        KvRows::F16(_) => KvElement::F16,
+        KvRows::Q8 { .. } => KvElement::Q8,
     }
 }
 
@@ -584,15 +575,15 @@ impl KvElem {
 #[derive(Clone, Copy)]
 pub(super) struct KvBinding<'a> {
     pub(super) buffer: &'a wgpu::Buffer,
-    pub(super) elem: KvElem,
-    /// First word of the q8 scales ([`KvElem::scale_word`] of the buffer's elements).
+    pub(super) elem: KvElement,
+    /// First word of the q8 scales ([`DeviceKvLayout::scale_word`] of the buffer's elements).
     pub(super) scale_word: usize,
 }
 
 /// Cached rows of several segments, concatenated as stored (no conversion) in the
-/// device layout of [`KvElem`], for upload.
+/// device layout of [`KvElement`], for upload.
 pub(super) struct PackedRows {
-    pub(super) elem: KvElem,
+    pub(super) elem: KvElement,
     pub(super) elems: usize,
     pub(super) bytes: Vec<u8>,
 }
@@ -603,11 +594,11 @@ impl PackedRows {
     /// are q8 parts that cannot be concatenated: scales not one per block, or a part
     /// other than the last ending inside a block (the next part's blocks would shift).
     pub(super) fn new(what: &str, parts: &[KvRows<'_>]) -> Result<PackedRows> {
-        let elem = parts.first().map_or(KvElem::F32, KvElem::of);
+        let elem = parts.first().map_or(KvElement::F32, element_of);
         let elems: usize = parts.iter().map(KvRows::len).sum();
         let mut bytes = Vec::with_capacity(elem.buffer_bytes(elems));
         for (i, rows) in parts.iter().enumerate() {
-            let other = KvElem::of(rows);
+            let other = element_of(rows);
             if other != elem {
                 return Err(Error::InvalidArgument {
                     what: format!(
@@ -640,7 +631,7 @@ impl PackedRows {
                 }
             }
         }
-        if elem == KvElem::Q8 {
+        if elem == KvElement::Q8 {
             bytes.resize(elem.scale_word(elems) * 4, 0);
             for rows in parts {
                 if let KvRows::Q8 { scales, .. } = rows {
@@ -670,7 +661,12 @@ mod tests {
 
     /// A two-segment view of `rows` rows of `dim` in `elem`, positions 0.., and its
     /// element count per side.
-    fn with_view<R>(elem: KvElem, rows: usize, dim: usize, f: impl FnOnce(&KvView<'_>) -> R) -> R {
+    fn with_view<R>(
+        elem: KvElement,
+        rows: usize,
+        dim: usize,
+        f: impl FnOnce(&KvView<'_>) -> R,
+    ) -> R {
         let n = rows * dim;
         let full: Vec<f32> = (0..n).map(|i| i as f32 * 0.01).collect();
         let halves: Vec<f16> = full.iter().map(|&v| f16::from_f32(v)).collect();
@@ -679,9 +675,9 @@ mod tests {
         let positions: Vec<u32> = (0..rows as u32).collect();
         let cut = rows / 2;
         let part = |r: std::ops::Range<usize>| match elem {
-            KvElem::F32 => KvRows::F32(&full[r]),
-            KvElem::F16 => KvRows::F16(&halves[r]),
-            KvElem::Q8 => KvRows::Q8 {
+            KvElement::F32 => KvRows::F32(&full[r]),
+            KvElement::F16 => KvRows::F16(&halves[r]),
+            KvElement::Q8 => KvRows::Q8 {
                 scales: &scales[r.start / Q8_BLOCK..r.end / Q8_BLOCK],
                 quants: &quants[r],
             },
@@ -701,7 +697,11 @@ mod tests {
     #[test]
     fn views_pack_as_stored() {
         let (rows, dim) = (6, 64);
-        for (elem, per_16) in [(KvElem::F32, 64), (KvElem::F16, 32), (KvElem::Q8, 17)] {
+        for (elem, per_16) in [
+            (KvElement::F32, 64),
+            (KvElement::F16, 32),
+            (KvElement::Q8, 17),
+        ] {
             with_view(elem, rows, dim, |view| {
                 let keys: Vec<KvRows<'_>> = view.segments.iter().map(|s| s.keys).collect();
                 let packed = PackedRows::new("keys", &keys).unwrap();
@@ -711,7 +711,7 @@ mod tests {
                     elem.read_bytes(rows * dim),
                     (rows * dim * per_16 / 16) as u64
                 );
-                if elem == KvElem::Q8 {
+                if elem == KvElement::Q8 {
                     assert_eq!(
                         packed.bytes[..rows * dim],
                         (0..rows * dim).map(|i| (i % 100) as u8).collect::<Vec<_>>()
@@ -735,7 +735,7 @@ mod tests {
         let be = WgpuBackend::new(ctx);
         let shape = AttentionShape::new(4, 2, 32);
         let (rows, n_tokens) = (5, 2);
-        for elem in [KvElem::F32, KvElem::F16, KvElem::Q8] {
+        for elem in [KvElement::F32, KvElement::F16, KvElement::Q8] {
             let report = with_view(elem, rows, shape.n_kv_heads * shape.head_dim, |view| {
                 let part = |values: bool| -> Vec<KvRows<'_>> {
                     view.segments
@@ -773,9 +773,9 @@ mod tests {
             });
             let elems = (n_tokens * shape.n_heads * rows * shape.head_dim) as u64;
             let per_16 = match elem {
-                KvElem::F32 => 64,
-                KvElem::F16 => 32,
-                KvElem::Q8 => 17,
+                KvElement::F32 => 64,
+                KvElement::F16 => 32,
+                KvElement::Q8 => 17,
             };
             assert_eq!(report.kv_bytes_read, 2 * elems * per_16 / 16, "{elem:?}");
         }

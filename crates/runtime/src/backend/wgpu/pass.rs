@@ -11,14 +11,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::kv::KvMirror;
-use super::ops::{record_kv_write, KvBinding, KvElem};
+use super::ops::{record_kv_write, DeviceKvLayout, KvBinding};
 use super::record::{Params, Recorder};
 use super::{rope_table, DeviceKv, DeviceWeight, WgpuBackend, ARGMAX};
 use crate::backend::{DeviceForward, DeviceForwardInput, LayerSource, PassReport, Rope};
 use crate::error::{Error, Result};
 use crate::ffn::FeedForward;
 use crate::graph::{self, Graph, Op, PassSequence, TensorId, WeightRef};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvElement};
 use crate::weights::LayerWeights;
 
 /// The layer an op sequence is inside: its weights as the store lent them, and their
@@ -316,7 +316,7 @@ struct SequenceKv {
 
 /// Where a pass's keys and values go and are read from, layer by layer.
 struct PassKv {
-    elem: KvElem,
+    elem: KvElement,
     layers: Vec<LayerKv>,
     /// Each layer's new rows go to the slots of `slot_lists[layers[l].slots]`.
     slot_lists: Vec<wgpu::Buffer>,

@@ -115,7 +115,7 @@ impl WgpuBackend {
         split: bool,
     ) -> Result<DeviceWeight> {
         let (rows, cols, row_bytes) = self.checked_geometry(w)?;
-        let bytes: &[u8] = if split { w.bytes.as_slice() } else { &[] };
+        let bytes: &[u8] = if split { w.bytes.as_slice()? } else { &[] };
         // Split by rows so no chunk exceeds one binding; each chunk starts on a row.
         let rows_per_chunk = if split {
             ((self.max_chunk_bytes as usize) / row_bytes.max(1)).max(1)
