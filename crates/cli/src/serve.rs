@@ -1,5 +1,5 @@
 //! `ballast serve`: the OpenAI-compatible server (`ballast-server`) on a model loaded
-//! with the same flags as `run`, before it listens (so `listening on` comes once the model is loaded).
+//! with the same flags as `run`, before it listens (so `listening on` means ready).
 
 use std::path::Path;
 
@@ -95,11 +95,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .with_context(|| format!("listening on {addr}"))?;
         let local = listener.local_addr()?;
         eprintln!("listening on http://{local}");
-        let load = move || Ok(engine);
         let shutdown = async {
             let _ = tokio::signal::ctrl_c().await;
         };
-        ballast_server::serve(listener, config, load, shutdown)
+        ballast_server::serve_engine(listener, config, engine, shutdown)
             .await
             .map_err(anyhow::Error::from)
     })
