@@ -183,6 +183,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut backend_name = String::new();
     let mut store_name = "";
     let mut plan_text = None;
+    let mut budget_text: Option<String> = None;
     // One spinner line on stderr while the tests run; stdout holds only the results.
     let progress = indicatif::ProgressBar::new_spinner();
     progress.enable_steady_tick(std::time::Duration::from_millis(120));
@@ -209,7 +210,26 @@ pub fn run(args: BenchArgs) -> Result<()> {
             batch,
             true,
             reserve.bytes,
-        )?;
+        )
+        .map_err(|e| match e.downcast_ref::<tiered::ContextTooLong>() {
+            // The context is the longer of -p and -n, plus one.
+            Some(c) => anyhow::anyhow!(
+                "-p {} / -n {} need a context of {} tokens, which does not fit the RAM budget of {} ({}); {} tokens do: lower -p and -n to at most {}\n  ({})",
+                args.n_prompt,
+                args.n_gen,
+                c.ctx,
+                human_bytes(c.budget),
+                c.source,
+                c.fits,
+                c.fits.saturating_sub(1),
+                c.refusal
+            ),
+            None => e,
+        })?;
+        if let Some((ram, source)) = &built.ram_budget {
+            budget_text
+                .get_or_insert_with(|| format!("RAM budget {} ({source})", human_bytes(*ram)));
+        }
         let out_of_core = built.tiered.is_some();
         let (model, sparse) = common::apply_sparsity(
             &args.sparse,
@@ -793,6 +813,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 ),
             }
         }
+    }
+    if let Some(text) = &budget_text {
+        println!("{text}");
     }
     if let Some(text) = &plan_text {
         println!("plan used:\n{text}");

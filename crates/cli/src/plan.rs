@@ -242,7 +242,11 @@ pub fn run(args: PlanArgs) -> Result<()> {
         shape.layer_bytes.iter_mut().for_each(|x| *x = b);
     }
     let device = args.vram.as_deref().map(probe::parse_size).transpose()?;
-    let (ram, ram_source) = tiered::ram_budget(args.ram.as_deref())?;
+    let own = tiered::process_reserve(
+        file.as_ref().map(|(f, _)| f.as_ref()),
+        common::threads(args.threads),
+    );
+    let (ram, ram_source) = tiered::ram_budget(args.ram.as_deref(), own)?;
     let h2d = match &args.h2d {
         Some(r) => probe::parse_rate(r)?,
         None => {

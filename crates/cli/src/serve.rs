@@ -1,5 +1,5 @@
 //! `ballast serve`: the OpenAI-compatible server (`ballast-server`) on a model loaded
-//! with the same flags as `run`.
+//! with the same flags as `run`, before it listens (so `listening on` means ready).
 
 use std::path::Path;
 
@@ -8,7 +8,8 @@ use ballast_runtime::Session;
 use ballast_server::{Engine, ServerConfig};
 use clap::Args;
 
-use crate::common::{self, KvArgs, ModelArgs};
+use crate::common::{self, human_bytes, KvArgs, ModelArgs};
+use crate::tiered::ContextTooLong;
 
 /// Flags of `ballast serve`.
 #[derive(Args, Debug)]
@@ -83,6 +84,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
+    // The model loads before the server listens: a budget or a context that does not
+    // fit stops `serve` with its error, instead of a server that says it listens and
+    // then dies.
+    let engine = load(&args)?;
     runtime.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);
         let listener = tokio::net::TcpListener::bind(&addr)
@@ -90,11 +95,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .with_context(|| format!("listening on {addr}"))?;
         let local = listener.local_addr()?;
         eprintln!("listening on http://{local}");
-        let load = move || load(&args).map_err(|e| format!("{e:#}").into());
         let shutdown = async {
             let _ = tokio::signal::ctrl_c().await;
         };
-        ballast_server::serve(listener, config, load, shutdown)
+        ballast_server::serve_engine(listener, config, engine, shutdown)
             .await
             .map_err(anyhow::Error::from)
     })
@@ -106,7 +110,8 @@ fn load(args: &ServeArgs) -> Result<Engine> {
     let threads = common::threads(args.model.threads);
     let parallel = usize::from(args.parallel);
     // Tiered streaming reserves room for every slot's cache.
-    let loaded = common::load(&args.model, threads, args.ctx * parallel, args.batch)?;
+    let loaded = common::load(&args.model, threads, args.ctx * parallel, args.batch)
+        .map_err(|e| per_sequence(e, parallel))?;
     let chat_template = loaded
         .file
         .get_str_opt("tokenizer.chat_template")?
@@ -144,4 +149,29 @@ fn load(args: &ServeArgs) -> Result<Engine> {
         tokenizer: loaded.tokenizer,
         chat_template,
     })
+}
+
+/// A context too long for the budget, told per sequence: `-c` is each one's, and the
+/// budget holds `--parallel` of them.
+fn per_sequence(e: anyhow::Error, parallel: usize) -> anyhow::Error {
+    let Some(c) = e.downcast_ref::<ContextTooLong>() else {
+        return e;
+    };
+    let each = c.fits / parallel as u64;
+    let advice = if each > 0 {
+        format!("pass -c {each} with --parallel {parallel}")
+    } else {
+        format!(
+            "lower --parallel (the budget holds {} tokens in all)",
+            c.fits
+        )
+    };
+    anyhow::anyhow!(
+        "{parallel} sequences of {} tokens do not fit the RAM budget of {} ({}); {} tokens in all do: {advice} (or more memory: --ram, a higher limit)\n  ({})",
+        c.ctx / parallel as u64,
+        human_bytes(c.budget),
+        c.source,
+        c.fits,
+        c.refusal
+    )
 }

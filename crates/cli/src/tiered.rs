@@ -7,14 +7,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use ballast_runtime::gguf::GgufFile;
+use ballast_runtime::gguf::{Array, GgufFile, Value};
 use ballast_runtime::model::load_weights;
 use ballast_runtime::weights::GlobalWeights;
 use ballast_runtime::{Backend, Model, ModelConfig, ResidentStore};
 use ballast_tier_stream::io::{self, DirectFile, ReadAt};
+use ballast_tier_stream::probe::{ProcessReserve, RamProbe};
 use ballast_tier_stream::{
-    model_shape, plan, probe, Budgets, ModelShape, Plan, PlanRequest, RamTier, Speeds, StatsHandle,
-    StreamStats, Tier, TieredOptions, TieredStore,
+    largest_context, model_shape, plan, probe, Budgets, ModelShape, Plan, PlanRequest, RamTier,
+    Reserve, Speeds, StatsHandle, StreamStats, Tier, TieredOptions, TieredStore,
 };
 use clap::{Args, ValueEnum};
 
@@ -150,31 +151,89 @@ pub struct Built {
     pub tiered: Option<TieredInfo>,
     pub compressed: Option<ballast_weight_codec::store::StatsHandle>,
     pub store_name: &'static str,
+    /// The RAM budget the store was sized from and its source, when one was (tiered
+    /// streaming, or the automatic choice of a store).
+    pub ram_budget: Option<(u64, String)>,
 }
 
-/// The RAM budget: the flag, else the probe.
-pub fn ram_budget(flag: Option<&str>) -> Result<(u64, String)> {
+/// What this process holds besides what a plan places, for the model `file` (its
+/// metadata and tokenizer live in the heap; `None`: no model file) computed with
+/// `threads`.
+pub fn process_reserve(file: Option<&GgufFile>, threads: usize) -> ProcessReserve {
+    let count = |key: &str| match file.and_then(|f| f.get(key)) {
+        Some(Value::Array(Array::String(items))) => items.len() as u64,
+        _ => 0,
+    };
+    ProcessReserve {
+        threads,
+        vocab: count("tokenizer.ggml.tokens"),
+        merges: count("tokenizer.ggml.merges"),
+    }
+}
+
+/// The RAM budget and where it came from: the flag, else the probe less what the
+/// process holds itself (`own`).
+pub fn ram_budget(flag: Option<&str>, own: ProcessReserve) -> Result<(u64, String)> {
     if let Some(s) = flag {
         return Ok((probe::parse_size(s)?, "given".into()));
     }
-    let p = probe::probe_ram();
-    let held = ballast_runtime::memory::current_rss_kib().unwrap_or(0) * 1024;
-    let budget = p
-        .budget(held)
-        .context("cannot probe RAM (no /proc/meminfo); pass --ram")?;
-    let source = match &p.cgroup_limit {
-        Some((l, f)) if *l - held.min(*l) <= p.mem_available.unwrap_or(u64::MAX) => {
-            format!(
-                "cgroup limit {} in {} minus {} held",
-                human_bytes(*l),
-                f.display(),
-                human_bytes(held)
-            )
-        }
-        _ => "MemAvailable".into(),
-    };
-    Ok((budget, source))
+    sized_budget(&probe::probe_ram(), own)
+        .context("cannot probe RAM (no /proc/meminfo); pass --ram")
 }
+
+/// The budget `probe` gives a process that holds `own` itself, and its source. The
+/// same probe and reserve give the same budget: nothing resident is subtracted (what
+/// the cgroup holds counts the mapped model's pages, which come and go).
+fn sized_budget(probe: &RamProbe, own: ProcessReserve) -> Option<(u64, String)> {
+    let reserve = own.bytes();
+    let budget = probe.budget(reserve)?;
+    let source = match &probe.cgroup_limit {
+        Some((limit, file)) if probe.limit_decides(reserve) => format!(
+            "{budget} bytes: the cgroup limit {} in {} less {} for the process itself ({} threads, {} tokens, {} merges)",
+            human_bytes(*limit),
+            file.display(),
+            human_bytes(reserve),
+            own.threads,
+            own.vocab,
+            own.merges
+        ),
+        _ => format!("{budget} bytes: MemAvailable"),
+    };
+    Some((budget, source))
+}
+
+/// A context the RAM budget cannot hold beside the model, with the longest one it
+/// can: the caller names the flag that sets it.
+#[derive(Debug)]
+pub struct ContextTooLong {
+    /// The context asked for, in tokens (all sequences together).
+    pub ctx: u64,
+    /// The longest context the budget holds.
+    pub fits: u64,
+    /// The budget in bytes.
+    pub budget: u64,
+    /// Where the budget came from.
+    pub source: String,
+    /// The planner's refusal at `ctx`.
+    pub refusal: String,
+}
+
+impl std::fmt::Display for ContextTooLong {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "a context of {} tokens does not fit the RAM budget of {} ({}); {} tokens do: pass -c {} (or more memory: --ram, a higher limit)\n  ({})",
+            self.ctx,
+            human_bytes(self.budget),
+            self.source,
+            self.fits,
+            self.fits,
+            self.refusal
+        )
+    }
+}
+
+impl std::error::Error for ContextTooLong {}
 
 /// Builds the model of `file` with the store `args` ask for, sized for a context of
 /// `ctx` tokens and prompt chunks of `batch`; `quiet` keeps the plan off stderr.
@@ -191,6 +250,8 @@ pub fn build(
     quiet: bool,
     neuron_cache: Option<u64>,
 ) -> Result<Built> {
+    // A pass never holds more tokens than the context.
+    let batch = batch.clamp(1, ctx.max(1));
     // A backend with its own device (wgpu) gets a plan with a device tier.
     let separate_device = backend.device_forward().is_some();
     if args.vram.is_some() && !separate_device {
@@ -252,6 +313,7 @@ pub fn build(
                 tiered: None,
                 compressed: Some(stats),
                 store_name: "compressed",
+                ram_budget: None,
             });
         }
         (None, StoreKind::Compressed) => bail!(
@@ -260,12 +322,20 @@ pub fn build(
         ),
         _ => {}
     }
+    let own = process_reserve(Some(file), backend.n_threads());
+    // Sized once: the choice of a store and the plan see the same budget.
+    let mut sized = None;
     let kind = match args.store {
         StoreKind::Auto if args.ram.is_some() || args.vram.is_some() => StoreKind::Tiered,
         StoreKind::Auto => {
-            let (budget, _) = ram_budget(None)?;
-            let need = shape.total_layer_bytes() + shape.head_bytes;
-            if need > budget {
+            let (ram, _) = sized.insert(ram_budget(None, own)?);
+            let ram = *ram;
+            // Resident when the weights fit beside what the context needs (KV cache,
+            // activations, the margin), else a mapped model would thrash: tiered.
+            let need = (shape.total_layer_bytes() + shape.head_bytes).saturating_add(
+                Reserve::for_context(&shape, ctx as u64, batch as u64, ram).total(),
+            );
+            if need > ram {
                 StoreKind::Tiered
             } else if mapped {
                 StoreKind::Mmap
@@ -276,6 +346,13 @@ pub fn build(
         k => k,
     };
     if kind != StoreKind::Tiered {
+        let store_name = if mapped { "mmap" } else { "ram" };
+        if let (false, Some((ram, source))) = (quiet, &sized) {
+            eprintln!(
+                "RAM budget {} ({source}): the model and a context of {ctx} tokens fit, {store_name}",
+                human_bytes(*ram)
+            );
+        }
         let store = ResidentStore::new(globals, layers, mapped);
         return Ok(Built {
             model: {
@@ -284,10 +361,14 @@ pub fn build(
             },
             tiered: None,
             compressed: None,
-            store_name: if mapped { "mmap" } else { "ram" },
+            store_name,
+            ram_budget: sized,
         });
     }
-    let (ram, source) = ram_budget(args.ram.as_deref())?;
+    let (ram, source) = match sized {
+        Some(sized) => sized,
+        None => ram_budget(args.ram.as_deref(), own)?,
+    };
     // The MLP out of core (the sparse MLP's neuron mode): no layer holds its up and
     // down matrices, which the neuron file serves neuron by neuron into a cache that
     // lives inside the RAM budget.
@@ -345,7 +426,7 @@ pub fn build(
         }
         None => None,
     };
-    let p = plan(&PlanRequest {
+    let request = PlanRequest {
         shape: shape.clone(),
         budgets: Budgets {
             device,
@@ -355,7 +436,26 @@ pub fn build(
         batch: batch as u64,
         depth: args.prefetch_depth.max(1),
         ram_tier: args.ram_tier.for_plan(),
-    })?;
+    };
+    let p = match plan(&request) {
+        Ok(p) => p,
+        // The KV cache grows with the context: say which context would fit.
+        Err(e) => {
+            return Err(match largest_context(&request) {
+                Some(fits) if device.is_none() && fits < request.ctx => {
+                    anyhow::Error::new(ContextTooLong {
+                        ctx: request.ctx,
+                        fits,
+                        budget: ram,
+                        source,
+                        refusal: e.to_string(),
+                    })
+                }
+                _ => anyhow::Error::new(e)
+                    .context(format!("RAM budget {} ({source})", human_bytes(ram))),
+            })
+        }
+    };
     let options = TieredOptions {
         io_threads: args.io_threads.max(1),
         whole_experts: args.whole_experts,
@@ -413,6 +513,7 @@ pub fn build(
         },
         tiered: Some(info),
         compressed,
+        ram_budget: Some((ram, source)),
         store_name: if tiered_pack.is_some() {
             "tiered over a pack"
         } else {

@@ -2,7 +2,10 @@
 //! library behind `ballast serve`.
 //!
 //! [`serve`] listens at once (so `GET /health` answers 503 while the model loads),
-//! loads the model with the closure it is given, then serves:
+//! loads the model with the closure it is given, then serves; [`serve_engine`] serves
+//! an engine loaded already, ready from the first request (`ballast serve` loads
+//! before it listens, so a model that does not fit stops it with its error). Both
+//! serve:
 //!
 //! - `POST /v1/chat/completions` (the GGUF's chat template) and `POST /v1/completions`,
 //!   one response or server-sent events (`stream: true`), with `max_tokens`,
@@ -143,48 +146,113 @@ where
         .name("ballast-scheduler".into())
         .spawn(move || {
             let engine = match load() {
-                Ok(e) if e.sessions.is_empty() => Err(Error::NoSession),
-                Ok(e) => Ok(e),
-                Err(e) => Err(Error::Load(e)),
-            };
-            let engine = match engine {
                 Ok(e) => e,
                 Err(e) => {
-                    let _ = failed_tx.send(e);
+                    let _ = failed_tx.send(Error::Load(e));
                     return;
                 }
             };
-            let tokenizer = Arc::new(engine.tokenizer);
-            let template = match engine.chat_template.as_deref() {
-                None => Err("the model has no chat template".to_string()),
-                Some(src) => ChatTemplate::new(src)
-                    .map_err(|e| format!("the model's chat template does not compile: {e}")),
-            };
-            let text = |id: Option<u32>| id.map(|id| tokenizer.decode(&[id])).unwrap_or_default();
-            let context = engine
-                .sessions
-                .iter()
-                .map(scheduler::context_of)
-                .min()
-                .flatten();
-            let ready = http::Ready {
-                bos: text(tokenizer.bos_id()),
-                eos: text(tokenizer.eos_id()),
-                tokenizer: tokenizer.clone(),
-                template,
-                context,
-            };
-            // Ready before the scheduler runs: the handlers may queue requests now,
-            // which it takes at its first turn.
-            let _ = loader_state.ready.set(ready);
-            scheduler::run(
-                engine.model,
-                engine.sessions,
-                tokenizer,
-                batch,
-                loader_state.shared.clone(),
-            );
+            match make_ready(engine, &loader_state) {
+                Ok(ready) => ready.run(batch),
+                Err(e) => {
+                    let _ = failed_tx.send(e);
+                }
+            }
         })?;
+    serve_until(listener, state, shared, failed_rx, shutdown).await
+}
+
+/// Serves the loaded `engine` on `listener` until `shutdown` completes: ready from
+/// the first request (`GET /health` answers 200), with no loading state.
+pub async fn serve_engine<S>(
+    listener: tokio::net::TcpListener,
+    config: ServerConfig,
+    engine: Engine,
+    shutdown: S,
+) -> Result<(), Error>
+where
+    S: Future<Output = ()> + Send + 'static,
+{
+    let shared = Arc::new(scheduler::Shared::new(config.max_queue));
+    let batch = config.batch;
+    let state = Arc::new(http::AppState::new(config, shared.clone()));
+    let ready = make_ready(engine, &state)?;
+    // Nothing loads: the channel of a loader's failure never fires.
+    let (_never, failed_rx) = tokio::sync::oneshot::channel::<Error>();
+    std::thread::Builder::new()
+        .name("ballast-scheduler".into())
+        .spawn(move || ready.run(batch))?;
+    serve_until(listener, state, shared, failed_rx, shutdown).await
+}
+
+/// An engine whose handlers are ready: what the scheduler runs.
+struct Scheduled {
+    model: Model,
+    sessions: Vec<Session>,
+    tokenizer: Arc<Tokenizer>,
+    shared: Arc<scheduler::Shared>,
+}
+
+impl Scheduled {
+    /// Runs the scheduler on this thread until the server shuts down.
+    fn run(self, batch: usize) {
+        scheduler::run(
+            self.model,
+            self.sessions,
+            self.tokenizer,
+            batch,
+            self.shared,
+        );
+    }
+}
+
+/// Makes `state` ready for `engine` (its tokenizer, chat template and context), so
+/// the handlers may queue requests, which the scheduler takes at its first turn.
+fn make_ready(engine: Engine, state: &http::AppState) -> Result<Scheduled, Error> {
+    if engine.sessions.is_empty() {
+        return Err(Error::NoSession);
+    }
+    let tokenizer = Arc::new(engine.tokenizer);
+    let template = match engine.chat_template.as_deref() {
+        None => Err("the model has no chat template".to_string()),
+        Some(src) => ChatTemplate::new(src)
+            .map_err(|e| format!("the model's chat template does not compile: {e}")),
+    };
+    let text = |id: Option<u32>| id.map(|id| tokenizer.decode(&[id])).unwrap_or_default();
+    let context = engine
+        .sessions
+        .iter()
+        .map(scheduler::context_of)
+        .min()
+        .flatten();
+    let ready = http::Ready {
+        bos: text(tokenizer.bos_id()),
+        eos: text(tokenizer.eos_id()),
+        tokenizer: tokenizer.clone(),
+        template,
+        context,
+    };
+    let _ = state.ready.set(ready);
+    Ok(Scheduled {
+        model: engine.model,
+        sessions: engine.sessions,
+        tokenizer,
+        shared: state.shared.clone(),
+    })
+}
+
+/// Serves `state` on `listener` until `shutdown` completes or a loader fails
+/// (`failed`), then stops the scheduler.
+async fn serve_until<S>(
+    listener: tokio::net::TcpListener,
+    state: Arc<http::AppState>,
+    shared: Arc<scheduler::Shared>,
+    failed_rx: tokio::sync::oneshot::Receiver<Error>,
+    shutdown: S,
+) -> Result<(), Error>
+where
+    S: Future<Output = ()> + Send + 'static,
+{
     let failure: Arc<Mutex<Option<Error>>> = Arc::default();
     let failure_slot = failure.clone();
     let stop = async move {

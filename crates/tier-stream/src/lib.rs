@@ -75,8 +75,8 @@ use std::path::PathBuf;
 
 pub use experts::ExpertStats;
 pub use plan::{
-    plan, Bottleneck, Budgets, BytesPerToken, ModelShape, Plan, PlanRequest, Prediction, RamTier,
-    Reserve, Speeds, Tier,
+    largest_context, plan, Bottleneck, Budgets, BytesPerToken, ModelShape, Plan, PlanRequest,
+    Prediction, RamTier, Reserve, Speeds, Tier,
 };
 pub use store::{model_shape, Part, StatsHandle, StreamStats, TieredOptions, TieredStore};
 

@@ -460,6 +460,37 @@ fn held_coded(streamed: &[usize], stored: &[u64], room: u64) -> Vec<usize> {
     Vec::new()
 }
 
+/// The longest context, at most `req.ctx` tokens, for which [`plan()`] places the
+/// model within `req.budgets`, or `None` if not even one token fits. What a refused
+/// context should be told: the KV cache grows with the context. A pass never holds
+/// more tokens than the context, so the batch is taken as at most the context tried;
+/// everything else is as asked.
+pub fn largest_context(req: &PlanRequest) -> Option<u64> {
+    let fits = |ctx: u64| {
+        plan(&PlanRequest {
+            ctx,
+            batch: req.batch.min(ctx),
+            ..req.clone()
+        })
+        .is_ok()
+    };
+    if fits(req.ctx) {
+        return Some(req.ctx);
+    }
+    // What is needed grows with the context: bisect between a context that fits
+    // (`lo`, or none) and one that does not (`hi`).
+    let (mut lo, mut hi) = (0u64, req.ctx);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    (lo > 0).then_some(lo)
+}
+
 /// Places every layer of `req.shape` within `req.budgets`.
 pub fn plan(req: &PlanRequest) -> Result<Plan> {
     let shape = &req.shape;

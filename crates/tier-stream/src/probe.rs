@@ -20,17 +20,80 @@ pub struct RamProbe {
 
 impl RamProbe {
     /// The RAM budget: the smaller of `MemAvailable` and the cgroup limit minus
-    /// `already_held` (what this process holds before its weights: the binary, the
-    /// tokenizer). `None` if nothing could be read.
-    pub fn budget(&self, already_held: u64) -> Option<u64> {
+    /// `own` (what this process holds besides what a plan places: see
+    /// [`ProcessReserve`]). `None` if nothing could be read.
+    ///
+    /// What the cgroup already uses ([`RamProbe::cgroup_usage`]) is not subtracted: it
+    /// counts the pages of the memory-mapped model that happen to be resident (and
+    /// the page cache charged to the group), which the kernel drops under the limit,
+    /// so the same command would get a different budget on each run.
+    pub fn budget(&self, own: u64) -> Option<u64> {
         let limit = self
             .cgroup_limit
             .as_ref()
-            .map(|(l, _)| l.saturating_sub(already_held));
+            .map(|(l, _)| l.saturating_sub(own));
         match (self.mem_available, limit) {
             (Some(a), Some(l)) => Some(a.min(l)),
             (a, l) => a.or(l),
         }
+    }
+
+    /// Whether the cgroup limit (less `own`) is what [`RamProbe::budget`] gives, rather
+    /// than `MemAvailable`.
+    pub fn limit_decides(&self, own: u64) -> bool {
+        match (&self.cgroup_limit, self.mem_available) {
+            (Some((l, _)), Some(a)) => l.saturating_sub(own) <= a,
+            (Some(_), None) => true,
+            (None, _) => false,
+        }
+    }
+}
+
+/// What a Ballast process holds in RAM besides what a plan places (weights, KV cache,
+/// activations, scratch and the plan's margin): the code of the binary and its
+/// libraries in use, the allocator's and the runtime's own memory, thread stacks,
+/// and the GGUF's metadata parsed into the heap with the tokenizer built from it,
+/// which is most of it (about 30 MiB for SmolLM2's vocabulary of 49,152 tokens).
+///
+/// It is computed from the run's inputs, never read from the resident set, so a
+/// command sizes itself the same way every time: the resident set at start-up counts
+/// whichever pages of the mapped model happen to be in memory, pages the kernel drops
+/// under a limit. The constants come from the anonymous memory measured before the
+/// budget is taken (`RssAnon` when the compute threads start) on three models:
+/// SmolLM2-135M (49,152 tokens, 48,900 merges) 29 MiB, Qwen2.5-Coder-0.5B (151,936
+/// tokens, 151,387 merges) 96 MiB, Gemma-3-270M (262,144 tokens, no merges) 72 MiB;
+/// each is below what [`ProcessReserve::bytes`] gives it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcessReserve {
+    /// Threads the process computes with (each has a stack and per-thread buffers).
+    pub threads: usize,
+    /// Tokens of the vocabulary (`tokenizer.ggml.tokens`).
+    pub vocab: u64,
+    /// BPE merges (`tokenizer.ggml.merges`).
+    pub merges: u64,
+}
+
+impl ProcessReserve {
+    /// The binary's and its libraries' code and data in use (SmolLM2 touches 12 MiB
+    /// of them in a debug build), the allocator's arenas, the async runtime and the
+    /// main thread.
+    pub const BASE: u64 = 12 << 20;
+    /// One compute thread: its stack as touched and its per-thread buffers (the heap
+    /// grew by 1 MiB from 2 to 4 threads).
+    pub const PER_THREAD: u64 = 512 << 10;
+    /// One token of the vocabulary: its string in the parsed metadata, again in the
+    /// tokenizer, and its entries in the tokenizer's maps.
+    pub const PER_TOKEN: u64 = 320;
+    /// One merge: its string in the parsed metadata, again in the tokenizer, and its
+    /// entry in the tokenizer's rank map.
+    pub const PER_MERGE: u64 = 400;
+
+    /// The reserve in bytes.
+    pub fn bytes(&self) -> u64 {
+        Self::BASE
+            .saturating_add(Self::PER_THREAD.saturating_mul(self.threads as u64))
+            .saturating_add(Self::PER_TOKEN.saturating_mul(self.vocab))
+            .saturating_add(Self::PER_MERGE.saturating_mul(self.merges))
     }
 }
 
@@ -250,6 +313,54 @@ mod tests {
             ..p
         };
         assert_eq!(q.budget(100 << 20), Some(10 << 30));
+    }
+
+    #[test]
+    fn the_same_inputs_give_the_same_budget_whatever_the_group_holds() {
+        let reserve = ProcessReserve {
+            threads: 2,
+            vocab: 49_152,
+            merges: 48_900,
+        };
+        let own = reserve.bytes();
+        assert_eq!(own, reserve.bytes());
+        let limit = 64u64 << 20;
+        let probe = |usage| RamProbe {
+            mem_available: Some(20 << 30),
+            cgroup_limit: Some((limit, PathBuf::from("memory.limit_in_bytes"))),
+            cgroup_usage: Some(usage),
+        };
+        // Whatever the group holds (here: none of the mapped model resident, then
+        // 40 MiB of it), the budget is the limit less the process's own reserve.
+        let cold = probe(2 << 20).budget(own);
+        let warm = probe(42 << 20).budget(own);
+        assert_eq!(cold, Some(limit - own));
+        assert_eq!(cold, warm);
+        assert!(probe(0).limit_decides(own));
+        // More threads reserve more, each the same.
+        let more = ProcessReserve {
+            threads: 8,
+            ..reserve
+        };
+        assert_eq!(
+            more.bytes() - own,
+            6 * ProcessReserve::PER_THREAD,
+            "each thread reserves the same"
+        );
+        // A reserve above the limit leaves no budget (saturating, not wrapping).
+        let huge = ProcessReserve {
+            threads: 1,
+            vocab: limit,
+            merges: 0,
+        };
+        assert_eq!(probe(0).budget(huge.bytes()), Some(0));
+        // MemAvailable below the limit decides.
+        let tight = RamProbe {
+            mem_available: Some(1 << 20),
+            ..probe(0)
+        };
+        assert_eq!(tight.budget(own), Some(1 << 20));
+        assert!(!tight.limit_decides(own));
     }
 
     #[test]

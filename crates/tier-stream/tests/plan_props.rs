@@ -4,7 +4,7 @@
 
 use ballast_tier_stream::plan::{align_up, slot_bytes, spread};
 use ballast_tier_stream::{
-    plan, Budgets, Error, ModelShape, PlanRequest, RamTier, Reserve, Speeds, Tier,
+    largest_context, plan, Budgets, Error, ModelShape, PlanRequest, RamTier, Reserve, Speeds, Tier,
 };
 use proptest::prelude::*;
 
@@ -121,6 +121,30 @@ proptest! {
             prop_assert!(pr.seconds_per_token >= bound * (1.0 - 1e-9), "{} < {}", pr.seconds_per_token, bound);
             // Never worse than doing everything one after the other.
             prop_assert!(pr.seconds_per_token <= (pr.compute_s + pr.disk_s + pr.h2d_s) * (1.0 + 1e-9));
+        }
+    }
+
+    #[test]
+    fn the_largest_context_fits_and_one_more_token_does_not(
+        layers in prop::collection::vec(1u64..(1u64 << 24), 1..32),
+        head in 0u64..(1u64 << 24),
+        kv_dim in 1u64..2048,
+        ctx in 1u64..100_000,
+        batch in 1u64..512,
+        depth in 1usize..4,
+        ram in 0u64..(1u64 << 31),
+    ) {
+        let req = PlanRequest { shape: shape(layers, head, kv_dim), budgets: Budgets { device: None, ram }, ctx, batch, depth, ram_tier: RamTier::Raw };
+        let at = |ctx: u64| plan(&PlanRequest { ctx, batch: batch.min(ctx), ..req.clone() });
+        match largest_context(&req) {
+            Some(fits) => {
+                prop_assert!(fits >= 1 && fits <= ctx);
+                prop_assert!(at(fits).is_ok(), "{fits} tokens were said to fit");
+                if fits < ctx {
+                    prop_assert!(at(fits + 1).is_err(), "{} tokens fit too", fits + 1);
+                }
+            }
+            None => prop_assert!(at(1).is_err(), "one token fits"),
         }
     }
 
