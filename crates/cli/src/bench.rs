@@ -212,9 +212,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
             reserve.bytes,
         )
         .map_err(|e| match e.downcast_ref::<tiered::ContextTooLong>() {
-            // The context is the longer of -p and -n, plus one.
+            // The context is -d plus the longer of -p and -n, plus one.
             Some(c) => anyhow::anyhow!(
-                "-p {} / -n {} need a context of {} tokens, which does not fit the RAM budget of {} ({}); {} tokens do: lower -p and -n to at most {}\n  ({})",
+                "-d {depth} with -p {} / -n {} need a context of {} tokens, which does not fit the RAM budget of {} ({}); {} tokens do: lower -d plus the larger of -p and -n to at most {}\n  ({})",
                 args.n_prompt,
                 args.n_gen,
                 c.ctx,

@@ -260,7 +260,7 @@ fn bench_in_64_mib_and_2_gib_runs_with_a_probed_budget() {
             let o = bench(&["-p", "4096", "-n", "8"]);
             assert!(!o.status.success());
             assert!(
-                stderr(&o).contains("lower -p and -n to at most"),
+                stderr(&o).contains("lower -d plus the larger of -p and -n to at most"),
                 "{}",
                 stderr(&o)
             );
