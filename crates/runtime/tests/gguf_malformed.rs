@@ -29,20 +29,26 @@ fn note(size: usize) {
     });
 }
 
+// SAFETY: every call is forwarded to the system allocator unchanged; `note` only
+// records a size and allocates nothing.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         note(layout.size());
+        // SAFETY: the caller upholds `GlobalAlloc`'s contract, passed on as is.
         unsafe { System.alloc(layout) }
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         note(layout.size());
+        // SAFETY: the caller upholds `GlobalAlloc`'s contract, passed on as is.
         unsafe { System.alloc_zeroed(layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         note(new_size);
+        // SAFETY: the caller upholds `GlobalAlloc`'s contract, passed on as is.
         unsafe { System.realloc(ptr, layout, new_size) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller upholds `GlobalAlloc`'s contract, passed on as is.
         unsafe { System.dealloc(ptr, layout) }
     }
 }

@@ -1,6 +1,10 @@
 //! Reference tests of the quantized kernels against independent bit unpacking and f64 math.
 
+use ballast_runtime::backend::cpu_kernels::{
+    attend_head_at, attend_head_reference, swiglu_at, HeadSlot,
+};
 use ballast_runtime::ggml_type::GgmlType;
+use ballast_runtime::kv::{KvRows, KvSegment, KvView, MASKED_POSITION};
 use ballast_runtime::quant::{self, QuantizedActivations, SimdLevel};
 use half::{bf16, f16};
 use proptest::prelude::*;
@@ -355,6 +359,85 @@ proptest! {
                         "{:?} {:?} out[{}]: {} vs scalar {}", ty, level, i, g, s);
                 }
             }
+        }
+    }
+
+    /// Every SIMD level's attention (scores, online softmax, weighted sum of values)
+    /// gives the scalar reference's bits: f32, f16 and int8 caches; head sizes the
+    /// vector paths take (64, 128, 256) and one they leave to the reference (48); grouped
+    /// heads; two segments; masked slots, future positions and a sliding window.
+    #[test]
+    fn attention_levels_agree_with_scalar(seed in any::<u64>()) {
+        let mut r = Rng(seed);
+        let hd = [64usize, 128, 256, 48][r.below(4)];
+        let n_kv = 1 + r.below(3);
+        let row_len = n_kv * hd;
+        let lens = [r.below(40), 1 + r.below(40)];
+        let dtype = r.below(3);
+        // Values up to 8 in magnitude, so scores spread and the running maximum moves.
+        let mut vals = |n: usize| (0..n).map(|_| 8.0 * r.unit()).collect::<Vec<f32>>();
+        let data: Vec<(Vec<f32>, Vec<f32>)> =
+            lens.iter().map(|&n| (vals(n * row_len), vals(n * row_len))).collect();
+        let q = vals(hd);
+        let f16s = |v: &[f32]| v.iter().map(|&x| half::f16::from_f32(x)).collect::<Vec<_>>();
+        let q8s = |v: &[f32]| {
+            let quants: Vec<i8> = v.iter().map(|&x| (x * 15.0) as i8).collect();
+            let scales: Vec<half::f16> =
+                (0..v.len().div_ceil(32)).map(|b| half::f16::from_f32(0.01 + b as f32 * 1e-3)).collect();
+            (quants, scales)
+        };
+        let halves: Vec<_> = data.iter().map(|(k, v)| (f16s(k), f16s(v))).collect();
+        let bytes: Vec<_> = data.iter().map(|(k, v)| (q8s(k), q8s(v))).collect();
+        let mut positions: Vec<Vec<u32>> = Vec::new();
+        let mut next = 0u32;
+        for &n in &lens {
+            positions.push((0..n).map(|_| {
+                next += 1;
+                if r.below(8) == 0 { MASKED_POSITION } else { next - 1 }
+            }).collect());
+        }
+        let rows = |s: usize, value: usize| match dtype {
+            0 => KvRows::F32(if value == 0 { &data[s].0 } else { &data[s].1 }),
+            1 => KvRows::F16(if value == 0 { &halves[s].0 } else { &halves[s].1 }),
+            _ => {
+                let (quants, scales) = if value == 0 { &bytes[s].0 } else { &bytes[s].1 };
+                KvRows::Q8 { quants, scales }
+            }
+        };
+        let segments = (0..2)
+            .map(|s| KvSegment { keys: rows(s, 0), values: rows(s, 1), positions: &positions[s] })
+            .collect();
+        let view = KvView { segments };
+        let window = if r.below(3) == 0 { 1 + r.below(20) as u32 } else { u32::MAX };
+        let slot = HeadSlot { offset: r.below(n_kv) * hd, row_len, head_dim: hd, window };
+        let q_pos = r.below(next as usize + 2) as u32;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut tmp = Vec::new();
+        let mut want = vec![f32::NAN; hd];
+        attend_head_reference(&q, q_pos, &view, slot, scale, &mut tmp, &mut want);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for level in quant::available_simd_levels() {
+            let mut got = vec![f32::NAN; hd];
+            attend_head_at(level, &q, q_pos, &view, slot, scale, &mut tmp, &mut got);
+            prop_assert_eq!(bits(&got), bits(&want), "{:?} head_dim {} dtype {}", level, hd, dtype);
+        }
+    }
+
+    /// Every SIMD level's SwiGLU gives the scalar statement's bits, over gates of every
+    /// size the model sees (and saturating ones), with tails shorter than a vector.
+    #[test]
+    fn swiglu_levels_agree_with_scalar(seed in any::<u64>()) {
+        let mut r = Rng(seed);
+        let n = r.below(300);
+        let gate: Vec<f32> = (0..n).map(|_| r.unit() * [1.0, 20.0, 200.0][r.below(3)]).collect();
+        let up: Vec<f32> = (0..n).map(|_| r.unit() * 4.0).collect();
+        let mut want = vec![f32::NAN; n];
+        swiglu_at(SimdLevel::Scalar, &gate, &up, &mut want);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for level in quant::available_simd_levels() {
+            let mut got = vec![f32::NAN; n];
+            swiglu_at(level, &gate, &up, &mut got);
+            prop_assert_eq!(bits(&got), bits(&want), "{:?}", level);
         }
     }
 

@@ -11,7 +11,9 @@
 //! An f32 cache follows the same steps without the f16 roundings.
 //!
 //! [`attend_head_reference`] is the plain statement of it; [`attend_head`] picks an
-//! AVX-512 version with the same results when the CPU has it.
+//! AVX-512 or AVX2 version with the same results when the CPU has it (AVX2 keeps
+//! ggml's 16-lane accumulators as pairs of 8-lane ones, so it adds the same lanes in
+//! the same order).
 
 use half::f16;
 
@@ -22,7 +24,7 @@ const STEP: usize = 64;
 
 /// Where one head's keys and values sit in a cache row.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct HeadSlot {
+pub struct HeadSlot {
     /// Offset of the head's first element in a row.
     pub offset: usize,
     /// Elements per cached row (all KV heads).
@@ -82,7 +84,7 @@ fn dot_reference(x: &[f32], y: &[f32]) -> f32 {
 /// The plain statement of the kernel for one query head `q` (at position `q_pos`) over
 /// the cached tokens at or before `q_pos`; `out` gets the head's output. `tmp` is
 /// scratch of at least `3 * head_dim`.
-pub(crate) fn attend_head_reference(
+pub fn attend_head_reference(
     q: &[f32],
     q_pos: u32,
     kv: &KvView<'_>,
@@ -134,8 +136,7 @@ pub(crate) fn attend_head_reference(
     }
 }
 
-/// [`attend_head_reference`], on AVX-512 when the CPU has it and the head size is a
-/// multiple of 64 (same results, bit for bit).
+/// [`attend_head_reference`] at the SIMD level in use ([`attend_head_at`]).
 pub(crate) fn attend_head(
     q: &[f32],
     q_pos: u32,
@@ -145,15 +146,67 @@ pub(crate) fn attend_head(
     tmp: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    attend_head_at(
+        crate::quant::current_simd_level(),
+        q,
+        q_pos,
+        kv,
+        slot,
+        scale,
+        tmp,
+        out,
+    )
+}
+
+/// True if every segment of `kv` holds a whole row for each of its positions, and
+/// `q` and `out` a whole head: what the vector kernels read and write unchecked.
+fn fits(q: &[f32], kv: &KvView<'_>, slot: HeadSlot, out: &[f32]) -> bool {
+    let head_end = slot.offset + slot.head_dim;
+    q.len() >= slot.head_dim
+        && out.len() >= slot.head_dim
+        && head_end <= slot.row_len
+        && kv.segments.iter().all(|seg| {
+            let need = seg.positions.len().checked_mul(slot.row_len);
+            need.is_some_and(|n| seg.keys.len() >= n && seg.values.len() >= n)
+        })
+}
+
+/// [`attend_head_reference`] at `level`, in its float order (same results, bit for
+/// bit): on AVX-512 or AVX2 when the CPU has it and the head size is a multiple of 64
+/// (at most 256), else the reference. A level the CPU lacks runs the reference.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_head_at(
+    level: crate::quant::SimdLevel,
+    q: &[f32],
+    q_pos: u32,
+    kv: &KvView<'_>,
+    slot: HeadSlot,
+    scale: f32,
+    tmp: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
-    if slot.head_dim % STEP == 0
-        && slot.head_dim <= 16 * x86::MAX_VECS
-        && crate::quant::current_simd_level() == crate::quant::SimdLevel::Avx512
     {
-        // SAFETY: AVX-512 support was just checked.
-        unsafe { x86::attend_head_avx512(q, q_pos, kv, slot, scale, out) };
-        return;
+        use crate::quant::SimdLevel;
+        let vector = slot.head_dim % STEP == 0
+            && slot.head_dim <= x86::MAX_HEAD
+            && level.is_supported()
+            && fits(q, kv, slot, out);
+        if vector && level == SimdLevel::Avx512 {
+            // SAFETY: AVX-512 support was just checked, and `fits` that every row read
+            // and the head written are in bounds.
+            unsafe { x86::attend_head_avx512(q, q_pos, kv, slot, scale, out) };
+            return;
+        }
+        if vector && level == SimdLevel::Avx2 {
+            // SAFETY: AVX2 (with FMA and F16C) support was just checked, and `fits`
+            // that every row read and the head written are in bounds.
+            unsafe { x86::attend_head_avx2(q, q_pos, kv, slot, scale, out) };
+            return;
+        }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (level, fits);
     attend_head_reference(q, q_pos, kv, slot, scale, tmp, out)
 }
 
@@ -164,8 +217,12 @@ mod x86 {
     use super::{HeadSlot, STEP};
     use crate::kv::{KvRows, KvView, Q8_BLOCK};
 
-    /// Most 16-lane vectors a head holds on this path (head size up to 256).
-    pub(super) const MAX_VECS: usize = 16;
+    /// Largest head size of the vector paths.
+    pub(super) const MAX_HEAD: usize = 256;
+    /// Most 16-lane vectors a head holds on the AVX-512 path.
+    const MAX_VECS: usize = MAX_HEAD / 16;
+    /// Most 8-lane vectors a head holds on the AVX2 path.
+    const MAX_VECS8: usize = MAX_HEAD / 8;
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
@@ -275,6 +332,111 @@ mod x86 {
             unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * j), _mm512_mul_ps(*a, inv)) };
         }
     }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(rows: &KvRows<'_>, at: usize) -> __m256 {
+        // SAFETY: the caller keeps `at + 8` within the rows.
+        unsafe {
+            match rows {
+                KvRows::F32(v) => _mm256_loadu_ps(v.as_ptr().add(at)),
+                KvRows::F16(v) => {
+                    _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(at) as *const __m128i))
+                }
+                // Eight elements never straddle two scales: heads start on multiples of
+                // 64 on this path, and blocks are 32 long.
+                KvRows::Q8 { quants, scales } => {
+                    let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                        quants.as_ptr().add(at) as *const __m128i
+                    ));
+                    let d = _mm256_set1_ps(scales[at / Q8_BLOCK].to_f32());
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(q), d)
+                }
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn round8(x: __m256, half: bool) -> __m256 {
+        if half {
+            _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x))
+        } else {
+            x
+        }
+    }
+
+    /// [`attend_head_avx512`] eight lanes at a time: ggml's four 16-lane accumulators
+    /// are eight 8-lane ones (accumulator `j` of 16 lanes is the pair `2j`, `2j + 1`),
+    /// so vector `j` of the head goes into accumulator `j % 8`, and the reduction adds
+    /// the same lanes in the same order as `_mm512_reduce_add_ps`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn attend_head_avx2(
+        q: &[f32],
+        q_pos: u32,
+        kv: &KvView<'_>,
+        slot: HeadSlot,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        let hd = slot.head_dim;
+        let nv = hd / 8;
+        debug_assert!(hd % STEP == 0 && nv <= MAX_VECS8);
+        let half = matches!(kv.segments.first().map(|s| s.keys), Some(KvRows::F16(_)));
+        let zero = _mm256_setzero_ps();
+        let mut qv = [zero; MAX_VECS8];
+        let mut acc = [zero; MAX_VECS8];
+        for (j, v) in qv.iter_mut().enumerate().take(nv) {
+            // SAFETY: q holds hd values.
+            *v = round8(unsafe { _mm256_loadu_ps(q.as_ptr().add(8 * j)) }, half);
+        }
+        let mut max = f32::NEG_INFINITY;
+        let mut sum = 0f32;
+        for seg in &kv.segments {
+            for (i, &p) in seg.positions.iter().enumerate() {
+                if super::skipped(p, q_pos, slot.window) {
+                    continue;
+                }
+                let start = i * slot.row_len + slot.offset;
+                let mut s8 = [zero; 8];
+                for j in 0..nv {
+                    // SAFETY: the segment holds this row.
+                    let k = unsafe { load8(&seg.keys, start + 8 * j) };
+                    s8[j % 8] = _mm256_fmadd_ps(k, qv[j], s8[j % 8]);
+                }
+                // The halves of (acc0 + acc2) + (acc1 + acc3), then lower + upper half.
+                let lo = _mm256_add_ps(_mm256_add_ps(s8[0], s8[4]), _mm256_add_ps(s8[2], s8[6]));
+                let hi = _mm256_add_ps(_mm256_add_ps(s8[1], s8[5]), _mm256_add_ps(s8[3], s8[7]));
+                let t8 = _mm256_add_ps(lo, hi);
+                let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
+                let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+                let s = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2))) * scale;
+                let (mut ms, mut vs) = (1f32, 1f32);
+                if s > max {
+                    ms = (max - s).exp();
+                    max = s;
+                    let m = _mm256_set1_ps(ms);
+                    for a in acc.iter_mut().take(nv) {
+                        *a = round8(_mm256_mul_ps(*a, m), half);
+                    }
+                } else {
+                    vs = (s - max).exp();
+                }
+                let w = _mm256_set1_ps(vs);
+                for (j, a) in acc.iter_mut().enumerate().take(nv) {
+                    // SAFETY: the segment holds this row.
+                    let v = unsafe { load8(&seg.values, start + 8 * j) };
+                    *a = round8(_mm256_fmadd_ps(v, w, *a), half);
+                }
+                sum = sum.mul_add(ms, vs);
+            }
+        }
+        let inv = _mm256_set1_ps(if sum == 0.0 { 0.0 } else { 1.0 / sum });
+        for (j, a) in acc.iter().enumerate().take(nv) {
+            // SAFETY: out holds hd values.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * j), _mm256_mul_ps(*a, inv)) };
+        }
+    }
 }
 
 #[cfg(test)]
@@ -317,8 +479,9 @@ mod tests {
         (q, s)
     }
 
-    /// The dispatched kernel equals the reference bit for bit, for f16, f32 and int8 caches,
-    /// several head sizes, grouped heads and masked (future) positions.
+    /// The kernel of every level this CPU has equals the reference bit for bit, for f16,
+    /// f32 and int8 caches, several head sizes, grouped heads, masked (future) positions
+    /// and a sliding window.
     #[test]
     fn dispatched_kernel_equals_reference() {
         let mut seed = 7u64;
@@ -364,17 +527,22 @@ mod tests {
                         head_dim: hd,
                         window: u32::MAX,
                     };
-                    let mut a = vec![f32::NAN; hd];
-                    let mut b = vec![f32::NAN; hd];
-                    let mut tmp = Vec::new();
-                    attend_head_reference(&q, 30, &view, slot, 0.125, &mut tmp, &mut a);
-                    attend_head(&q, 30, &view, slot, 0.125, &mut tmp, &mut b);
-                    assert_eq!(
-                        a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                        b.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                        "head_dim {hd}, {dtype:?}"
-                    );
-                    assert!(a.iter().all(|x| x.is_finite()));
+                    for window in [u32::MAX, 9] {
+                        let slot = HeadSlot { window, ..slot };
+                        let mut a = vec![f32::NAN; hd];
+                        let mut tmp = Vec::new();
+                        attend_head_reference(&q, 30, &view, slot, 0.125, &mut tmp, &mut a);
+                        assert!(a.iter().all(|x| x.is_finite()));
+                        for level in crate::quant::available_simd_levels() {
+                            let mut b = vec![f32::NAN; hd];
+                            attend_head_at(level, &q, 30, &view, slot, 0.125, &mut tmp, &mut b);
+                            assert_eq!(
+                                a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                                b.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                                "head_dim {hd}, {dtype:?}, window {window}, {level:?}"
+                            );
+                        }
+                    }
                 }
             }
         }

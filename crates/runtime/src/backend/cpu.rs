@@ -30,6 +30,7 @@ struct SyncPtr(*mut f32);
 // SAFETY: threads write disjoint ranges (see each use) and the region ends before the
 // borrow it came from does.
 unsafe impl Send for SyncPtr {}
+// SAFETY: as for `Send`: shared between the pool's threads, each writes its own range.
 unsafe impl Sync for SyncPtr {}
 
 impl SyncPtr {

@@ -10,7 +10,8 @@
 //!
 //! Each op is written once as plain Rust on `f32::mul_add`; on x86-64 with FMA the same
 //! code is compiled a second time with the FMA feature on, so `mul_add` is one
-//! instruction instead of a libm call. Both give the same bits.
+//! instruction instead of a libm call. Both give the same bits. SwiGLU also has AVX2
+//! and AVX-512 versions, lane for lane the same operations (same bits).
 
 use super::{Rope, RopeStyle};
 
@@ -162,18 +163,115 @@ mod avx512 {
     }
 }
 
-/// `out[i] = silu(gate[i]) * up[i]`.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// `j * 2^n` rounded once, as AVX-512's `scalef` (and [`super::expf_ggml`]'s f64
+    /// statement of it): `n` is integral, so `2^n` is exact in f64 and so is the
+    /// product; converting it to f32 is the one rounding (subnormals included). Lanes
+    /// with `|n| > 192` get some value the caller replaces.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn scalef(j: __m256, n: __m256) -> __m256 {
+        let ni = _mm256_cvtps_epi32(n);
+        let bias = _mm256_set1_epi64x(1023);
+        let pow2 = |e: __m128i| {
+            _mm256_castsi256_pd(_mm256_slli_epi64::<52>(_mm256_add_epi64(
+                _mm256_cvtepi32_epi64(e),
+                bias,
+            )))
+        };
+        let lo = _mm256_mul_pd(
+            _mm256_cvtps_pd(_mm256_castps256_ps128(j)),
+            pow2(_mm256_castsi256_si128(ni)),
+        );
+        let hi = _mm256_mul_pd(
+            _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(j)),
+            pow2(_mm256_extracti128_si256::<1>(ni)),
+        );
+        _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo))
+    }
+
+    /// [`super::expf_ggml`] eight lanes at a time, operation for operation.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn expf(x: __m256) -> __m256 {
+        let c = |bits: u32| _mm256_set1_ps(f32::from_bits(bits));
+        let r = c(0x4b40_0000);
+        let z = _mm256_fmadd_ps(x, c(0x3fb8_aa3b), r);
+        let n = _mm256_sub_ps(z, r);
+        let b = _mm256_fnmadd_ps(n, c(0x35bf_be8e), _mm256_fnmadd_ps(n, c(0x3f31_7200), x));
+        let abs_n = _mm256_andnot_ps(_mm256_set1_ps(-0.0), n);
+        let far = _mm256_cmp_ps::<_CMP_GT_OQ>(abs_n, _mm256_set1_ps(192.0));
+        let u = _mm256_mul_ps(b, b);
+        let j = _mm256_fmadd_ps(
+            _mm256_fmadd_ps(
+                _mm256_fmadd_ps(c(0x3c07_2010), b, c(0x3d2b_9f17)),
+                u,
+                _mm256_fmadd_ps(c(0x3e2a_af33), b, c(0x3eff_fedb)),
+            ),
+            u,
+            _mm256_fmadd_ps(c(0x3f7f_fff6), b, _mm256_set1_ps(1.0)),
+        );
+        let res = scalef(j, n);
+        if _mm256_movemask_ps(far) == 0 {
+            return res;
+        }
+        let low = _mm256_cmp_ps::<_CMP_LE_OQ>(n, _mm256_setzero_ps());
+        let alt = _mm256_blendv_ps(_mm256_set1_ps(f32::INFINITY), _mm256_setzero_ps(), low);
+        _mm256_blendv_ps(res, alt, far)
+    }
+
+    /// [`super::swiglu_impl`] eight lanes at a time (`x / (1 + exp(-x))`, then the
+    /// product); the tail of fewer than 8 values one at a time, the same operations.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        let n = out.len().min(gate.len()).min(up.len());
+        let whole = n - n % 8;
+        let one = _mm256_set1_ps(1.0);
+        let sign = _mm256_set1_ps(-0.0);
+        for i in (0..whole).step_by(8) {
+            // SAFETY: i + 8 <= n, within all three slices.
+            unsafe {
+                let g = _mm256_loadu_ps(gate.as_ptr().add(i));
+                let u = _mm256_loadu_ps(up.as_ptr().add(i));
+                let e = expf(_mm256_xor_ps(g, sign));
+                let silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+                _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(silu, u));
+            }
+        }
+        super::swiglu_impl(&gate[whole..n], &up[whole..n], &mut out[whole..n]);
+    }
+}
+
+/// `out[i] = silu(gate[i]) * up[i]`, at the SIMD level in use ([`swiglu_at`]).
 pub(crate) fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    swiglu_at(crate::quant::current_simd_level(), gate, up, out)
+}
+
+/// `out[i] = silu(gate[i]) * up[i]` at `level` (every level gives the same bits): on
+/// AVX-512 sixteen lanes at a time, on AVX2 eight; else (or at a level the CPU lacks)
+/// one value at a time, compiled with FMA when the CPU has it.
+pub fn swiglu_at(level: crate::quant::SimdLevel, gate: &[f32], up: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::quant::current_simd_level() == crate::quant::SimdLevel::Avx512 {
-        // SAFETY: the AVX-512 level implies AVX-512F, AVX2 and FMA.
-        return unsafe { avx512::swiglu(gate, up, out) };
+    {
+        use crate::quant::SimdLevel;
+        if level == SimdLevel::Avx512 && level.is_supported() {
+            // SAFETY: the AVX-512 level implies AVX-512F, AVX2 and FMA.
+            return unsafe { avx512::swiglu(gate, up, out) };
+        }
+        if level == SimdLevel::Avx2 && level.is_supported() {
+            // SAFETY: the AVX2 level implies AVX2 and FMA.
+            return unsafe { avx2::swiglu(gate, up, out) };
+        }
+        if has_fma() {
+            // SAFETY: AVX2 and FMA were detected.
+            return unsafe { fma::swiglu(gate, up, out) };
+        }
     }
-    #[cfg(target_arch = "x86_64")]
-    if has_fma() {
-        // SAFETY: AVX2 and FMA were detected.
-        return unsafe { fma::swiglu(gate, up, out) };
-    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = level;
     swiglu_impl(gate, up, out)
 }
 
@@ -244,16 +342,12 @@ mod tests {
         assert_eq!(expf_ggml(200.0), f32::INFINITY);
     }
 
-    /// The AVX-512 SwiGLU gives the one-value-at-a-time statement's bits on gates
-    /// spread over every exponent (both signs, the saturation at |n| > 192, subnormal
-    /// results, infinities and NaN), with a tail shorter than a vector.
-    #[cfg(target_arch = "x86_64")]
+    /// The SwiGLU of every level this CPU has gives the one-value-at-a-time statement's
+    /// bits on gates spread over every exponent (both signs, the saturation at
+    /// |n| > 192, subnormal results, infinities and NaN), with a tail shorter than a
+    /// vector.
     #[test]
-    fn swiglu_avx512_equals_scalar() {
-        if !crate::quant::SimdLevel::Avx512.is_supported() {
-            eprintln!("skipped: no AVX-512");
-            return;
-        }
+    fn swiglu_levels_equal_scalar() {
         let mut gate: Vec<f32> = (0..2_000_003u32)
             .map(|i| f32::from_bits(i.wrapping_mul(2147)))
             .collect();
@@ -270,19 +364,21 @@ mod tests {
         let up: Vec<f32> = (0..gate.len())
             .map(|i| ((i % 97) as f32 - 48.0) * 0.31)
             .collect();
-        let (mut want, mut got) = (vec![0f32; gate.len()], vec![0f32; gate.len()]);
+        let mut want = vec![0f32; gate.len()];
         swiglu_impl(&gate, &up, &mut want);
-        // SAFETY: AVX-512 support was checked above.
-        unsafe { avx512::swiglu(&gate, &up, &mut got) };
-        for i in 0..gate.len() {
-            assert!(
-                got[i].to_bits() == want[i].to_bits() || (got[i].is_nan() && want[i].is_nan()),
-                "gate {} up {}: {} vs {}",
-                gate[i],
-                up[i],
-                got[i],
-                want[i]
-            );
+        for level in crate::quant::available_simd_levels() {
+            let mut got = vec![f32::NAN; gate.len()];
+            swiglu_at(level, &gate, &up, &mut got);
+            for i in 0..gate.len() {
+                assert!(
+                    got[i].to_bits() == want[i].to_bits() || (got[i].is_nan() && want[i].is_nan()),
+                    "{level:?}: gate {} up {}: {} vs {}",
+                    gate[i],
+                    up[i],
+                    got[i],
+                    want[i]
+                );
+            }
         }
     }
 

@@ -21,3 +21,11 @@ pub use ballast_core::backend::{
 #[cfg(feature = "gpu")]
 pub use self::wgpu::{DeviceKv, WgpuBackend};
 pub use cpu::CpuBackend;
+
+/// The CPU backend's attention and SwiGLU kernels at a chosen SIMD level, as
+/// [`crate::quant::matmul_at`] is for products: for tests and benches that hold every
+/// level to the scalar reference (each gives the same bits at every level).
+pub mod cpu_kernels {
+    pub use super::attention::{attend_head_at, attend_head_reference, HeadSlot};
+    pub use super::elementwise::swiglu_at;
+}

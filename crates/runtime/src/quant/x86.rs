@@ -304,23 +304,24 @@ fn hsum_epi32(v: __m256i) -> i32 {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f16x2(p: *const u8) -> __m128 {
-    _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe {
-        (p as *const i32).read_unaligned()
-    }))
+    // SAFETY: the caller keeps 4 bytes readable at `p`; the read is unaligned.
+    let bits = unsafe { (p as *const i32).read_unaligned() };
+    _mm_cvtph_ps(_mm_cvtsi32_si128(bits))
 }
 
 /// One f16 at `p` converted into lane 0.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f16x1(p: *const u8) -> __m128 {
-    _mm_cvtph_ps(_mm_cvtsi32_si128(
-        unsafe { (p as *const u16).read_unaligned() } as i32,
-    ))
+    // SAFETY: the caller keeps 2 bytes readable at `p`; the read is unaligned.
+    let bits = unsafe { (p as *const u16).read_unaligned() };
+    _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn nibbles16(p: *const u8) -> __m256i {
+    // SAFETY: the caller keeps 16 bytes readable at `p`; the load is unaligned.
     let qs = unsafe { _mm_loadu_si128(p as *const __m128i) };
     _mm256_and_si256(
         _mm256_set_m128i(_mm_srli_epi16::<4>(qs), qs),
@@ -371,6 +372,9 @@ unsafe fn q4_1_avx2<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
+    // SAFETY: `q41_like_avx2`'s contract is this wrapper's (the caller keeps
+    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
+    // its target features.
     unsafe { q41_like_avx2::<RR, NT, false>(w, nb, a, s) }
 }
 
@@ -381,6 +385,9 @@ unsafe fn q5_1_avx2<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
+    // SAFETY: `q41_like_avx2`'s contract is this wrapper's (the caller keeps
+    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
+    // its target features.
     unsafe { q41_like_avx2::<RR, NT, true>(w, nb, a, s) }
 }
 
@@ -487,6 +494,9 @@ unsafe fn q8_0_avx2<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
+    // SAFETY: `q8_0_like_avx2`'s contract is this wrapper's (the caller keeps
+    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
+    // its target features.
     unsafe { q8_0_like_avx2::<RR, NT, 0>(w, nb, a, s) }
 }
 
@@ -497,6 +507,9 @@ unsafe fn q4_0_avx2<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
+    // SAFETY: `q8_0_like_avx2`'s contract is this wrapper's (the caller keeps
+    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
+    // its target features.
     unsafe { q8_0_like_avx2::<RR, NT, 1>(w, nb, a, s) }
 }
 
@@ -507,6 +520,9 @@ unsafe fn q5_0_avx2<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
+    // SAFETY: `q8_0_like_avx2`'s contract is this wrapper's (the caller keeps
+    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
+    // its target features.
     unsafe { q8_0_like_avx2::<RR, NT, 2>(w, nb, a, s) }
 }
 
@@ -528,6 +544,9 @@ unsafe fn q4_k_avx2<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
+    // SAFETY: `q45_k_avx2`'s contract is this wrapper's (the caller keeps
+    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
+    // its target features.
     unsafe { q45_k_avx2::<RR, NT, false>(w, nb, a, s) }
 }
 
@@ -538,6 +557,9 @@ unsafe fn q5_k_avx2<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
+    // SAFETY: `q45_k_avx2`'s contract is this wrapper's (the caller keeps
+    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
+    // its target features.
     unsafe { q45_k_avx2::<RR, NT, true>(w, nb, a, s) }
 }
 
@@ -737,6 +759,7 @@ unsafe fn tile_f32_avx2(
     out: &mut [f32],
     stride: usize,
 ) {
+    // SAFETY: this tile kernel's caller checked AVX2 and the sizes, as `float_tile` needs.
     unsafe { float_tile::<0>(w, rb, acts, t0, nt, out, stride) }
 }
 
@@ -749,6 +772,7 @@ unsafe fn tile_f16_avx2(
     out: &mut [f32],
     stride: usize,
 ) {
+    // SAFETY: this tile kernel's caller checked AVX2 and the sizes, as `float_tile` needs.
     unsafe { float_tile::<1>(w, rb, acts, t0, nt, out, stride) }
 }
 
@@ -761,6 +785,7 @@ unsafe fn tile_bf16_avx2(
     out: &mut [f32],
     stride: usize,
 ) {
+    // SAFETY: this tile kernel's caller checked AVX2 and the sizes, as `float_tile` needs.
     unsafe { float_tile::<2>(w, rb, acts, t0, nt, out, stride) }
 }
 
@@ -895,7 +920,9 @@ fn halves(v: __m128, idx: __m512i) -> __m512 {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn broadcast32(p: *const u8) -> __m512i {
-    _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(p as *const __m256i) })
+    // SAFETY: the caller keeps 32 bytes readable at `p`; the load is unaligned.
+    let q = unsafe { _mm256_loadu_si256(p as *const __m256i) };
+    _mm512_broadcast_i64x4(q)
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
@@ -905,6 +932,9 @@ unsafe fn q4_1_avx512<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
+    // SAFETY: `q41_like_avx512`'s contract is this wrapper's (the caller keeps
+    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
+    // its target features.
     unsafe { q41_like_avx512::<RR, NT, false>(w, nb, a, s) }
 }
 
@@ -915,6 +945,9 @@ unsafe fn q5_1_avx512<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
+    // SAFETY: `q41_like_avx512`'s contract is this wrapper's (the caller keeps
+    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
+    // its target features.
     unsafe { q41_like_avx512::<RR, NT, true>(w, nb, a, s) }
 }
 
@@ -1349,6 +1382,9 @@ unsafe fn q8_0_avx512<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
+    // SAFETY: `q8_0_like_avx512`'s contract is this wrapper's (the caller keeps
+    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
+    // its target features.
     unsafe { q8_0_like_avx512::<RR, NT, 0>(w, nb, a, s) }
 }
 
@@ -1359,6 +1395,9 @@ unsafe fn q4_0_avx512<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
+    // SAFETY: `q8_0_like_avx512`'s contract is this wrapper's (the caller keeps
+    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
+    // its target features.
     unsafe { q8_0_like_avx512::<RR, NT, 1>(w, nb, a, s) }
 }
 
@@ -1369,6 +1408,9 @@ unsafe fn q5_0_avx512<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
+    // SAFETY: `q8_0_like_avx512`'s contract is this wrapper's (the caller keeps
+    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
+    // its target features.
     unsafe { q8_0_like_avx512::<RR, NT, 2>(w, nb, a, s) }
 }
 
