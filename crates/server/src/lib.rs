@@ -22,7 +22,35 @@
 //! whose prompt starts with what a free slot's cache holds (the next turn of a chat)
 //! reuses those keys and values.
 //!
-//! # Example
+//! [`router`] gives the same routes over an engine already loaded, as an axum
+//! `Router` to nest in another app (`examples/embedded.rs`).
+//!
+//! # Examples
+//!
+//! The routes under `/llm` of your own axum app, over a tiny random model (a real one
+//! is `GgufFile::open("model.gguf".as_ref(), true)?`):
+//!
+//! ```
+//! use std::sync::Arc;
+//!
+//! use ballast_runtime::gguf::GgufFile;
+//! use ballast_runtime::testing::TinyModelSpec;
+//! use ballast_runtime::{CpuBackend, Model, Session, Tokenizer};
+//! use ballast_server::{router, Engine, ServerConfig};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let file = Arc::new(GgufFile::from_bytes(TinyModelSpec::default().to_gguf_bytes()?)?);
+//! let tokenizer = Tokenizer::from_gguf(&file)?;
+//! let model = Model::load(file, Arc::new(CpuBackend::new(1)), false)?;
+//! let sessions = vec![Session::new(model.share(), 64)?];
+//! let engine = Engine { model, sessions, tokenizer, chat_template: None };
+//! let app: axum::Router = axum::Router::new().nest("/llm", router(ServerConfig::new("tiny"), engine)?);
+//! # drop(app);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! A server of its own, which answers `/health` with a 503 while the model loads:
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -154,36 +182,7 @@ where
                     return;
                 }
             };
-            let tokenizer = Arc::new(engine.tokenizer);
-            let template = match engine.chat_template.as_deref() {
-                None => Err("the model has no chat template".to_string()),
-                Some(src) => ChatTemplate::new(src)
-                    .map_err(|e| format!("the model's chat template does not compile: {e}")),
-            };
-            let text = |id: Option<u32>| id.map(|id| tokenizer.decode(&[id])).unwrap_or_default();
-            let context = engine
-                .sessions
-                .iter()
-                .map(scheduler::context_of)
-                .min()
-                .flatten();
-            let ready = http::Ready {
-                bos: text(tokenizer.bos_id()),
-                eos: text(tokenizer.eos_id()),
-                tokenizer: tokenizer.clone(),
-                template,
-                context,
-            };
-            // Ready before the scheduler runs: the handlers may queue requests now,
-            // which it takes at its first turn.
-            let _ = loader_state.ready.set(ready);
-            scheduler::run(
-                engine.model,
-                engine.sessions,
-                tokenizer,
-                batch,
-                loader_state.shared.clone(),
-            );
+            run_engine(engine, &loader_state, batch);
         })?;
     let failure: Arc<Mutex<Option<Error>>> = Arc::default();
     let failure_slot = failure.clone();
@@ -211,4 +210,58 @@ where
         return Err(e);
     }
     served.map_err(Error::Io)
+}
+
+/// The server's routes over an engine already loaded, as an axum [`Router`] another
+/// app can nest or merge (`Router::new().nest("/llm", router)`): starts the scheduler
+/// thread, which serves the routes' requests until the process exits.
+///
+/// [`Router`]: axum::Router
+pub fn router(config: ServerConfig, engine: Engine) -> Result<axum::Router, Error> {
+    if engine.sessions.is_empty() {
+        return Err(Error::NoSession);
+    }
+    let batch = config.batch;
+    let shared = Arc::new(scheduler::Shared::new(config.max_queue));
+    let state = Arc::new(http::AppState::new(config, shared));
+    let scheduler_state = state.clone();
+    std::thread::Builder::new()
+        .name("ballast-scheduler".into())
+        .spawn(move || run_engine(engine, &scheduler_state, batch))?;
+    Ok(http::router(state))
+}
+
+/// Makes the routes ready for `engine` and runs the scheduler on this thread until
+/// the state's queue shuts down.
+fn run_engine(engine: Engine, state: &http::AppState, batch: usize) {
+    let tokenizer = Arc::new(engine.tokenizer);
+    let template = match engine.chat_template.as_deref() {
+        None => Err("the model has no chat template".to_string()),
+        Some(src) => ChatTemplate::new(src)
+            .map_err(|e| format!("the model's chat template does not compile: {e}")),
+    };
+    let text = |id: Option<u32>| id.map(|id| tokenizer.decode(&[id])).unwrap_or_default();
+    let context = engine
+        .sessions
+        .iter()
+        .map(scheduler::context_of)
+        .min()
+        .flatten();
+    let ready = http::Ready {
+        bos: text(tokenizer.bos_id()),
+        eos: text(tokenizer.eos_id()),
+        tokenizer: tokenizer.clone(),
+        template,
+        context,
+    };
+    // Ready before the scheduler runs: the handlers may queue requests now,
+    // which it takes at its first turn.
+    let _ = state.ready.set(ready);
+    scheduler::run(
+        engine.model,
+        engine.sessions,
+        tokenizer,
+        batch,
+        state.shared.clone(),
+    );
 }
