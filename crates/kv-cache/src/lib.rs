@@ -22,8 +22,8 @@
 //!
 //! # Example
 //!
-//! A ring cache holding 4 sinks and a window of 4 tokens, driven by hand as the forward
-//! pass would:
+//! A ring cache of 8 tokens under a plain sliding window (no sinks), driven by hand as
+//! the forward pass would; `examples/streaming_llm.rs` adds attention sinks:
 //!
 //! ```
 //! use ballast_kv_cache::{PointerShift, Precision, StreamingLlm};

@@ -25,7 +25,35 @@
 //! whose prompt starts with what a free slot's cache holds (the next turn of a chat)
 //! reuses those keys and values.
 //!
-//! # Example
+//! [`router`] gives the same routes over an engine already loaded, as an axum
+//! `Router` to nest in another app (`examples/embedded.rs`).
+//!
+//! # Examples
+//!
+//! The routes under `/llm` of your own axum app, over a tiny random model (a real one
+//! is `GgufFile::open("model.gguf".as_ref(), true)?`):
+//!
+//! ```
+//! use std::sync::Arc;
+//!
+//! use ballast_runtime::gguf::GgufFile;
+//! use ballast_runtime::testing::TinyModelSpec;
+//! use ballast_runtime::{CpuBackend, Model, Session, Tokenizer};
+//! use ballast_server::{router, Engine, ServerConfig};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let file = Arc::new(GgufFile::from_bytes(TinyModelSpec::default().to_gguf_bytes()?)?);
+//! let tokenizer = Tokenizer::from_gguf(&file)?;
+//! let model = Model::load(file, Arc::new(CpuBackend::new(1)), false)?;
+//! let sessions = vec![Session::new(model.share(), 64)?];
+//! let engine = Engine { model, sessions, tokenizer, chat_template: None };
+//! let app: axum::Router = axum::Router::new().nest("/llm", router(ServerConfig::new("tiny"), engine)?);
+//! # drop(app);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! A server of its own, which answers `/health` with a 503 while the model loads:
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -279,4 +307,20 @@ where
         return Err(e);
     }
     served.map_err(Error::Io)
+}
+
+/// The server's routes over an engine already loaded, as an axum [`Router`] another
+/// app can nest or merge (`Router::new().nest("/llm", router)`): starts the scheduler
+/// thread, which serves the routes' requests until the process exits.
+///
+/// [`Router`]: axum::Router
+pub fn router(config: ServerConfig, engine: Engine) -> Result<axum::Router, Error> {
+    let batch = config.batch;
+    let shared = Arc::new(scheduler::Shared::new(config.max_queue));
+    let state = Arc::new(http::AppState::new(config, shared));
+    let ready = make_ready(engine, &state)?;
+    std::thread::Builder::new()
+        .name("ballast-scheduler".into())
+        .spawn(move || ready.run(batch))?;
+    Ok(http::router(state))
 }
