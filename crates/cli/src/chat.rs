@@ -4,8 +4,7 @@ use std::io::{BufRead, Write};
 
 use anyhow::{Context, Result};
 use ballast_runtime::chat::{ChatMessage, ChatTemplate};
-use ballast_runtime::tokenizer::StreamDecoder;
-use ballast_runtime::{Sampler, Session};
+use ballast_runtime::{GenerateOptions, Generator, Session, Step};
 use clap::Args;
 
 use crate::common::{self, ModelArgs, SamplingArgs};
@@ -26,6 +25,9 @@ pub struct ChatArgs {
     /// Context size in tokens (the whole conversation).
     #[arg(short = 'c', long = "ctx", default_value_t = 4096)]
     pub ctx: usize,
+    /// Keep generating past end-of-generation tokens (each answer then runs to -n).
+    #[arg(long)]
+    pub ignore_eos: bool,
 }
 
 pub fn run(args: ChatArgs) -> Result<()> {
@@ -45,8 +47,15 @@ pub fn run(args: ChatArgs) -> Result<()> {
         .eos_id()
         .map(|id| tokenizer.decode(&[id]))
         .unwrap_or_default();
-    let mut session = Session::new(loaded.model, args.ctx)?;
-    let mut sampler = Sampler::new(args.sampling.config());
+    let options = GenerateOptions {
+        sampler: args.sampling.config(),
+        max_tokens: Some(args.n_predict),
+        ignore_eos: args.ignore_eos,
+        ..GenerateOptions::default()
+    };
+    let tokenizer = std::sync::Arc::new(tokenizer);
+    let session = Session::new(loaded.model, args.ctx)?;
+    let mut generator = Generator::new(session, tokenizer.clone(), options)?;
     let mut messages: Vec<ChatMessage> = Vec::new();
     if let Some(system) = &args.system {
         messages.push(ChatMessage {
@@ -74,38 +83,37 @@ pub fn run(args: ChatArgs) -> Result<()> {
         let new_text = match text.strip_prefix(fed.as_str()) {
             Some(rest) if !fed.is_empty() => rest.to_string(),
             _ => {
-                session.rewind(0);
+                generator.session_mut().rewind(0);
                 text.clone()
             }
         };
-        let ids = tokenizer.encode(&new_text, session.tokens().is_empty(), true)?;
+        let held = generator.session().tokens().len();
+        let ids = tokenizer.encode(&new_text, held == 0, true)?;
         anyhow::ensure!(
-            session.tokens().len() + ids.len() < args.ctx,
+            held + ids.len() < args.ctx,
             "the conversation no longer fits the context of {} tokens (raise -c)",
             args.ctx
         );
-        session.feed(&ids)?;
-        let mut next = sampler.sample(session.logits(), session.tokens());
-        let mut decoder = StreamDecoder::new();
+        generator.prompt(&ids)?;
         let mut answer = String::new();
-        for _ in 0..args.n_predict {
-            if tokenizer.is_end_of_generation(next) || session.tokens().len() + 1 >= args.ctx {
-                break;
+        loop {
+            match generator.step()? {
+                Step::Token(token) => {
+                    answer.push_str(&token.text);
+                    write!(out, "{}", token.text)?;
+                    out.flush()?;
+                }
+                Step::Done(end) => {
+                    answer.push_str(&end.text);
+                    writeln!(out, "{}", end.text)?;
+                    break;
+                }
             }
-            let piece = decoder.push(&tokenizer, next);
-            answer.push_str(&piece);
-            write!(out, "{piece}")?;
-            out.flush()?;
-            session.feed(&[next])?;
-            next = sampler.sample(session.logits(), session.tokens());
         }
-        let tail = decoder.finish();
-        answer.push_str(&tail);
-        writeln!(out, "{tail}")?;
-        if tokenizer.is_end_of_generation(next) && session.tokens().len() + 1 < args.ctx {
-            session.feed(&[next])?;
-        }
-        fed = tokenizer.decode_with(session.tokens(), true);
+        // The answer's last token when the limit ended it: the cache then holds the
+        // whole answer, and the next turn feeds only what follows it.
+        generator.feed_last_token()?;
+        fed = tokenizer.decode_with(generator.session().tokens(), true);
         messages.push(ChatMessage {
             role: "assistant".into(),
             content: answer,

@@ -6,9 +6,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use ballast_kv_cache::{load_session, model_fingerprint, save_session, SessionMeta};
 use ballast_runtime::memory::peak_rss_kib;
-use ballast_runtime::sampler::log_softmax_at;
-use ballast_runtime::tokenizer::StreamDecoder;
-use ballast_runtime::{Sampler, Session};
+use ballast_runtime::{GenerateOptions, Generator, Session, Step};
 use clap::Args;
 use serde_json::json;
 
@@ -126,16 +124,17 @@ pub fn run(args: RunArgs) -> Result<()> {
         args.ctx
     );
     let backend = session.model().backend().clone();
-    let config = args.sampling.config();
-    // Plain greedy decoding (no penalty, no log-probabilities to print) on a device
-    // backend takes the argmax there and reads back one id per token. Not with a
-    // session file, which stores the last logits.
-    let greedy_on_device = config.temperature <= 0.0
-        && config.repeat_penalty == 1.0
-        && !args.json
-        && args.session.is_none()
-        && session.model().backend().device_forward().is_some();
-    let mut sampler = Sampler::new(config);
+    let options = GenerateOptions {
+        sampler: args.sampling.config(),
+        max_tokens: Some(args.n_predict),
+        ignore_eos: args.ignore_eos,
+        logprobs: args.json,
+        // A session file stores the logits after the last token.
+        keep_logits: args.session.is_some(),
+        ..GenerateOptions::default()
+    };
+    let tokenizer = std::sync::Arc::new(tokenizer);
+    let mut generator = Generator::new(session, tokenizer.clone(), options)?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     if !args.json && !args.no_echo {
@@ -143,60 +142,33 @@ pub fn run(args: RunArgs) -> Result<()> {
         out.flush()?;
     }
     let start = Instant::now();
-    if !prompt_ids.is_empty() {
-        session.feed(&prompt_ids)?;
-    }
-    let logits = session.logits();
+    generator.prompt(&prompt_ids)?;
     let prompt_time = start.elapsed();
-    let mut next = sampler.sample(logits, session.tokens());
-    let mut logprob = log_softmax_at(logits, next);
-    let mut decoder = StreamDecoder::new();
-    let mut generated = 0;
     let stream_before = tiered.as_ref().map(|t| t.stats.get());
     let gen_start = Instant::now();
-    let mut shown_not_fed = false;
-    let budget = if has_policy {
-        args.n_predict
-    } else {
-        args.n_predict.min(args.ctx - used)
+    let tail = loop {
+        match generator.step()? {
+            Step::Token(token) if args.json => {
+                let piece = String::from_utf8_lossy(tokenizer.token_bytes(token.id));
+                writeln!(
+                    out,
+                    "{}",
+                    json!({"id": token.id, "text": piece, "logprob": token.logprob})
+                )?;
+            }
+            Step::Token(token) => {
+                write!(out, "{}", token.text)?;
+                out.flush()?;
+            }
+            Step::Done(end) => break end.text,
+        }
     };
-    while generated < budget {
-        if !args.ignore_eos && tokenizer.is_end_of_generation(next) {
-            break;
-        }
-        generated += 1;
-        let text = decoder.push(&tokenizer, next);
-        if args.json {
-            let piece = String::from_utf8_lossy(tokenizer.token_bytes(next)).into_owned();
-            writeln!(
-                out,
-                "{}",
-                json!({"id": next, "text": piece, "logprob": logprob})
-            )?;
-        } else {
-            write!(out, "{text}")?;
-            out.flush()?;
-        }
-        if generated == budget {
-            shown_not_fed = true;
-            break;
-        }
-        if greedy_on_device {
-            // Only the id comes back from the device: no logits, no log-probability.
-            next = session.feed_greedy(&[next])?;
-        } else {
-            session.feed(&[next])?;
-            let logits = session.logits();
-            next = sampler.sample(logits, session.tokens());
-            logprob = log_softmax_at(logits, next);
-        }
-    }
+    let generated = generator.generated();
     if let Some(path) = &args.session {
-        // The last token shown was sampled but not fed: feed it, so the file holds the
-        // whole conversation and a resumed run continues right after it.
-        if shown_not_fed {
-            session.feed(&[next])?;
-        }
+        // The last token shown was not fed (nothing came after it): feed it, so the
+        // file holds the whole conversation and a resumed run continues right after it.
+        generator.feed_last_token()?;
+        let session = generator.session();
         let policy_state = session.policy().map(|p| p.state()).unwrap_or_default();
         save_session(
             path,
@@ -288,7 +260,7 @@ pub fn run(args: RunArgs) -> Result<()> {
             }})
         )?;
     } else {
-        write!(out, "{}", decoder.finish())?;
+        write!(out, "{tail}")?;
         writeln!(out)?;
         out.flush()?;
         eprintln!(

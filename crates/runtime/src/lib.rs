@@ -1,5 +1,6 @@
 //! The Ballast runtime: GGUF loading, quantized CPU kernels, the tokenizer, the
-//! transformer forward pass, sampling, and the backends.
+//! transformer forward pass, sampling, the generation loop ([`Generator`]), and the
+//! backends.
 //!
 //! The forward pass ([`Model::forward`]) is emitted once per architecture as a
 //! [`graph::Graph`] of ops (the builder in `model/`, `ballast inspect --graph` prints
@@ -33,28 +34,28 @@
 //! # Example
 //!
 //! Greedy generation of a few tokens with the default model (fetched into the model
-//! cache on first use):
+//! cache on first use), through the [`Generator`] (the [`generate`] module has an
+//! example that runs on a tiny model):
 //!
 //! ```no_run
 //! use std::sync::Arc;
-//! use ballast_runtime::{gguf::GgufFile, model_cache, CpuBackend, Model, Sampler,
-//!     SamplerConfig, Session, Tokenizer};
+//! use ballast_runtime::{gguf::GgufFile, model_cache, CpuBackend, GenerateOptions, Generator,
+//!     Model, SamplerConfig, Session, Step, Tokenizer};
 //!
 //! # fn main() -> Result<(), ballast_runtime::Error> {
 //! let path = model_cache::ensure_default_model(|line| eprintln!("{line}"))?;
 //! let file = Arc::new(GgufFile::open(&path, true)?);
-//! let tokenizer = Tokenizer::from_gguf(&file)?;
+//! let tokenizer = Arc::new(Tokenizer::from_gguf(&file)?);
 //! let model = Model::load(file, Arc::new(CpuBackend::new(2)), true)?;
-//! let mut session = Session::new(model, 512)?;
-//! let mut sampler = Sampler::new(SamplerConfig { temperature: 0.0, ..Default::default() });
-//! let mut next = {
-//!     let logits = session.feed(&tokenizer.encode("Once upon a time", true, false)?)?;
-//!     sampler.sample(logits, &[])
+//! let options = GenerateOptions {
+//!     sampler: SamplerConfig { temperature: 0.0, ..Default::default() },
+//!     max_tokens: Some(8),
+//!     ..Default::default()
 //! };
-//! for _ in 0..8 {
-//!     print!("{}", tokenizer.decode(&[next]));
-//!     let logits = session.feed(&[next])?;
-//!     next = sampler.sample(logits, &[]);
+//! let mut generator = Generator::new(Session::new(model, 512)?, tokenizer.clone(), options)?;
+//! generator.prompt(&tokenizer.encode("Once upon a time", true, false)?)?;
+//! while let Step::Token(token) = generator.step()? {
+//!     print!("{}", token.text);
 //! }
 //! # Ok(())
 //! # }
@@ -63,6 +64,7 @@
 
 pub mod backend;
 pub mod chat;
+pub mod generate;
 #[cfg(feature = "gpu")]
 pub mod gpu;
 pub mod memory;
@@ -86,6 +88,7 @@ pub use backend::{Backend, CpuBackend};
 pub use backend::{DeviceKv, WgpuBackend};
 pub use error::{Error, Result};
 pub use ffn::{DenseFfn, FeedForward};
+pub use generate::{Continuation, Finish, FinishReason, GenerateOptions, Generator, Step, Token};
 pub use kv::{
     DenseKv, KvCache, KvDtype, KvElement, KvPolicy, KvRows, KvSegment, KvShape, KvView,
     MASKED_POSITION, Q8_BLOCK,

@@ -163,8 +163,9 @@ impl Session {
 
     /// Feeds `ids` like [`Session::feed`] and returns the greedy next id (largest logit,
     /// lowest id on ties) instead of the logits: on a device backend only that id is read
-    /// back. [`Session::logits`] is not updated.
+    /// back. [`Session::logits`] is cleared (it would no longer follow the last token).
     pub fn feed_greedy(&mut self, ids: &[u32]) -> Result<u32> {
+        self.logits.clear();
         let mut greedy = None;
         self.feed_chunks(ids, |model, chunk, positions, kv, policy, last| {
             if last {

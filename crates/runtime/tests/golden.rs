@@ -13,7 +13,9 @@ use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::session::perplexity;
 #[cfg(feature = "gpu")]
 use ballast_runtime::WgpuBackend;
-use ballast_runtime::{Backend, CpuBackend, Model, Session, Tokenizer};
+use ballast_runtime::{
+    Backend, CpuBackend, GenerateOptions, Generator, Model, SamplerConfig, Session, Step, Tokenizer,
+};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -167,6 +169,50 @@ fn check_greedy_generation(
                 break;
             }
             logits = session.feed(&[got]).unwrap().to_vec();
+        }
+    }
+}
+
+/// `ballast run --temp 0` generates through the `Generator` (argmax on the host on the
+/// CPU): its ids are llama.cpp's, up to a near-tie where it may take the runner-up (as
+/// `greedy_generation_matches_llama_cpp` allows, which also checks our margin there).
+#[test]
+fn generator_greedy_ids_match_llama_cpp() {
+    let Some(file) = default_model() else { return };
+    let tokenizer = Arc::new(Tokenizer::from_gguf(&file).unwrap());
+    for case in golden()["greedy"].as_array().unwrap() {
+        let prompt = case["prompt"].as_str().unwrap();
+        let want = ids(&case["generated_ids"]);
+        let model = Model::load(file.clone(), Arc::new(CpuBackend::new(2)), true).unwrap();
+        let options = GenerateOptions {
+            sampler: SamplerConfig {
+                temperature: 0.0,
+                ..SamplerConfig::default()
+            },
+            max_tokens: Some(want.len()),
+            ignore_eos: true,
+            ..GenerateOptions::default()
+        };
+        let session = Session::new(model, 512).unwrap();
+        let mut generator = Generator::new(session, tokenizer.clone(), options).unwrap();
+        generator
+            .prompt(&tokenizer.encode(prompt, true, false).unwrap())
+            .unwrap();
+        let mut got = Vec::new();
+        while let Step::Token(token) = generator.step().unwrap() {
+            got.push(token.id);
+        }
+        assert_eq!(got.len(), want.len(), "{prompt:?}");
+        if let Some(step) = got.iter().zip(&want).position(|(a, b)| a != b) {
+            let runner_up_at_a_tie = case["near_ties"].as_array().unwrap().iter().any(|t| {
+                t["step"].as_u64() == Some(step as u64)
+                    && t["runner_up"].as_u64() == Some(got[step] as u64)
+            });
+            assert!(
+                runner_up_at_a_tie,
+                "{prompt:?}: step {step} chose {}, llama.cpp {}",
+                got[step], want[step]
+            );
         }
     }
 }

@@ -83,7 +83,6 @@ pub mod api;
 mod http;
 pub mod metrics;
 mod scheduler;
-pub mod stop;
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};

@@ -7,19 +7,20 @@
 //! requests join between steps, and a sequence whose client went away is dropped at the
 //! next step.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
+use ballast_runtime::generate::{
+    Continuation, Finish, FinishReason as Reason, GenerateOptions, Step,
+};
 use ballast_runtime::sampler::log_softmax_at;
-use ballast_runtime::tokenizer::StreamDecoder;
-use ballast_runtime::{feed_batch, BatchFeed, Model, Sampler, Session, TierBytes, Tokenizer};
+use ballast_runtime::{feed_batch, BatchFeed, Model, Session, TierBytes, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::{ApiError, FinishReason, Generation, TokenLogprob, TopLogprob, Usage};
 use crate::metrics::Metrics;
-use crate::stop::StopMatcher;
 
 /// What the scheduler tells the handler of a request.
 #[derive(Debug)]
@@ -135,12 +136,9 @@ struct Sequence {
     pending: VecDeque<u32>,
     prompt_tokens: usize,
     cached_tokens: usize,
-    sampler: Sampler,
-    decoder: StreamDecoder,
-    stop: StopMatcher,
-    generated: usize,
-    /// How often each generated token occurred (presence and frequency penalties).
-    counts: HashMap<u32, u32>,
+    /// Sampling, penalties, detokenizer and stop rules: the generator's per-token half,
+    /// handed this sequence's logits after each batched pass.
+    continuation: Continuation,
     /// The sampled token not yet fed.
     next: Option<u32>,
 }
@@ -280,15 +278,29 @@ impl Scheduler {
             }
         }
         let g = &job.generation;
+        let options = GenerateOptions {
+            sampler: g.sampler,
+            max_tokens: g.max_tokens,
+            stop: g.stop.clone(),
+            ignore_eos: g.ignore_eos,
+            presence_penalty: g.presence_penalty,
+            frequency_penalty: g.frequency_penalty,
+            // The log-probabilities (with the alternatives) are read off the logits here.
+            logprobs: false,
+            keep_logits: true,
+        };
+        let continuation = match Continuation::new(options) {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = job.events.send(Event::Failed(e.to_string()));
+                return false;
+            }
+        };
         let seq = Sequence {
             pending: job.prompt[cached..].iter().copied().collect(),
             prompt_tokens: job.prompt.len(),
             cached_tokens: cached,
-            sampler: Sampler::new(g.sampler),
-            decoder: StreamDecoder::new(),
-            stop: StopMatcher::new(g.stop.clone()),
-            generated: 0,
-            counts: HashMap::new(),
+            continuation,
             next: None,
             job,
         };
@@ -400,79 +412,58 @@ impl Scheduler {
         }
     }
 
-    /// Samples the next token from the session's logits and sends its text. Returns
+    /// Chooses the next token from the session's logits and sends its text. Returns
     /// how the generation ends, if it does.
-    fn after_logits(&mut self, slot: &mut Slot) -> Option<FinishReason> {
+    fn after_logits(&mut self, slot: &mut Slot) -> Option<Finish> {
         let seq = slot.seq.as_mut()?;
         let session = &slot.session;
-        let g = &seq.job.generation;
         let logits = session.logits();
-        let id = if g.presence_penalty != 0.0 || g.frequency_penalty != 0.0 {
-            let mut penalized = logits.to_vec();
-            for (&tok, &count) in &seq.counts {
-                if let Some(l) = penalized.get_mut(tok as usize) {
-                    *l -= g.presence_penalty + g.frequency_penalty * count as f32;
-                }
-            }
-            seq.sampler.sample(&penalized, session.tokens())
-        } else {
-            seq.sampler.sample(logits, session.tokens())
+        let room = context_of(session).map(|ctx| ctx.saturating_sub(session.kv().len()));
+        let token = match seq
+            .continuation
+            .choose(&self.tokenizer, logits, session.tokens(), room)
+        {
+            Step::Token(token) => token,
+            Step::Done(end) => return Some(end),
         };
-        if !g.ignore_eos && self.tokenizer.is_end_of_generation(id) {
-            return Some(FinishReason::Stop);
-        }
-        seq.generated += 1;
         self.shared.metrics.generated_tokens.fetch_add(1, Relaxed);
-        *seq.counts.entry(id).or_default() += 1;
-        let logprobs = match g.logprobs {
-            Some(top) => vec![token_logprob(&self.tokenizer, logits, id, top)],
+        let logprobs = match seq.job.generation.logprobs {
+            Some(top) => vec![token_logprob(&self.tokenizer, logits, token.id, top)],
             None => Vec::new(),
         };
-        let piece = seq.decoder.push(&self.tokenizer, id);
-        let (text, stopped) = seq.stop.push(&piece);
-        if !text.is_empty() || !logprobs.is_empty() {
-            let _ = seq.job.events.send(Event::Delta { text, logprobs });
+        if !token.text.is_empty() || !logprobs.is_empty() {
+            let _ = seq.job.events.send(Event::Delta {
+                text: token.text,
+                logprobs,
+            });
         }
-        if stopped {
-            return Some(FinishReason::Stop);
+        let end = seq.continuation.finish();
+        if end.is_none() {
+            seq.next = Some(token.id);
         }
-        let limit = g.max_tokens.unwrap_or(usize::MAX);
-        let full = context_of(session).is_some_and(|ctx| session.kv().len() >= ctx);
-        if seq.generated >= limit || full {
-            return Some(FinishReason::Length);
-        }
-        seq.next = Some(id);
-        None
+        end
     }
 
-    /// Sends what is held back and the end, and frees the slot.
-    fn finish(&mut self, slot: &mut Slot, finish: FinishReason) {
+    /// Sends the text held back and the end, and frees the slot.
+    fn finish(&mut self, slot: &mut Slot, end: Finish) {
         let Some(seq) = slot.seq.as_mut() else {
             return;
         };
-        let mut finish = finish;
-        let mut text = String::new();
-        // A stop string ends the text where it starts: nothing after it is sent. Else
-        // the decoder's incomplete bytes and the text held back for a stop are.
-        if !(finish == FinishReason::Stop && seq.stop_found()) {
-            let (t, stopped) = seq.stop.push(&seq.decoder.finish());
-            text.push_str(&t);
-            if stopped {
-                finish = FinishReason::Stop;
-            } else {
-                text.push_str(&seq.stop.finish());
-            }
-        }
-        if !text.is_empty() {
+        if !end.text.is_empty() {
             let _ = seq.job.events.send(Event::Delta {
-                text,
+                text: end.text,
                 logprobs: Vec::new(),
             });
         }
+        let finish = match end.reason {
+            Reason::EndOfGeneration | Reason::StopString => FinishReason::Stop,
+            Reason::MaxTokens | Reason::ContextFull => FinishReason::Length,
+        };
+        let generated = seq.continuation.generated();
         let usage = Usage {
             prompt_tokens: seq.prompt_tokens,
-            completion_tokens: seq.generated,
-            total_tokens: seq.prompt_tokens + seq.generated,
+            completion_tokens: generated,
+            total_tokens: seq.prompt_tokens + generated,
             prompt_tokens_details: crate::api::PromptTokensDetails {
                 cached_tokens: seq.cached_tokens,
             },
@@ -509,13 +500,6 @@ impl Scheduler {
             let store = first.session.model().store();
             m.set_bytes(store.held_bytes(), store.moved_bytes(), kv);
         }
-    }
-}
-
-impl Sequence {
-    /// Whether the stop matcher ended the text.
-    fn stop_found(&self) -> bool {
-        self.stop.stopped()
     }
 }
 
