@@ -158,8 +158,9 @@ pub(crate) fn attend_head(
     )
 }
 
-/// True if every segment of `kv` holds a whole row for each of its positions, and
-/// `q` and `out` a whole head: what the vector kernels read and write unchecked.
+/// True if every segment of `kv` holds a whole row for each of its positions, its keys
+/// and values of one type, and `q` and `out` a whole head: what the vector kernels
+/// read and write unchecked.
 fn fits(q: &[f32], kv: &KvView<'_>, slot: HeadSlot, out: &[f32]) -> bool {
     let head_end = slot.offset + slot.head_dim;
     q.len() >= slot.head_dim
@@ -167,7 +168,8 @@ fn fits(q: &[f32], kv: &KvView<'_>, slot: HeadSlot, out: &[f32]) -> bool {
         && head_end <= slot.row_len
         && kv.segments.iter().all(|seg| {
             let need = seg.positions.len().checked_mul(slot.row_len);
-            need.is_some_and(|n| seg.keys.len() >= n && seg.values.len() >= n)
+            std::mem::discriminant(&seg.keys) == std::mem::discriminant(&seg.values)
+                && need.is_some_and(|n| seg.keys.len() >= n && seg.values.len() >= n)
         })
 }
 
@@ -333,25 +335,51 @@ mod x86 {
         }
     }
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load8(rows: &KvRows<'_>, at: usize) -> __m256 {
-        // SAFETY: the caller keeps `at + 8` within the rows.
-        unsafe {
-            match rows {
-                KvRows::F32(v) => _mm256_loadu_ps(v.as_ptr().add(at)),
-                KvRows::F16(v) => {
-                    _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(at) as *const __m128i))
-                }
-                // Eight elements never straddle two scales: heads start on multiples of
-                // 64 on this path, and blocks are 32 long.
-                KvRows::Q8 { quants, scales } => {
-                    let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                        quants.as_ptr().add(at) as *const __m128i
-                    ));
-                    let d = _mm256_set1_ps(scales[at / Q8_BLOCK].to_f32());
-                    _mm256_mul_ps(_mm256_cvtepi32_ps(q), d)
-                }
+    /// Rows of one element type, read eight elements at a time (one code path per type,
+    /// so the kernel's loop holds no match).
+    trait Rows8: Copy {
+        /// Elements `at..at + 8` as f32.
+        ///
+        /// # Safety
+        /// `at + 8` is within the rows, and the CPU has AVX2 and F16C.
+        unsafe fn load8(self, at: usize) -> __m256;
+    }
+
+    impl Rows8 for &[f32] {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(self, at: usize) -> __m256 {
+            // SAFETY: the caller keeps `at + 8` within the rows.
+            unsafe { _mm256_loadu_ps(self.as_ptr().add(at)) }
+        }
+    }
+
+    impl Rows8 for &[half::f16] {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(self, at: usize) -> __m256 {
+            // SAFETY: the caller keeps `at + 8` within the rows and the CPU has F16C.
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(self.as_ptr().add(at) as *const __m128i)) }
+        }
+    }
+
+    /// int8 rows and their scales.
+    #[derive(Clone, Copy)]
+    struct Q8Rows<'a>(&'a [i8], &'a [half::f16]);
+
+    impl Rows8 for Q8Rows<'_> {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(self, at: usize) -> __m256 {
+            // SAFETY: the caller keeps `at + 8` within the rows and the CPU has AVX2.
+            // Eight elements never straddle two scales: heads start on multiples of 64 on
+            // this path, and blocks are 32 long.
+            unsafe {
+                let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                    self.0.as_ptr().add(at) as *const __m128i
+                ));
+                let d = _mm256_set1_ps(self.1[at / Q8_BLOCK].to_f32());
+                _mm256_mul_ps(_mm256_cvtepi32_ps(q), d)
             }
         }
     }
@@ -366,10 +394,74 @@ mod x86 {
         }
     }
 
+    /// The state of one head's online softmax: the query, the running sum of values, the
+    /// running maximum and the running sum of weights.
+    struct State<const NV: usize> {
+        q: [__m256; NV],
+        acc: [__m256; NV],
+        max: f32,
+        sum: f32,
+    }
+
+    /// The keys of one segment against the state, `NV` vectors of 8 per head.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn segment<const NV: usize, R: Rows8>(
+        st: &mut State<NV>,
+        keys: R,
+        values: R,
+        positions: &[u32],
+        q_pos: u32,
+        slot: HeadSlot,
+        scale: f32,
+        half: bool,
+    ) {
+        let zero = _mm256_setzero_ps();
+        for (i, &p) in positions.iter().enumerate() {
+            if super::skipped(p, q_pos, slot.window) {
+                continue;
+            }
+            let start = i * slot.row_len + slot.offset;
+            let mut s8 = [zero; 8];
+            for j in 0..NV {
+                // SAFETY: the segment holds this row (checked by the dispatcher).
+                let k = unsafe { keys.load8(start + 8 * j) };
+                s8[j % 8] = _mm256_fmadd_ps(k, st.q[j], s8[j % 8]);
+            }
+            // The halves of (acc0 + acc2) + (acc1 + acc3), then lower + upper half.
+            let lo = _mm256_add_ps(_mm256_add_ps(s8[0], s8[4]), _mm256_add_ps(s8[2], s8[6]));
+            let hi = _mm256_add_ps(_mm256_add_ps(s8[1], s8[5]), _mm256_add_ps(s8[3], s8[7]));
+            let t8 = _mm256_add_ps(lo, hi);
+            let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
+            let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+            let s = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2))) * scale;
+            let (mut ms, mut vs) = (1f32, 1f32);
+            if s > st.max {
+                ms = (st.max - s).exp();
+                st.max = s;
+                let m = _mm256_set1_ps(ms);
+                for a in st.acc.iter_mut() {
+                    *a = round8(_mm256_mul_ps(*a, m), half);
+                }
+            } else {
+                vs = (s - st.max).exp();
+            }
+            let w = _mm256_set1_ps(vs);
+            for (j, a) in st.acc.iter_mut().enumerate() {
+                // SAFETY: the segment holds this row (checked by the dispatcher).
+                let v = unsafe { values.load8(start + 8 * j) };
+                *a = round8(_mm256_fmadd_ps(v, w, *a), half);
+            }
+            st.sum = st.sum.mul_add(ms, vs);
+        }
+    }
+
     /// [`attend_head_avx512`] eight lanes at a time: ggml's four 16-lane accumulators
     /// are eight 8-lane ones (accumulator `j` of 16 lanes is the pair `2j`, `2j + 1`),
     /// so vector `j` of the head goes into accumulator `j % 8`, and the reduction adds
-    /// the same lanes in the same order as `_mm512_reduce_add_ps`.
+    /// the same lanes in the same order as `_mm512_reduce_add_ps`. One code path per
+    /// head size and element type, so the state stays in registers where it fits.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn attend_head_avx2(
         q: &[f32],
@@ -379,60 +471,77 @@ mod x86 {
         scale: f32,
         out: &mut [f32],
     ) {
-        let hd = slot.head_dim;
-        let nv = hd / 8;
-        debug_assert!(hd % STEP == 0 && nv <= MAX_VECS8);
+        // SAFETY: the caller's contract, passed on; `head` takes only these sizes.
+        unsafe {
+            match slot.head_dim / 8 {
+                8 => head::<8>(q, q_pos, kv, slot, scale, out),
+                16 => head::<16>(q, q_pos, kv, slot, scale, out),
+                24 => head::<24>(q, q_pos, kv, slot, scale, out),
+                _ => head::<{ MAX_VECS8 }>(q, q_pos, kv, slot, scale, out),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn head<const NV: usize>(
+        q: &[f32],
+        q_pos: u32,
+        kv: &KvView<'_>,
+        slot: HeadSlot,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        debug_assert!(slot.head_dim == 8 * NV && NV <= MAX_VECS8);
         let half = matches!(kv.segments.first().map(|s| s.keys), Some(KvRows::F16(_)));
         let zero = _mm256_setzero_ps();
-        let mut qv = [zero; MAX_VECS8];
-        let mut acc = [zero; MAX_VECS8];
-        for (j, v) in qv.iter_mut().enumerate().take(nv) {
+        let mut st = State::<NV> {
+            q: [zero; NV],
+            acc: [zero; NV],
+            max: f32::NEG_INFINITY,
+            sum: 0.0,
+        };
+        for (j, v) in st.q.iter_mut().enumerate() {
             // SAFETY: q holds hd values.
             *v = round8(unsafe { _mm256_loadu_ps(q.as_ptr().add(8 * j)) }, half);
         }
-        let mut max = f32::NEG_INFINITY;
-        let mut sum = 0f32;
         for seg in &kv.segments {
-            for (i, &p) in seg.positions.iter().enumerate() {
-                if super::skipped(p, q_pos, slot.window) {
-                    continue;
-                }
-                let start = i * slot.row_len + slot.offset;
-                let mut s8 = [zero; 8];
-                for j in 0..nv {
-                    // SAFETY: the segment holds this row.
-                    let k = unsafe { load8(&seg.keys, start + 8 * j) };
-                    s8[j % 8] = _mm256_fmadd_ps(k, qv[j], s8[j % 8]);
-                }
-                // The halves of (acc0 + acc2) + (acc1 + acc3), then lower + upper half.
-                let lo = _mm256_add_ps(_mm256_add_ps(s8[0], s8[4]), _mm256_add_ps(s8[2], s8[6]));
-                let hi = _mm256_add_ps(_mm256_add_ps(s8[1], s8[5]), _mm256_add_ps(s8[3], s8[7]));
-                let t8 = _mm256_add_ps(lo, hi);
-                let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
-                let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-                let s = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2))) * scale;
-                let (mut ms, mut vs) = (1f32, 1f32);
-                if s > max {
-                    ms = (max - s).exp();
-                    max = s;
-                    let m = _mm256_set1_ps(ms);
-                    for a in acc.iter_mut().take(nv) {
-                        *a = round8(_mm256_mul_ps(*a, m), half);
+            let (pos, sl) = (seg.positions, slot);
+            // SAFETY: the dispatcher checked that every segment holds its rows.
+            unsafe {
+                match (seg.keys, seg.values) {
+                    (KvRows::F32(k), KvRows::F32(v)) => {
+                        segment(&mut st, k, v, pos, q_pos, sl, scale, half)
                     }
-                } else {
-                    vs = (s - max).exp();
+                    (KvRows::F16(k), KvRows::F16(v)) => {
+                        segment(&mut st, k, v, pos, q_pos, sl, scale, half)
+                    }
+                    (
+                        KvRows::Q8 {
+                            quants: kq,
+                            scales: ks,
+                        },
+                        KvRows::Q8 {
+                            quants: vq,
+                            scales: vs,
+                        },
+                    ) => segment(
+                        &mut st,
+                        Q8Rows(kq, ks),
+                        Q8Rows(vq, vs),
+                        pos,
+                        q_pos,
+                        sl,
+                        scale,
+                        half,
+                    ),
+                    // Keys and values of two types: the dispatcher sent such a view to
+                    // the reference.
+                    _ => unreachable!("keys and values of one segment differ in type"),
                 }
-                let w = _mm256_set1_ps(vs);
-                for (j, a) in acc.iter_mut().enumerate().take(nv) {
-                    // SAFETY: the segment holds this row.
-                    let v = unsafe { load8(&seg.values, start + 8 * j) };
-                    *a = round8(_mm256_fmadd_ps(v, w, *a), half);
-                }
-                sum = sum.mul_add(ms, vs);
             }
         }
-        let inv = _mm256_set1_ps(if sum == 0.0 { 0.0 } else { 1.0 / sum });
-        for (j, a) in acc.iter().enumerate().take(nv) {
+        let inv = _mm256_set1_ps(if st.sum == 0.0 { 0.0 } else { 1.0 / st.sum });
+        for (j, a) in st.acc.iter().enumerate() {
             // SAFETY: out holds hd values.
             unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * j), _mm256_mul_ps(*a, inv)) };
         }
