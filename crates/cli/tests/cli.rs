@@ -348,6 +348,75 @@ fn a_prompt_longer_than_the_context_is_refused() {
     assert!(stderr(&o).contains("context of 32"), "{}", stderr(&o));
 }
 
+/// The tiny model with a plain chat template (`role: content` lines, then
+/// `assistant:`).
+fn tiny_chat_model(dir: &Path) -> PathBuf {
+    use ballast_runtime::gguf::Value;
+    let mut w = TinyModelSpec::default().writer().unwrap();
+    let template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}\
+                    {% if add_generation_prompt %}assistant:{% endif %}";
+    w.add_metadata("tokenizer.chat_template", Value::String(template.into()))
+        .unwrap();
+    let path = dir.join("tiny-chat.gguf");
+    std::fs::write(&path, w.to_bytes()).unwrap();
+    path
+}
+
+/// `ballast ARGS` with `input` on its standard input.
+fn ballast_with_input(args: &[&str], input: &str) -> Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ballast"))
+        .args(args)
+        .env(
+            "BALLAST_HOME",
+            std::env::temp_dir().join("ballast-cli-tests-no-cache"),
+        )
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("running ballast");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    child.wait_with_output().expect("running ballast")
+}
+
+/// `chat` generates like `run` (the same generator): its first answer is `run`'s text
+/// for the rendered conversation; later turns continue the cache; a conversation
+/// outgrowing the context is refused by name.
+#[test]
+fn chat_answers_like_run_and_refuses_a_conversation_past_the_context() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_chat_model(dir.path());
+    let m = model.to_str().unwrap();
+    let greedy = ["-n", "6", "--temp", "0", "--ignore-eos", "-c", "128"];
+    let mut args = vec!["chat", "-m", m];
+    args.extend(greedy);
+    let o = ballast_with_input(&args, "Hi\nAgain\n");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut args = vec!["run", "-m", m, "user: Hi\nassistant:", "--no-echo"];
+    args.extend(greedy);
+    let r = ballast(&args);
+    assert!(r.status.success(), "{}", stderr(&r));
+    let (chat, run) = (stdout(&o), stdout(&r));
+    assert!(run.len() > 1, "{run:?}");
+    assert!(
+        chat.starts_with(&run) && chat.len() > run.len(),
+        "chat {chat:?}, run {run:?}"
+    );
+
+    let mut args = vec!["chat", "-m", m, "-c", "32"];
+    args.extend(&greedy[..5]);
+    let o = ballast_with_input(&args, &format!("{}\n", "x".repeat(40)));
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("context of 32"), "{}", stderr(&o));
+}
+
 fn layered_model(dir: &Path) -> PathBuf {
     let path = dir.join("layered.gguf");
     let spec = TinyModelSpec {
