@@ -273,6 +273,19 @@ fn test() -> Result<()> {
         Command::new(debug_ballast()?).arg("fetch-model"),
     )?;
     step("cargo test", cargo().args(["test", "--workspace"]))?;
+    // The golden tests on the CPU again at the other x86 levels (the run above used the
+    // best this CPU has): every level must give llama.cpp's ids. `--workspace` keeps the
+    // feature set of the build above, so nothing compiles again. A level the CPU lacks
+    // falls back to the best one, which only repeats the run.
+    for (level, filter) in [("avx2", ""), ("scalar", "greedy")] {
+        step(
+            &format!("golden tests at BALLAST_SIMD={level}"),
+            cargo()
+                .args(["test", "--workspace", "--test", "golden", "--"])
+                .args(["--skip", "on_wgpu", filter])
+                .env("BALLAST_SIMD", level),
+        )?;
+    }
     neon_tests()?;
     openai_e2e()?;
     Ok(())
