@@ -231,8 +231,9 @@ impl Drop for Shared {
 /// activation buffers, the MLP lever with its state).
 ///
 /// [`Model::share`] makes another handle on the same weights for another session: each
-/// session owns its handle, KV cache, positions and sampler, and sessions may run from
-/// different threads (a handle is `Send`); the weights are held once.
+/// session owns its handle, KV cache and positions (a `Generator` adds the sampler),
+/// and sessions may run from different threads (a handle is `Send`); the weights are
+/// held once.
 pub struct Model {
     shared: Arc<Shared>,
     ffn: Box<dyn FeedForward>,
