@@ -164,24 +164,75 @@ impl Sampler {
         if logits.is_empty() {
             return 0;
         }
+        let penalized = self.penalized(logits, history);
+        let logits = penalized.as_deref().unwrap_or(logits);
+        if self.config.temperature <= 0.0 {
+            return argmax(logits);
+        }
+        let dist = self.candidates(logits);
+        self.draw(&dist)
+    }
+
+    /// The distribution [`Sampler::sample`] draws from: after the repetition penalty,
+    /// top-k, top-p, min-p and temperature, the surviving tokens, most likely first,
+    /// with their probabilities (summing to 1 up to rounding). Greedy decoding gives
+    /// the argmax with probability 1. Empty for empty logits.
+    pub fn distribution(&self, logits: &[f32], history: &[u32]) -> Distribution {
+        if logits.is_empty() {
+            return Distribution::default();
+        }
+        let penalized = self.penalized(logits, history);
+        let logits = penalized.as_deref().unwrap_or(logits);
+        if self.config.temperature <= 0.0 {
+            return Distribution::certain(argmax(logits));
+        }
+        self.candidates(logits)
+    }
+
+    /// Draws a token from `dist` (as [`Sampler::sample`] does from its own); the most
+    /// likely token of an empty or all-zero distribution's support, or 0.
+    pub fn draw(&mut self, dist: &Distribution) -> u32 {
+        let total: f64 = dist.probs.iter().sum();
+        let r = self.rng.next_f64() * total;
+        let mut cum = 0.0f64;
+        for (&id, p) in dist.ids.iter().zip(&dist.probs) {
+            cum += p;
+            if r < cum {
+                return id;
+            }
+        }
+        dist.ids
+            .iter()
+            .zip(&dist.probs)
+            .rev()
+            .find(|(_, p)| **p > 0.0)
+            .map_or(dist.ids.first().copied().unwrap_or(0), |(&id, _)| id)
+    }
+
+    /// A uniform draw in `[0, 1)` from the sampler's generator (speculative sampling's
+    /// acceptance test).
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.next_f64()
+    }
+
+    /// The logits after the repetition penalty, when it applies.
+    fn penalized(&self, logits: &[f32], history: &[u32]) -> Option<Vec<f32>> {
         let cfg = self.config;
-        let mut penalized;
-        let logits = if cfg.repeat_penalty != 1.0 && cfg.repeat_last_n > 0 && !history.is_empty() {
-            penalized = logits.to_vec();
+        (cfg.repeat_penalty != 1.0 && cfg.repeat_last_n > 0 && !history.is_empty()).then(|| {
+            let mut penalized = logits.to_vec();
             apply_repeat_penalty(
                 &mut penalized,
                 history,
                 cfg.repeat_penalty,
                 cfg.repeat_last_n,
             );
-            &penalized[..]
-        } else {
-            logits
-        };
-        if cfg.temperature <= 0.0 {
-            return argmax(logits);
-        }
+            penalized
+        })
+    }
 
+    /// top-k, top-p, min-p and temperature over non-empty `logits`.
+    fn candidates(&self, logits: &[f32]) -> Distribution {
+        let cfg = self.config;
         let mut cands: Vec<Candidate> = logits
             .iter()
             .enumerate()
@@ -227,24 +278,37 @@ impl Sampler {
         for c in &mut cands {
             c.logit /= cfg.temperature;
         }
-
-        // draw
-        let probs = softmax(&cands);
-        let total: f64 = probs.iter().sum();
-        let r = self.rng.next_f64() * total;
-        let mut cum = 0.0f64;
-        for (c, p) in cands.iter().zip(&probs) {
-            cum += p;
-            if r < cum {
-                return c.id;
-            }
+        Distribution {
+            probs: softmax(&cands),
+            ids: cands.iter().map(|c| c.id).collect(),
         }
-        cands
+    }
+}
+
+/// Tokens and their probabilities, most likely first: what a [`Sampler`] draws from.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Distribution {
+    /// The tokens with a non-zero chance.
+    pub ids: Vec<u32>,
+    /// Their probabilities, in the same order.
+    pub probs: Vec<f64>,
+}
+
+impl Distribution {
+    /// `id` with probability 1.
+    pub fn certain(id: u32) -> Distribution {
+        Distribution {
+            ids: vec![id],
+            probs: vec![1.0],
+        }
+    }
+
+    /// The probability of `id` (0 outside the support).
+    pub fn prob(&self, id: u32) -> f64 {
+        self.ids
             .iter()
-            .zip(&probs)
-            .rev()
-            .find(|(_, p)| **p > 0.0)
-            .map_or(cands[0].id, |(c, _)| c.id)
+            .position(|&i| i == id)
+            .map_or(0.0, |at| self.probs[at])
     }
 }
 

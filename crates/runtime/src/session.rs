@@ -22,6 +22,8 @@ pub struct Session {
     batch: usize,
     positions: Vec<u32>,
     logits: Vec<f32>,
+    /// Every token's logits from the last [`Session::feed_scored`].
+    scored: Vec<f32>,
 }
 
 impl Session {
@@ -63,6 +65,7 @@ impl Session {
             batch: DEFAULT_BATCH,
             positions: Vec::new(),
             logits: Vec::new(),
+            scored: Vec::new(),
         }
     }
 
@@ -147,6 +150,54 @@ impl Session {
             self.tokens.extend_from_slice(chunk);
         }
         Ok(())
+    }
+
+    /// Feeds `ids` like [`Session::feed`] and returns the logits after each of them,
+    /// one vocabulary-wide row per token (a speculative step's verification: the rows
+    /// say what the model would have chosen after every drafted token).
+    /// [`Session::logits`] holds the last row.
+    pub fn feed_scored(&mut self, ids: &[u32]) -> Result<&[f32]> {
+        let mut rows = std::mem::take(&mut self.scored);
+        rows.clear();
+        let r = self.feed_chunks(ids, |model, chunk, positions, kv, policy, _| {
+            let out = model.forward(chunk, positions, kv, policy, Logits::All)?;
+            rows.extend_from_slice(out);
+            Ok(())
+        });
+        self.scored = rows;
+        r?;
+        let vocab = self.model.config().vocab_size;
+        self.logits.clear();
+        self.logits
+            .extend_from_slice(&self.scored[self.scored.len() - vocab..]);
+        Ok(&self.scored)
+    }
+
+    /// Every token's logits from the last [`Session::feed_scored`], one row per token.
+    pub fn scored(&self) -> &[f32] {
+        &self.scored
+    }
+
+    /// Keeps the first `n_tokens` of the tokens the last [`Session::feed_scored`] fed
+    /// and forgets the rest, as if only those had been fed: the cache drops the
+    /// others' rows and [`Session::logits`] becomes the kept last token's row. A
+    /// rejected draft's tokens are rolled back this way. False (and the session then
+    /// holds nothing, as [`Session::rewind`] leaves it) when the cache could not
+    /// rewind exactly.
+    pub fn keep_scored(&mut self, n_tokens: usize) -> bool {
+        let vocab = self.model.config().vocab_size;
+        let fed = self.scored.len() / vocab.max(1);
+        if fed == 0 {
+            return true;
+        }
+        let n_tokens = n_tokens.clamp(1, fed);
+        let target = self.tokens.len() - (fed - n_tokens);
+        if self.rewind(target) != target {
+            return false;
+        }
+        self.logits
+            .extend_from_slice(&self.scored[(n_tokens - 1) * vocab..n_tokens * vocab]);
+        true
     }
 
     /// Refuses `n` more tokens when the cache cannot hold them and no policy evicts.

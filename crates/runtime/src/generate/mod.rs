@@ -48,15 +48,20 @@
 //! # }
 //! ```
 
+mod speculative;
 mod stop;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::time::Instant;
 
+pub use speculative::{
+    check_compatible, DraftModel, DraftOptions, Drafter, PromptLookup, Proposal, SpeculationStats,
+};
 pub use stop::StopMatcher;
 
 use crate::error::{Error, Result};
-use crate::sampler::{log_softmax_at, Sampler, SamplerConfig};
+use crate::sampler::{log_softmax_at, Distribution, Sampler, SamplerConfig};
 use crate::session::Session;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
@@ -252,30 +257,102 @@ impl Continuation {
         history: &[u32],
         room: Option<usize>,
     ) -> Step {
-        if self.finish.is_none() && self.generated >= self.limit() {
-            self.finish = Some(FinishReason::MaxTokens);
-        }
-        if self.finish.is_none() && room == Some(0) {
-            self.finish = Some(FinishReason::ContextFull);
-        }
-        if self.finish.is_some() {
+        if self.ended(room) {
             return Step::Done(self.end());
         }
-        let id = if self.options.presence_penalty != 0.0 || self.options.frequency_penalty != 0.0 {
-            self.penalized.clear();
-            self.penalized.extend_from_slice(logits);
-            apply_presence_frequency_penalties(
-                &mut self.penalized,
-                &self.counts,
-                self.options.presence_penalty,
-                self.options.frequency_penalty,
-            );
+        let id = if self.penalize(logits) {
             self.sampler.sample(&self.penalized, history)
         } else {
             self.sampler.sample(logits, history)
         };
         let logprob = self.options.logprobs.then(|| log_softmax_at(logits, id));
         self.accept(tokenizer, id, logprob, room)
+    }
+
+    /// [`Continuation::choose`] for a drafted token (speculative decoding): the next
+    /// token from `logits`, the drafted one when the model accepts it. Greedy decoding
+    /// accepts it when it is the token `choose` would pick; sampling accepts it with
+    /// probability `min(1, p/q)` (`p` the model's probability after the sampler's
+    /// filters, `q` the draft's) and otherwise draws from `max(0, p - q)`, so the token
+    /// follows the model's distribution either way. Returns the step and whether the
+    /// draft was accepted (generation then goes on with the next drafted token).
+    pub fn verify(
+        &mut self,
+        tokenizer: &Tokenizer,
+        logits: &[f32],
+        history: &[u32],
+        draft: &Proposal,
+        room: Option<usize>,
+    ) -> (Step, bool) {
+        if self.ended(room) {
+            return (Step::Done(self.end()), false);
+        }
+        let penalized = self.penalize(logits);
+        let scored = if penalized {
+            &self.penalized[..]
+        } else {
+            logits
+        };
+        let (id, accepted) = if self.sampler.config().temperature <= 0.0 {
+            let id = self.sampler.sample(scored, history);
+            (id, id == draft.id)
+        } else {
+            let p = self.sampler.distribution(scored, history);
+            let (p_draft, q_draft) = (p.prob(draft.id), draft.prob(draft.id));
+            if q_draft > 0.0 && self.sampler.uniform() < p_draft / q_draft {
+                (draft.id, true)
+            } else {
+                // The correction: what `p` has beyond the draft's `q`.
+                let residual = Distribution {
+                    probs: p
+                        .ids
+                        .iter()
+                        .zip(&p.probs)
+                        .map(|(&id, &pi)| (pi - draft.prob(id)).max(0.0))
+                        .collect(),
+                    ids: p.ids.clone(),
+                };
+                let id = if residual.probs.iter().sum::<f64>() > 0.0 {
+                    self.sampler.draw(&residual)
+                } else {
+                    self.sampler.draw(&p)
+                };
+                (id, false)
+            }
+        };
+        let logprob = self.options.logprobs.then(|| log_softmax_at(logits, id));
+        let step = self.accept(tokenizer, id, logprob, room);
+        let accepted = accepted && matches!(step, Step::Token(_));
+        (step, accepted)
+    }
+
+    /// Whether the generation has ended before choosing another token (the token
+    /// limit, no room for it), recording why.
+    fn ended(&mut self, room: Option<usize>) -> bool {
+        if self.finish.is_none() && self.generated >= self.limit() {
+            self.finish = Some(FinishReason::MaxTokens);
+        }
+        if self.finish.is_none() && room == Some(0) {
+            self.finish = Some(FinishReason::ContextFull);
+        }
+        self.finish.is_some()
+    }
+
+    /// Puts `logits` with the presence and frequency penalties into the scratch
+    /// buffer when either applies; false (and nothing written) otherwise.
+    fn penalize(&mut self, logits: &[f32]) -> bool {
+        if self.options.presence_penalty == 0.0 && self.options.frequency_penalty == 0.0 {
+            return false;
+        }
+        self.penalized.clear();
+        self.penalized.extend_from_slice(logits);
+        apply_presence_frequency_penalties(
+            &mut self.penalized,
+            &self.counts,
+            self.options.presence_penalty,
+            self.options.frequency_penalty,
+        );
+        true
     }
 
     /// Takes `id` as the next token, chosen elsewhere (a device's argmax when
@@ -374,6 +451,14 @@ pub struct Generator {
     state: Continuation,
     /// The last token returned, not fed yet.
     unfed: Option<u32>,
+    /// The drafter and its options, when decoding speculatively.
+    speculation: Option<(Box<dyn Drafter>, DraftOptions)>,
+    /// Steps a verification pass gave beyond the first, handed out one per call.
+    pending: VecDeque<Step>,
+    /// Scratch: drafted tokens, and the context they follow.
+    proposals: Vec<Proposal>,
+    context: Vec<u32>,
+    stats: SpeculationStats,
 }
 
 impl Generator {
@@ -391,7 +476,28 @@ impl Generator {
             options,
             state,
             unfed: None,
+            speculation: None,
+            pending: VecDeque::new(),
+            proposals: Vec::new(),
+            context: Vec::new(),
+            stats: SpeculationStats::default(),
         })
+    }
+
+    /// Decodes speculatively from now on: before each token, `drafter` proposes up to
+    /// `options.max` more and one pass of the model verifies them all. The tokens are
+    /// exactly those plain decoding gives (greedy: the same ids and log-probabilities;
+    /// sampling: the same distribution). A draft is cut to what the cache holds
+    /// without evicting (an eviction cannot be undone for the rejected tokens), so a
+    /// full cache under an eviction policy decodes plainly.
+    pub fn with_drafter(mut self, drafter: Box<dyn Drafter>, options: DraftOptions) -> Generator {
+        self.speculation = Some((drafter, options));
+        self
+    }
+
+    /// What speculation did so far (all zero without a drafter).
+    pub fn speculation_stats(&self) -> SpeculationStats {
+        self.stats
     }
 
     /// Feeds `ids` (may be empty to continue from the session's current logits, as
@@ -400,6 +506,7 @@ impl Generator {
     /// by the previous generation and not fed is dropped.
     pub fn prompt(&mut self, ids: &[u32]) -> Result<()> {
         self.unfed = None;
+        self.pending.clear();
         self.state = Continuation::new(self.options.clone())?;
         if ids.is_empty() {
             if self.session.logits().is_empty() {
@@ -414,8 +521,17 @@ impl Generator {
     /// The next token, or the end. Feeds the previous token first (one forward pass),
     /// unless it was the last.
     pub fn step(&mut self) -> Result<Step> {
+        if let Some(step) = self.pending.pop_front() {
+            return Ok(step);
+        }
         if let Some(end) = self.state.finish() {
             return Ok(Step::Done(end));
+        }
+        if self.unfed.is_some() && self.speculation.is_some() {
+            if let Some(step) = self.speculative_step()? {
+                return Ok(step);
+            }
+            self.stats.plain_steps += 1;
         }
         if let Some(prev) = self.unfed.take() {
             if self.greedy_on_device() {
@@ -439,6 +555,106 @@ impl Generator {
             room,
         );
         Ok(self.returned(step))
+    }
+
+    /// Drafts after the unfed token and verifies the draft in one pass; `None` (and
+    /// nothing changed) when the draft is too short to verify.
+    fn speculative_step(&mut self) -> Result<Option<Step>> {
+        let Some(prev) = self.unfed else {
+            return Ok(None);
+        };
+        let Some((drafter, options)) = self.speculation.as_mut() else {
+            return Ok(None);
+        };
+        // The verification feeds the unfed token and the draft: all must fit without
+        // an eviction, and drafting past the token limit is wasted.
+        let kv = self.session.kv();
+        let free = kv.capacity().saturating_sub(kv.len());
+        let remaining = self
+            .options
+            .max_tokens
+            .map_or(usize::MAX, |m| m.saturating_sub(self.state.generated()));
+        let max = options
+            .max
+            .min(free.saturating_sub(1))
+            .min(remaining.saturating_sub(1));
+        if max == 0 || max < options.min {
+            return Ok(None);
+        }
+        self.context.clear();
+        self.context.extend_from_slice(self.session.tokens());
+        self.context.push(prev);
+        self.proposals.clear();
+        let started = Instant::now();
+        drafter.draft(
+            &self.context,
+            max,
+            &self.options.sampler,
+            &mut self.proposals,
+        )?;
+        self.stats.draft_time += started.elapsed();
+        self.proposals.truncate(max);
+        if self.proposals.is_empty() || self.proposals.len() < options.min {
+            return Ok(None);
+        }
+
+        let started = Instant::now();
+        let held = self.session.tokens().len();
+        let cached = self.session.kv().len();
+        let capacity = self.session.kv().capacity();
+        let bounded = self.session.policy().is_none();
+        let mut fed = Vec::with_capacity(self.proposals.len() + 1);
+        fed.push(prev);
+        fed.extend(self.proposals.iter().map(|p| p.id));
+        self.session.feed_scored(&fed)?;
+        let vocab = self.session.model().config().vocab_size;
+        let rows = self.session.scored();
+        let history = self.session.tokens();
+        let mut steps = Vec::new();
+        let mut accepted = 0;
+        // Row `i` holds the logits after the unfed token and `i` drafted ones.
+        for i in 0..fed.len() {
+            let logits = &rows[i * vocab..(i + 1) * vocab];
+            let history = &history[..held + i + 1];
+            let room = bounded.then(|| capacity.saturating_sub(cached + i + 1));
+            let (step, goes_on) = match self.proposals.get(i) {
+                Some(draft) => self
+                    .state
+                    .verify(&self.tokenizer, logits, history, draft, room),
+                None => (
+                    self.state.choose(&self.tokenizer, logits, history, room),
+                    false,
+                ),
+            };
+            steps.push(step);
+            if goes_on && self.state.finish_reason().is_none() {
+                accepted += 1;
+            } else {
+                break;
+            }
+        }
+        // The session keeps what came before the last step's token, which stays unfed
+        // as after a plain step.
+        let keep = steps.len();
+        if !self.session.keep_scored(keep) {
+            // A sliding-window cache could not drop the rejected rows: start over.
+            let mut history = self.context[..held].to_vec();
+            history.extend_from_slice(&fed[..keep]);
+            self.session.feed(&history)?;
+        }
+        self.stats.passes += 1;
+        self.stats.drafted += self.proposals.len();
+        self.stats.accepted += accepted;
+        self.stats.tokens += steps.iter().filter(|s| matches!(s, Step::Token(_))).count();
+        self.stats.verify_time += started.elapsed();
+        self.unfed = match steps.last() {
+            Some(Step::Token(t)) => Some(t.id),
+            _ => None,
+        };
+        let mut steps = steps.into_iter();
+        let first = steps.next();
+        self.pending.extend(steps);
+        Ok(first)
     }
 
     /// Remembers a returned token as not fed yet.
@@ -504,6 +720,7 @@ impl Generator {
     /// [`Generator::prompt`] before the next step).
     pub fn session_mut(&mut self) -> &mut Session {
         self.unfed = None;
+        self.pending.clear();
         &mut self.session
     }
 
