@@ -28,6 +28,8 @@ pub struct ChatArgs {
     /// Keep generating past end-of-generation tokens (each answer then runs to -n).
     #[arg(long)]
     pub ignore_eos: bool,
+    #[command(flatten)]
+    pub draft: crate::draft::DraftArgs,
 }
 
 pub fn run(args: ChatArgs) -> Result<()> {
@@ -54,8 +56,10 @@ pub fn run(args: ChatArgs) -> Result<()> {
         ..GenerateOptions::default()
     };
     let tokenizer = std::sync::Arc::new(tokenizer);
+    let backend = loaded.model.backend().clone();
     let session = Session::new(loaded.model, args.ctx)?;
-    let mut generator = Generator::new(session, tokenizer.clone(), options)?;
+    let generator = Generator::new(session, tokenizer.clone(), options)?;
+    let mut generator = args.draft.apply(generator, backend, args.ctx, 64)?;
     let mut messages: Vec<ChatMessage> = Vec::new();
     if let Some(system) = &args.system {
         messages.push(ChatMessage {

@@ -3,6 +3,7 @@
 mod bench;
 mod chat;
 mod common;
+mod draft;
 mod inspect;
 mod pack;
 mod perplexity;

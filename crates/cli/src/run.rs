@@ -50,6 +50,8 @@ pub struct RunArgs {
     pub session: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub kv: KvArgs,
+    #[command(flatten)]
+    pub draft: crate::draft::DraftArgs,
 }
 
 /// Speeds and memory of one generation.
@@ -134,7 +136,10 @@ pub fn run(args: RunArgs) -> Result<()> {
         ..GenerateOptions::default()
     };
     let tokenizer = std::sync::Arc::new(tokenizer);
-    let mut generator = Generator::new(session, tokenizer.clone(), options)?;
+    let generator = Generator::new(session, tokenizer.clone(), options)?;
+    let mut generator = args
+        .draft
+        .apply(generator, backend.clone(), args.ctx, args.batch)?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     if !args.json && !args.no_echo {
@@ -229,6 +234,8 @@ pub fn run(args: RunArgs) -> Result<()> {
                 "generation_ms": timings.generation_time.as_secs_f64() * 1e3,
                 "generation_tokens_per_s": timings.generation_tps(),
                 "peak_rss_kib": peak,
+                "speculation": args.draft.draft.is_some()
+                    .then(|| crate::draft::to_json(&generator.speculation_stats())),
                 "threads": threads,
                 "backend": backend_name,
                 "streaming": streaming.as_ref().map(|(m, non_resident, resident, uploaded)| json!({
@@ -272,6 +279,9 @@ pub fn run(args: RunArgs) -> Result<()> {
             peak.map_or("unknown".into(), |k| common::human_bytes(k * 1024)),
             backend_name,
         );
+        if args.draft.draft.is_some() {
+            eprintln!("{}", crate::draft::describe(&generator.speculation_stats()));
+        }
         if let Some((m, non_resident, resident, uploaded)) = &streaming {
             let in_place = match uploaded {
                 Some(u) => format!(

