@@ -32,8 +32,10 @@ pub struct ChatArgs {
     pub draft: crate::draft::DraftArgs,
 }
 
-pub fn run(args: ChatArgs) -> Result<()> {
+pub fn run(mut args: ChatArgs) -> Result<()> {
     let threads = common::threads(args.model.threads);
+    // A resident draft model shares the RAM budget with the model.
+    args.model.store.beside = args.draft.resident_bytes(args.ctx)?;
     let loaded = common::load(&args.model, threads, args.ctx, 64)?;
     let source = loaded
         .file

@@ -98,6 +98,31 @@ impl DraftArgs {
         Ok(Some(Box::new(model)))
     }
 
+    /// RAM a draft model will hold beside the model, and its name, for the budget: its
+    /// weights (read into RAM), its f16 KV cache for `ctx` tokens and a draft, and its
+    /// logits and activations. `None` without a draft model.
+    pub fn resident_bytes(&self, ctx: usize) -> Result<Option<(u64, String)>> {
+        let Some(draft) = self.draft.as_deref().filter(|d| *d != "ngram") else {
+            return Ok(None);
+        };
+        let path = crate::common::resolve_model(Some(Path::new(draft)))?;
+        let file = GgufFile::open(&path, true)
+            .with_context(|| format!("opening the draft model {}", path.display()))?;
+        let config = ballast_runtime::ModelConfig::from_gguf(&file)
+            .with_context(|| format!("loading the draft model {}", path.display()))?;
+        let weights = std::fs::metadata(&path)?.len();
+        let tokens = (ctx + self.draft_max + 1) as u64;
+        let kv = 2 * 2 * (config.n_layers * config.n_kv_heads * config.head_dim) as u64 * tokens;
+        // Logits, and a pass's activations (a few rows of the widest matrices).
+        let scratch = 4 * (config.vocab_size + 8 * (config.d_model + config.n_ff)) as u64;
+        let name = format!(
+            "the draft model {}",
+            path.file_name()
+                .map_or_else(|| draft.into(), |n| n.to_string_lossy())
+        );
+        Ok(Some((weights + kv + scratch, name)))
+    }
+
     /// `generator` decoding speculatively when `--draft` asks for it.
     pub fn apply(
         &self,

@@ -2,11 +2,11 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use ballast_runtime::model::load_weights;
 use ballast_runtime::{CpuBackend, ModelConfig};
 use ballast_tier_stream::{
-    model_shape, plan, probe, Budgets, ModelShape, PlanRequest, Speeds, Tier,
+    model_shape, plan, probe, Budgets, ModelShape, PlanRequest, Prediction, Speeds, Tier,
 };
 use clap::Args;
 use serde_json::json;
@@ -151,6 +151,15 @@ pub struct PlanArgs {
     /// Threads for the compute measurement. Default: every core.
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
+    /// Speculative decoding with this draft model (a file or a known name) held in
+    /// RAM beside the model: the plan splits the budget between the two and predicts
+    /// tokens/s for --acceptance, against plain decoding with the whole budget.
+    #[arg(long, value_name = "MODEL")]
+    pub draft: Option<String>,
+    /// With --draft: the share of drafted tokens the model accepts (code a draft knows
+    /// well: 0.8-0.9; prose: 0.5-0.7).
+    #[arg(long, default_value_t = 0.8, value_parser = acceptance)]
+    pub acceptance: f64,
     /// One JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -179,6 +188,46 @@ impl Uploaded {
     /// Each transfer waited for.
     fn serial_s(&self) -> f64 {
         self.compute_s + self.h2d_s
+    }
+}
+
+fn acceptance(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(a) if (0.0..1.0).contains(&a) => Ok(a),
+        _ => Err(format!("expected a share in [0, 1), got {s:?}")),
+    }
+}
+
+/// Each drafted token a verification pass scores adds this share of one token's
+/// compute to the pass: a pass over several tokens reads the weights once, and on the
+/// CPU its matrix products cost more per row than a decode's (Qwen2.5-Coder-1.5B on 2
+/// AVX-512 cores: 96 ms for one token, 368 ms for ten).
+const DRAFTED_TOKEN_COMPUTE: f64 = 0.3;
+
+/// Speculative decoding's prediction for one draft length.
+struct Speculative {
+    draft_len: usize,
+    tokens_per_pass: f64,
+    pass_s: f64,
+}
+
+impl Speculative {
+    /// Expected tokens per pass when each drafted token is accepted with probability
+    /// `a` independently (Leviathan et al.): `(1 - a^(k+1)) / (1 - a)`; a pass over
+    /// `k` drafted tokens costs the model's pass (`base`, its compute growing with the
+    /// tokens) and `k` draft tokens.
+    fn predict(k: usize, a: f64, base: &Prediction, draft_token_s: f64) -> Speculative {
+        let tokens_per_pass = (1.0 - a.powi(k as i32 + 1)) / (1.0 - a);
+        let compute = base.compute_s * (1.0 + DRAFTED_TOKEN_COMPUTE * k as f64);
+        Speculative {
+            draft_len: k,
+            tokens_per_pass,
+            pass_s: base.seconds_per_token.max(compute) + k as f64 * draft_token_s,
+        }
+    }
+
+    fn tokens_per_s(&self) -> f64 {
+        self.tokens_per_pass / self.pass_s
     }
 }
 
@@ -304,6 +353,44 @@ pub fn run(args: PlanArgs) -> Result<()> {
         Vec::new()
     };
     let pr = p.predict(&speeds, args.ctx);
+    // Speculative decoding: the model planned again in what the draft leaves.
+    let speculative = match &args.draft {
+        None => None,
+        Some(draft) => {
+            let draft_args = crate::draft::DraftArgs {
+                draft: Some(draft.clone()),
+                draft_max: 16,
+                draft_min: 0,
+                draft_p_min: 0.75,
+            };
+            let beside = draft_args
+                .resident_bytes(args.ctx as usize)?
+                .context("--draft ngram holds nothing: plan without it")?;
+            let (ram_left, _) = tiered::budget_beside((ram, ram_source.clone()), Some(&beside))?;
+            let request = PlanRequest {
+                budgets: Budgets {
+                    device,
+                    ram: ram_left,
+                },
+                ..request.clone()
+            };
+            let with_draft = plan(&request).with_context(|| {
+                format!(
+                    "the model does not fit the {} that {} leaves of the budget",
+                    human_bytes(ram_left),
+                    beside.1
+                )
+            })?;
+            let base = with_draft.predict(&speeds, args.ctx);
+            // The draft decodes from RAM at the backend's speed.
+            let draft_token_s = beside.0 as f64 / compute;
+            let rows: Vec<Speculative> = [1, 2, 4, 8, 16]
+                .into_iter()
+                .map(|k| Speculative::predict(k, args.acceptance, &base, draft_token_s))
+                .collect();
+            Some((beside, with_draft, base, rows))
+        }
+    };
     let uploaded = args
         .uploaded_per_token
         .as_deref()
@@ -346,6 +433,15 @@ pub fn run(args: PlanArgs) -> Result<()> {
                 "predicted": {"seconds_per_token": pr.seconds_per_token, "tokens_per_s": pr.tokens_per_s(),
                     "compute_s": pr.compute_s, "h2d_s": pr.h2d_s, "disk_s": pr.disk_s,
                     "decode_s": pr.decode_s, "bottleneck": pr.bottleneck.name()},
+                "speculative": speculative.as_ref().map(|((held, what), with_draft, base, rows)| json!({
+                    "draft": what, "draft_bytes": held, "acceptance": args.acceptance,
+                    "layer_map": tiered::layer_map(with_draft),
+                    "plain_tokens_per_s": base.tokens_per_s(),
+                    "draft_lengths": rows.iter().map(|r| json!({
+                        "draft_length": r.draft_len, "tokens_per_pass": r.tokens_per_pass,
+                        "seconds_per_pass": r.pass_s, "tokens_per_s": r.tokens_per_s(),
+                    })).collect::<Vec<_>>(),
+                })),
                 "ram_tier": args.ram_tier.for_plan().name(),
                 "ram_tiers": ram_tiers.iter().map(|o| {
                     let (a, b, c) = o.plan.counts();
@@ -397,6 +493,32 @@ pub fn run(args: PlanArgs) -> Result<()> {
         "{}",
         describe(&p, Some((&speeds, args.ctx)), Some(&notes.join(", ")))
     );
+    if let Some(((held, what), with_draft, base, rows)) = &speculative {
+        println!(
+            "with {what} in RAM ({}): the model gets {} of the budget, {}",
+            human_bytes(*held),
+            human_bytes(ram.saturating_sub(*held)),
+            tiered::layer_map(with_draft)
+        );
+        println!(
+            "predicted at acceptance {:.2} (plain decoding with the whole budget: {:.2} tokens/s; with the draft's share, {:.2}):",
+            args.acceptance,
+            pr.tokens_per_s(),
+            base.tokens_per_s()
+        );
+        println!("| draft length | tokens per pass | ms per pass | tokens/s | vs plain |");
+        println!("| ---: | ---: | ---: | ---: | ---: |");
+        for r in rows {
+            println!(
+                "| {} | {:.2} | {:.0} | {:.2} | {:.2}x |",
+                r.draft_len,
+                r.tokens_per_pass,
+                r.pass_s * 1e3,
+                r.tokens_per_s(),
+                r.tokens_per_s() / pr.tokens_per_s()
+            );
+        }
+    }
     if !ram_tiers.is_empty() {
         println!(
             "the pack's RAM tier (--ram-tier; this plan: {}):",

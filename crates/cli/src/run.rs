@@ -85,8 +85,10 @@ impl Timings {
     }
 }
 
-pub fn run(args: RunArgs) -> Result<()> {
+pub fn run(mut args: RunArgs) -> Result<()> {
     let threads = common::threads(args.model.threads);
+    // A resident draft model shares the RAM budget with the model.
+    args.model.store.beside = args.draft.resident_bytes(args.ctx)?;
     let loaded = common::load(&args.model, threads, args.ctx, args.batch)?;
     let tiered = loaded.tiered;
     let compressed = loaded.compressed;

@@ -128,6 +128,32 @@ pub struct StoreArgs {
     /// their read anyway). `ballast plan -m PACK` compares the three on this machine.
     #[arg(long, value_enum, default_value_t = RamTierKind::Auto)]
     pub ram_tier: RamTierKind,
+    /// RAM that something else of the run holds beside the model, and what: a
+    /// resident draft model (`--draft`). The plan gets the budget less this.
+    #[arg(skip)]
+    pub beside: Option<(u64, String)>,
+}
+
+/// `budget` less what `beside` holds (a draft model), or an error with the numbers
+/// when nothing would be left for the model.
+pub fn budget_beside(
+    budget: (u64, String),
+    beside: Option<&(u64, String)>,
+) -> Result<(u64, String)> {
+    let Some((held, what)) = beside else {
+        return Ok(budget);
+    };
+    let (ram, source) = budget;
+    anyhow::ensure!(
+        *held < ram,
+        "{what} needs {} of the RAM budget of {} ({source}), which leaves nothing for the model: more memory (--ram, a higher limit), or a smaller draft",
+        human_bytes(*held),
+        human_bytes(ram)
+    );
+    Ok((
+        ram - held,
+        format!("{source}, less {} for {what}", human_bytes(*held)),
+    ))
 }
 
 /// What a tiered model reports.
@@ -328,7 +354,8 @@ pub fn build(
     let kind = match args.store {
         StoreKind::Auto if args.ram.is_some() || args.vram.is_some() => StoreKind::Tiered,
         StoreKind::Auto => {
-            let (ram, _) = sized.insert(ram_budget(None, own)?);
+            let (ram, _) =
+                sized.insert(budget_beside(ram_budget(None, own)?, args.beside.as_ref())?);
             let ram = *ram;
             // Resident when the weights fit beside what the context needs (KV cache,
             // activations, the margin), else a mapped model would thrash: tiered.
@@ -367,7 +394,7 @@ pub fn build(
     }
     let (ram, source) = match sized {
         Some(sized) => sized,
-        None => ram_budget(args.ram.as_deref(), own)?,
+        None => budget_beside(ram_budget(args.ram.as_deref(), own)?, args.beside.as_ref())?,
     };
     // The MLP out of core (the sparse MLP's neuron mode): no layer holds its up and
     // down matrices, which the neuron file serves neuron by neuron into a cache that

@@ -1434,3 +1434,52 @@ fn speculative_runs_give_the_plain_tokens_and_foreign_drafts_are_refused() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--draft-p-min"), "{}", stderr(&o));
 }
+
+/// A draft model shares the RAM budget: the plan gives the model what the draft
+/// leaves and predicts speculative decoding; a draft bigger than the budget is refused
+/// with the numbers, by `plan` and by `run`.
+#[test]
+fn a_draft_model_is_counted_in_the_ram_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = layered_model(dir.path());
+    let m = model.to_str().unwrap();
+    // A draft of about 15 MiB, bigger than the model.
+    let draft = dir.path().join("big-draft.gguf");
+    let spec = TinyModelSpec {
+        d_model: 512,
+        n_ff: 4096,
+        ..TinyModelSpec::default()
+    };
+    std::fs::write(&draft, spec.to_gguf_bytes().unwrap()).unwrap();
+    let d = draft.to_str().unwrap();
+    let fixed = ["-c", "64", "--disk", "1GB/s", "--compute", "10GB/s"];
+    let plan = |ram: &str| {
+        let mut args = vec!["plan", "-m", m, "--ram", ram, "--draft", d];
+        args.extend_from_slice(&fixed);
+        ballast(&args)
+    };
+    let o = plan("64M");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("with the draft model big-draft.gguf") && out.contains("| draft length |"),
+        "{out}"
+    );
+    // The model alone fits 13M; with the draft nothing is left.
+    let mut alone = vec!["plan", "-m", m, "--ram", "13M"];
+    alone.extend_from_slice(&fixed);
+    assert!(ballast(&alone).status.success());
+    let o = plan("13M");
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("the draft model big-draft.gguf needs") && err.contains("leaves nothing"),
+        "{err}"
+    );
+    let o = ballast(&[
+        "run", "-m", m, "abc", "-n", "2", "-c", "64", "--store", "tiered", "--ram", "13M",
+        "--draft", d,
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("leaves nothing"), "{}", stderr(&o));
+}
