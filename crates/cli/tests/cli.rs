@@ -570,13 +570,16 @@ fn a_resumed_session_continues_like_an_uninterrupted_run() {
         ],
     ] {
         let whole = generated_tokens(m, "Hello", 16, &[&["--temp", "0"], &extra[..]].concat());
-        let file = dir.path().join("s.session");
-        let _ = std::fs::remove_file(&file);
-        let f = file.to_str().unwrap();
-        let with_session = [&["--temp", "0", "--session", f], &extra[..]].concat();
-        let first = generated_tokens(m, "Hello", 7, &with_session);
-        let second = generated_tokens(m, "", 9, &with_session);
-        assert_eq!(format!("{first}{second}"), whole, "{extra:?}");
+        // Saved after speculative steps (rejected rows rolled back) too.
+        for draft in [&[][..], &["--draft", "ngram", "--draft-max", "3"][..]] {
+            let file = dir.path().join("s.session");
+            let _ = std::fs::remove_file(&file);
+            let f = file.to_str().unwrap();
+            let with_session = [&["--temp", "0", "--session", f], &extra[..], draft].concat();
+            let first = generated_tokens(m, "Hello", 7, &with_session);
+            let second = generated_tokens(m, "", 9, &with_session);
+            assert_eq!(format!("{first}{second}"), whole, "{extra:?} {draft:?}");
+        }
     }
 
     let file = dir.path().join("s.session");
