@@ -284,6 +284,10 @@ pub struct BatchFeed<'s> {
     pub ids: &'s [u32],
     /// Whether the logits after them are wanted (then [`Session::logits`] has them).
     pub logits: bool,
+    /// Whether the logits after each of them are wanted, as [`Session::feed_scored`]
+    /// gives them (then [`Session::scored`] has them, and [`Session::logits`] the
+    /// last row).
+    pub scored: bool,
 }
 
 /// Feeds several sessions in one pass of `model` (continuous batching): each layer's
@@ -322,22 +326,38 @@ pub fn feed_batch(model: &mut Model, feeds: &mut [BatchFeed<'_>]) -> Result<()> 
                 Some(p) => Some(p),
                 None => None,
             },
-            logits: feed.logits,
+            logits: feed.logits || feed.scored,
+            every_row: feed.scored,
         });
     }
     let vocab = model.config().vocab_size;
     let logits = model.forward_batch(sequences)?;
-    let mut rows = logits.chunks_exact(vocab);
+    let mut at = 0;
     for feed in feeds.iter_mut() {
         let session = &mut *feed.session;
-        if feed.logits {
-            let row = rows.next().ok_or(Error::ShapeMismatch {
-                what: "logits of a batched step".into(),
-                expected: vocab,
-                got: 0,
-            })?;
+        let n_rows = if feed.scored {
+            feed.ids.len()
+        } else {
+            usize::from(feed.logits)
+        };
+        if n_rows > 0 {
+            let rows =
+                logits
+                    .get(at * vocab..(at + n_rows) * vocab)
+                    .ok_or(Error::ShapeMismatch {
+                        what: "logits of a batched step".into(),
+                        expected: (at + n_rows) * vocab,
+                        got: logits.len(),
+                    })?;
+            at += n_rows;
+            if feed.scored {
+                session.scored.clear();
+                session.scored.extend_from_slice(rows);
+            }
             session.logits.clear();
-            session.logits.extend_from_slice(row);
+            session
+                .logits
+                .extend_from_slice(&rows[(n_rows - 1) * vocab..]);
         }
         session.tokens.extend_from_slice(feed.ids);
     }

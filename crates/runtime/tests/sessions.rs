@@ -97,6 +97,7 @@ fn check_backend(backend: Arc<dyn Backend>) {
                 session,
                 ids,
                 logits: true,
+                scored: false,
             })
             .collect();
         feed_batch(&mut batch_model, &mut feeds).unwrap();
@@ -146,8 +147,16 @@ fn check_batched_pass(model: &Model, make: &dyn Fn(usize, Model) -> Session) {
         a.feed(h).unwrap();
         b.feed(h).unwrap();
     }
-    for (a, (ids, _)) in alone.iter_mut().zip(step) {
-        a.feed(ids).unwrap();
+    // The first sequence wants the logits after every token of its chunk (a
+    // speculative verification), as `feed_scored` gives them alone; the fifth only the
+    // last row's.
+    let scored = |ids: &[u32], logits: bool| logits && ids.len() == 4;
+    for (a, (ids, logits)) in alone.iter_mut().zip(step) {
+        if scored(ids, logits) {
+            a.feed_scored(ids).unwrap();
+        } else {
+            a.feed(ids).unwrap();
+        }
     }
     let mut feeds: Vec<BatchFeed<'_>> = batched
         .iter_mut()
@@ -156,10 +165,11 @@ fn check_batched_pass(model: &Model, make: &dyn Fn(usize, Model) -> Session) {
             session,
             ids,
             logits,
+            scored: scored(ids, logits),
         })
         .collect();
     feed_batch(&mut model.share(), &mut feeds).unwrap();
-    for (i, ((a, b), (_, logits))) in alone.iter().zip(&batched).zip(step).enumerate() {
+    for (i, ((a, b), (ids, logits))) in alone.iter().zip(&batched).zip(step).enumerate() {
         assert_eq!(a.tokens(), b.tokens(), "sequence {i}: history");
         assert_eq!(a.kv().len(), b.kv().len(), "sequence {i}: cached tokens");
         for layer in 0..model.config().n_layers {
@@ -172,6 +182,9 @@ fn check_batched_pass(model: &Model, make: &dyn Fn(usize, Model) -> Session) {
         }
         if logits {
             assert_eq!(a.logits(), b.logits(), "sequence {i}: logits");
+        }
+        if scored(ids, logits) {
+            assert_eq!(a.scored(), b.scored(), "sequence {i}: every row's logits");
         }
     }
     // The next step of each batched sequence alone still matches: the caches (and on a
@@ -193,11 +206,13 @@ fn check_batched_pass(model: &Model, make: &dyn Fn(usize, Model) -> Session) {
             session: &mut other,
             ids: &[1, 2],
             logits: true,
+            scored: false,
         },
         BatchFeed {
             session: &mut small,
             ids: &[1; 9],
             logits: true,
+            scored: false,
         },
     ];
     let err = feed_batch(&mut model.share(), &mut feeds).unwrap_err();

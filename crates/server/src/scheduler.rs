@@ -363,6 +363,7 @@ impl Scheduler {
                         .session,
                     ids: &input.ids,
                     logits: input.sample,
+                    scored: false,
                 })
                 .collect();
             feed_batch(&mut self.model, &mut feeds)

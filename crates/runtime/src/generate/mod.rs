@@ -439,6 +439,62 @@ pub fn apply_presence_frequency_penalties(
     }
 }
 
+/// Decides the tokens of a verification pass: `session` was just fed the unfed token
+/// and `proposals` in one [`Session::feed_scored`]. Each row of logits goes through
+/// `state` ([`Continuation::verify`] for a drafted token, [`Continuation::choose`]
+/// after the last), up to the first rejection or the end; the session keeps the tokens
+/// before the last step's token (which stays unfed, as after a plain step) and drops
+/// the rest from its cache. Returns the steps (step `j` was chosen from row `j` of
+/// [`Session::scored`]) and how many drafted tokens were accepted.
+pub fn accept_scored(
+    state: &mut Continuation,
+    tokenizer: &Tokenizer,
+    session: &mut Session,
+    proposals: &[Proposal],
+) -> Result<(Vec<Step>, usize)> {
+    let n = proposals.len() + 1;
+    let vocab = session.model().config().vocab_size;
+    let rows = session.scored();
+    if rows.len() != n * vocab {
+        return Err(Error::ShapeMismatch {
+            what: "logits of a verification pass".into(),
+            expected: n * vocab,
+            got: rows.len(),
+        });
+    }
+    let history = session.tokens();
+    let held = history.len() - n;
+    let cached = session.kv().len() - n;
+    let capacity = session.kv().capacity();
+    let bounded = session.policy().is_none();
+    let mut steps = Vec::with_capacity(n);
+    let mut accepted = 0;
+    // Row `i` holds the logits after the unfed token and `i` drafted ones.
+    for i in 0..n {
+        let logits = &rows[i * vocab..(i + 1) * vocab];
+        let history = &history[..held + i + 1];
+        let room = bounded.then(|| capacity.saturating_sub(cached + i + 1));
+        let (step, goes_on) = match proposals.get(i) {
+            Some(draft) => state.verify(tokenizer, logits, history, draft, room),
+            None => (state.choose(tokenizer, logits, history, room), false),
+        };
+        steps.push(step);
+        if goes_on && state.finish_reason().is_none() {
+            accepted += 1;
+        } else {
+            break;
+        }
+    }
+    let keep = steps.len();
+    // Only a cache that drops tokens (sliding-window layers) may fail to rewind.
+    let kept = (session.kv().exact_rewind_floor() > 0).then(|| history[..held + keep].to_vec());
+    if !session.keep_scored(keep) {
+        // It could not drop the rejected rows exactly: start over.
+        session.feed(&kept.unwrap_or_default())?;
+    }
+    Ok((steps, accepted))
+}
+
 /// A generation loop over a session: feed a prompt ([`Generator::prompt`], in chunks
 /// of the session's batch size), then call [`Generator::step`] for each token until
 /// [`Step::Done`]. The session stays usable afterwards (a chat's next turn, saving
@@ -599,49 +655,16 @@ impl Generator {
         }
 
         let started = Instant::now();
-        let held = self.session.tokens().len();
-        let cached = self.session.kv().len();
-        let capacity = self.session.kv().capacity();
-        let bounded = self.session.policy().is_none();
         let mut fed = Vec::with_capacity(self.proposals.len() + 1);
         fed.push(prev);
         fed.extend(self.proposals.iter().map(|p| p.id));
         self.session.feed_scored(&fed)?;
-        let vocab = self.session.model().config().vocab_size;
-        let rows = self.session.scored();
-        let history = self.session.tokens();
-        let mut steps = Vec::new();
-        let mut accepted = 0;
-        // Row `i` holds the logits after the unfed token and `i` drafted ones.
-        for i in 0..fed.len() {
-            let logits = &rows[i * vocab..(i + 1) * vocab];
-            let history = &history[..held + i + 1];
-            let room = bounded.then(|| capacity.saturating_sub(cached + i + 1));
-            let (step, goes_on) = match self.proposals.get(i) {
-                Some(draft) => self
-                    .state
-                    .verify(&self.tokenizer, logits, history, draft, room),
-                None => (
-                    self.state.choose(&self.tokenizer, logits, history, room),
-                    false,
-                ),
-            };
-            steps.push(step);
-            if goes_on && self.state.finish_reason().is_none() {
-                accepted += 1;
-            } else {
-                break;
-            }
-        }
-        // The session keeps what came before the last step's token, which stays unfed
-        // as after a plain step.
-        let keep = steps.len();
-        if !self.session.keep_scored(keep) {
-            // A sliding-window cache could not drop the rejected rows: start over.
-            let mut history = self.context[..held].to_vec();
-            history.extend_from_slice(&fed[..keep]);
-            self.session.feed(&history)?;
-        }
+        let (steps, accepted) = accept_scored(
+            &mut self.state,
+            &self.tokenizer,
+            &mut self.session,
+            &self.proposals,
+        )?;
         self.stats.passes += 1;
         self.stats.drafted += self.proposals.len();
         self.stats.accepted += accepted;

@@ -200,6 +200,9 @@ pub struct BatchSequence<'a> {
     pub policy: Option<&'a mut dyn KvPolicy>,
     /// Whether the logits after its last token are wanted.
     pub logits: bool,
+    /// Whether the logits after every one of its tokens are wanted (a speculative
+    /// verification); implies `logits`.
+    pub every_row: bool,
 }
 
 /// What every handle on a loaded model shares, read-only: the configuration, the
@@ -457,7 +460,9 @@ impl Model {
         for seq in sequences {
             ids.extend_from_slice(seq.ids);
             positions.extend_from_slice(seq.positions);
-            if seq.logits {
+            if seq.every_row {
+                picked.extend(ids.len() - seq.ids.len()..ids.len());
+            } else if seq.logits {
                 picked.push(ids.len() - 1);
             }
             parts.push(pass_sequence(seq.ids.len(), seq.kv, seq.policy));
