@@ -63,8 +63,21 @@ impl DraftArgs {
         ctx: usize,
         batch: usize,
     ) -> Result<Option<Box<dyn Drafter>>> {
+        Ok(self.drafters(target, backend, ctx, batch, 1)?.pop())
+    }
+
+    /// [`DraftArgs::drafter`] for `n` sequences: `n` drafters, the draft model's
+    /// weights loaded once and shared by their sessions. Empty without `--draft`.
+    pub fn drafters(
+        &self,
+        target: &Tokenizer,
+        backend: Arc<dyn Backend>,
+        ctx: usize,
+        batch: usize,
+        n: usize,
+    ) -> Result<Vec<Box<dyn Drafter>>> {
         let Some(draft) = self.draft.as_deref() else {
-            return Ok(None);
+            return Ok(Vec::new());
         };
         anyhow::ensure!(self.draft_max > 0, "--draft-max must be at least 1");
         anyhow::ensure!(
@@ -74,34 +87,40 @@ impl DraftArgs {
             self.draft_max
         );
         if draft == "ngram" {
-            return Ok(Some(Box::new(PromptLookup::default())));
+            return Ok((0..n)
+                .map(|_| Box::new(PromptLookup::default()) as Box<dyn Drafter>)
+                .collect());
         }
         let path = crate::common::resolve_model(Some(Path::new(draft)))?;
-        let load = || -> Result<DraftModel> {
+        let load = || -> Result<Vec<Box<dyn Drafter>>> {
             let file = Arc::new(GgufFile::open(&path, false)?);
             let tokenizer = Tokenizer::from_gguf(&file)?;
             let model = Model::load(file, backend, false)?;
-            let session = Session::with_batch(model, ctx + self.draft_max + 1, batch)?;
             let name = path
                 .file_name()
                 .map_or_else(|| draft.to_string(), |n| n.to_string_lossy().into_owned());
-            Ok(DraftModel::new(
-                name,
-                session,
-                &tokenizer,
-                target,
-                self.draft_p_min,
-            )?)
+            (0..n)
+                .map(|_| {
+                    let session =
+                        Session::with_batch(model.share(), ctx + self.draft_max + 1, batch)?;
+                    let drafter =
+                        DraftModel::new(&name, session, &tokenizer, target, self.draft_p_min)?;
+                    Ok(Box::new(drafter) as Box<dyn Drafter>)
+                })
+                .collect()
         };
-        let model =
-            load().with_context(|| format!("loading the draft model {}", path.display()))?;
-        Ok(Some(Box::new(model)))
+        load().with_context(|| format!("loading the draft model {}", path.display()))
     }
 
     /// RAM a draft model will hold beside the model, and its name, for the budget: its
     /// weights (read into RAM), its f16 KV cache for `ctx` tokens and a draft, and its
     /// logits and activations. `None` without a draft model.
     pub fn resident_bytes(&self, ctx: usize) -> Result<Option<(u64, String)>> {
+        self.resident_bytes_for(ctx, 1)
+    }
+
+    /// [`DraftArgs::resident_bytes`] with `n` sequences (a cache each).
+    pub fn resident_bytes_for(&self, ctx: usize, n: usize) -> Result<Option<(u64, String)>> {
         let Some(draft) = self.draft.as_deref().filter(|d| *d != "ngram") else {
             return Ok(None);
         };
@@ -112,7 +131,8 @@ impl DraftArgs {
             .with_context(|| format!("loading the draft model {}", path.display()))?;
         let weights = std::fs::metadata(&path)?.len();
         let tokens = (ctx + self.draft_max + 1) as u64;
-        let kv = 2 * 2 * (config.n_layers * config.n_kv_heads * config.head_dim) as u64 * tokens;
+        let kv =
+            2 * 2 * (config.n_layers * config.n_kv_heads * config.head_dim * n) as u64 * tokens;
         // Logits, and a pass's activations (a few rows of the widest matrices).
         let scratch = 4 * (config.vocab_size + 8 * (config.d_model + config.n_ff)) as u64;
         let name = format!(

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use ballast_runtime::Session;
-use ballast_server::{Engine, ServerConfig};
+use ballast_server::{Engine, ServerConfig, Speculation};
 use clap::Args;
 
 use crate::common::{self, human_bytes, KvArgs, ModelArgs};
@@ -47,6 +47,10 @@ pub struct ServeArgs {
     pub batch: usize,
     #[command(flatten)]
     pub kv: KvArgs,
+    /// Speculative decoding, each slot drafting for itself (a draft model's weights are
+    /// shared by the slots); every client gets the tokens it would get without.
+    #[command(flatten)]
+    pub draft: crate::draft::DraftArgs,
 }
 
 /// The API name of the model at `path`: its file name without `.gguf`.
@@ -60,7 +64,7 @@ fn model_name(path: &Path) -> String {
         .unwrap_or(name)
 }
 
-pub fn run(args: ServeArgs) -> Result<()> {
+pub fn run(mut args: ServeArgs) -> Result<()> {
     let name = match (&args.alias, &args.model.model) {
         (Some(alias), _) => alias.clone(),
         (None, Some(path)) => model_name(path),
@@ -87,6 +91,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
     // The model loads before the server listens: a budget or a context that does not
     // fit stops `serve` with its error, instead of a server that says it listens and
     // then dies.
+    let parallel = usize::from(args.parallel);
+    // A resident draft model shares the RAM budget with the model.
+    args.model.store.beside = args.draft.resident_bytes_for(args.ctx, parallel)?;
     let engine = load(&args)?;
     runtime.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);
@@ -143,11 +150,20 @@ fn load(args: &ServeArgs) -> Result<Engine> {
         loaded.tiered.is_some(),
         None,
     )?;
+    let backend = model.backend().clone();
+    let drafters =
+        args.draft
+            .drafters(&loaded.tokenizer, backend, args.ctx, args.batch, parallel)?;
+    let speculation = (!drafters.is_empty()).then(|| Speculation {
+        drafters,
+        options: args.draft.options(),
+    });
     Ok(Engine {
         model,
         sessions,
         tokenizer: loaded.tokenizer,
         chat_template,
+        speculation,
     })
 }
 

@@ -772,3 +772,41 @@ fn on_the_gpu_a_step_uploads_each_streamed_layer_once_for_every_sequence() {
     assert_eq!(batched, solo, "bytes uploaded per step");
     assert!(steps < 4.0 * 5.0, "{steps} steps");
 }
+
+/// `--draft ngram`: each slot drafts for itself and every step verifies each slot's
+/// draft in its one pass; concurrent clients get the text a server without
+/// speculation gives them, and `/metrics` says how many drafted tokens were accepted.
+#[test]
+fn speculative_slots_give_each_client_the_plain_text() {
+    let Some(plain) = server(&["--parallel", "3"]) else {
+        return;
+    };
+    let Some(spec) = server(&["--parallel", "3", "--draft", "ngram", "--draft-max", "4"]) else {
+        return;
+    };
+    let prompts = [
+        "one two three, one two three, one two",
+        "def add(a, b):\n    return a + b\n\ndef add(a, b):",
+        "The cat sat. The cat sat. The",
+    ];
+    let texts = |s: &Server| -> Vec<Value> {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = prompts
+                .iter()
+                .map(|p| scope.spawn(move || s.greedy(p, 24)["choices"][0]["text"].clone()))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    assert_eq!(texts(&spec), texts(&plain));
+    let drafted = spec.metric("ballast_draft_tokens_total");
+    let accepted = spec.metric("ballast_draft_tokens_accepted_total");
+    assert!(
+        drafted > 0.0 && accepted <= drafted,
+        "{accepted} of {drafted}"
+    );
+    let ratio = spec.metric("ballast_draft_acceptance_ratio");
+    assert!((ratio - accepted / drafted).abs() < 1e-9, "{ratio}");
+    assert_eq!(plain.metric("ballast_draft_tokens_total"), 0.0);
+    assert_eq!(spec.metric("ballast_request_errors_total"), 0.0);
+}

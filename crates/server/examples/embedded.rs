@@ -33,6 +33,7 @@ fn load(path: Option<&str>) -> Result<Engine, BoxError> {
         sessions,
         tokenizer,
         chat_template,
+        speculation: None,
     })
 }
 

@@ -46,7 +46,7 @@
 //! let tokenizer = Tokenizer::from_gguf(&file)?;
 //! let model = Model::load(file, Arc::new(CpuBackend::new(1)), false)?;
 //! let sessions = vec![Session::new(model.share(), 64)?];
-//! let engine = Engine { model, sessions, tokenizer, chat_template: None };
+//! let engine = Engine { model, sessions, tokenizer, chat_template: None, speculation: None };
 //! let app: axum::Router = axum::Router::new().nest("/llm", router(ServerConfig::new("tiny"), engine)?);
 //! # drop(app);
 //! # Ok(())
@@ -72,7 +72,7 @@
 //!     let model = Model::load(file, Arc::new(CpuBackend::new(2)), true)?;
 //!     // Two slots: two sessions on the same weights, each with its own KV cache.
 //!     let sessions = vec![Session::new(model.share(), 2048)?, Session::new(model.share(), 2048)?];
-//!     Ok(Engine { model, sessions, tokenizer, chat_template })
+//!     Ok(Engine { model, sessions, tokenizer, chat_template, speculation: None })
 //! };
 //! serve(listener, config, load, std::future::pending()).await
 //! # }
@@ -88,6 +88,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 use ballast_runtime::chat::ChatTemplate;
+use ballast_runtime::generate::{DraftOptions, Drafter};
 use ballast_runtime::{Model, Session, Tokenizer};
 
 /// An error of the loader, in whatever type it has.
@@ -106,6 +107,14 @@ pub enum Error {
     /// The loader gave no session.
     #[error("the engine has no session: serving needs at least one slot")]
     NoSession,
+    /// Speculation needs one drafter per slot.
+    #[error("{drafters} drafters for {slots} slots: speculative decoding needs one per slot")]
+    Drafters {
+        /// Drafters given.
+        drafters: usize,
+        /// Slots (sessions).
+        slots: usize,
+    },
 }
 
 /// What the loader gives: the sessions (one per slot; `Model::share` handles on the
@@ -121,6 +130,18 @@ pub struct Engine {
     /// The GGUF's `tokenizer.chat_template`; without one, chat completions are
     /// refused.
     pub chat_template: Option<String>,
+    /// Speculative decoding: a drafter per slot, and how long its drafts are.
+    pub speculation: Option<Speculation>,
+}
+
+/// Speculative decoding in the server: each slot's sequence is drafted for by its own
+/// drafter, and a step verifies every slot's draft in its one pass. Each client gets
+/// exactly the tokens it would get without.
+pub struct Speculation {
+    /// One per slot (as many as [`Engine::sessions`]).
+    pub drafters: Vec<Box<dyn Drafter>>,
+    /// Draft lengths.
+    pub options: DraftOptions,
 }
 
 /// How the server behaves.
@@ -216,6 +237,7 @@ where
 struct Scheduled {
     model: Model,
     sessions: Vec<Session>,
+    speculation: Option<Speculation>,
     tokenizer: Arc<Tokenizer>,
     shared: Arc<scheduler::Shared>,
 }
@@ -226,6 +248,7 @@ impl Scheduled {
         scheduler::run(
             self.model,
             self.sessions,
+            self.speculation,
             self.tokenizer,
             batch,
             self.shared,
@@ -238,6 +261,14 @@ impl Scheduled {
 fn make_ready(engine: Engine, state: &http::AppState) -> Result<Scheduled, Error> {
     if engine.sessions.is_empty() {
         return Err(Error::NoSession);
+    }
+    if let Some(spec) = &engine.speculation {
+        if spec.drafters.len() != engine.sessions.len() {
+            return Err(Error::Drafters {
+                drafters: spec.drafters.len(),
+                slots: engine.sessions.len(),
+            });
+        }
     }
     let tokenizer = Arc::new(engine.tokenizer);
     let template = match engine.chat_template.as_deref() {
@@ -263,6 +294,7 @@ fn make_ready(engine: Engine, state: &http::AppState) -> Result<Scheduled, Error
     Ok(Scheduled {
         model: engine.model,
         sessions: engine.sessions,
+        speculation: engine.speculation,
         tokenizer,
         shared: state.shared.clone(),
     })

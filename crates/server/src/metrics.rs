@@ -41,6 +41,10 @@ pub struct Metrics {
     /// Weight bytes uploaded to the device (GPU) by the passes: streamed layers, once
     /// per step for every sequence in it.
     pub device_bytes_uploaded: AtomicU64,
+    /// Tokens drafted for speculative verification passes.
+    pub drafted_tokens: AtomicU64,
+    /// Drafted tokens the model accepted.
+    pub accepted_tokens: AtomicU64,
 }
 
 fn store(cell: &[AtomicU64; 3], b: TierBytes) {
@@ -123,6 +127,33 @@ impl Metrics {
             "counter",
             "Tokens generated.",
             &[("", get(&self.generated_tokens))],
+        );
+        metric(
+            "ballast_draft_tokens_total",
+            "counter",
+            "Tokens drafted for speculative decoding (--draft).",
+            &[("", get(&self.drafted_tokens))],
+        );
+        metric(
+            "ballast_draft_tokens_accepted_total",
+            "counter",
+            "Drafted tokens the model accepted.",
+            &[("", get(&self.accepted_tokens))],
+        );
+        let drafted = get(&self.drafted_tokens);
+        metric(
+            "ballast_draft_acceptance_ratio",
+            "gauge",
+            "Drafted tokens accepted over tokens drafted, 0 to 1, since the start (0 before \
+             any draft).",
+            &[(
+                "",
+                if drafted > 0.0 {
+                    get(&self.accepted_tokens) / drafted
+                } else {
+                    0.0
+                },
+            )],
         );
         metric(
             "ballast_requests_waiting",

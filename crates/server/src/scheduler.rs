@@ -13,7 +13,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
 use ballast_runtime::generate::{
-    Continuation, Finish, FinishReason as Reason, GenerateOptions, Step,
+    accept_scored, Continuation, DraftOptions, Drafter, Finish, FinishReason as Reason,
+    GenerateOptions, Proposal, Step, Token,
 };
 use ballast_runtime::sampler::log_softmax_at;
 use ballast_runtime::{feed_batch, BatchFeed, Model, Session, TierBytes, Tokenizer};
@@ -141,11 +142,15 @@ struct Sequence {
     continuation: Continuation,
     /// The sampled token not yet fed.
     next: Option<u32>,
+    /// The tokens drafted after it this step (verified in the step's pass).
+    proposals: Vec<Proposal>,
 }
 
 struct Slot {
     session: Session,
     seq: Option<Sequence>,
+    /// Drafts this slot's tokens when decoding speculatively.
+    drafter: Option<Box<dyn Drafter>>,
     /// The eviction policy's state before the first sequence, restored for each new
     /// one (a policy remembers the sinks it saw first).
     fresh_policy: Option<Vec<u8>>,
@@ -160,6 +165,7 @@ pub fn context_of(session: &Session) -> Option<usize> {
 pub fn run(
     model: Model,
     sessions: Vec<Session>,
+    speculation: Option<crate::Speculation>,
     tokenizer: Arc<Tokenizer>,
     batch: usize,
     shared: Arc<Shared>,
@@ -167,12 +173,19 @@ pub fn run(
     let capacity: usize = sessions.iter().map(|s| s.kv().capacity()).sum();
     shared.metrics.kv_capacity.store(capacity as u64, Relaxed);
     shared.parallel.store(sessions.len(), Relaxed);
+    let (mut drafters, draft) = match speculation {
+        Some(s) => (s.drafters, s.options),
+        None => (Vec::new(), DraftOptions::default()),
+    };
+    drafters.truncate(sessions.len());
+    let mut drafters = drafters.into_iter();
     let mut slots: Vec<Slot> = sessions
         .into_iter()
         .map(|session| Slot {
             fresh_policy: session.policy().map(|p| p.state()),
             session,
             seq: None,
+            drafter: drafters.next(),
         })
         .collect();
     let mut sched = Scheduler {
@@ -180,6 +193,7 @@ pub fn run(
         tokenizer,
         batch: batch.max(1),
         shared,
+        draft,
     };
     loop {
         if !sched.admit(&mut slots) {
@@ -196,6 +210,8 @@ struct Scheduler {
     tokenizer: Arc<Tokenizer>,
     batch: usize,
     shared: Arc<Shared>,
+    /// Draft lengths of the slots' drafters.
+    draft: DraftOptions,
 }
 
 /// What one slot feeds in a step.
@@ -205,6 +221,8 @@ struct StepInput {
     /// The prompt is done after these tokens (or this is a generated token): sample.
     sample: bool,
     prompt: bool,
+    /// A generated token and a draft after it: every row's logits, verified.
+    verify: bool,
 }
 
 /// Tokens two sequences share at the start.
@@ -302,6 +320,7 @@ impl Scheduler {
             cached_tokens: cached,
             continuation,
             next: None,
+            proposals: Vec::new(),
             job,
         };
         self.shared
@@ -329,9 +348,20 @@ impl Scheduler {
                 continue;
             }
             if let Some(id) = seq.next.take() {
+                seq.proposals.clear();
+                if let Some(drafter) = slot.drafter.as_mut() {
+                    if let Err(e) = draft(drafter.as_mut(), &self.draft, &slot.session, seq, id) {
+                        let _ = seq.job.events.send(Event::Failed(e.to_string()));
+                        self.release(slot);
+                        continue;
+                    }
+                }
+                let mut ids = vec![id];
+                ids.extend(seq.proposals.iter().map(|p| p.id));
                 inputs.push(StepInput {
                     slot: i,
-                    ids: vec![id],
+                    verify: ids.len() > 1,
+                    ids,
                     sample: true,
                     prompt: false,
                 });
@@ -345,6 +375,7 @@ impl Scheduler {
                     ids,
                     sample: seq.pending.is_empty(),
                     prompt: true,
+                    verify: false,
                 });
             }
         }
@@ -363,7 +394,7 @@ impl Scheduler {
                         .session,
                     ids: &input.ids,
                     logits: input.sample,
-                    scored: false,
+                    scored: input.verify,
                 })
                 .collect();
             feed_batch(&mut self.model, &mut feeds)
@@ -407,7 +438,12 @@ impl Scheduler {
         }
         for input in inputs.iter().filter(|i| i.sample) {
             let slot = &mut slots[input.slot];
-            if let Some(finish) = self.after_logits(slot) {
+            let end = if input.verify {
+                self.after_verification(slot)
+            } else {
+                self.after_logits(slot)
+            };
+            if let Some(finish) = end {
                 self.finish(slot, finish);
             }
         }
@@ -427,22 +463,78 @@ impl Scheduler {
             Step::Token(token) => token,
             Step::Done(end) => return Some(end),
         };
+        let logprobs = seq.job.generation.logprobs;
+        let logprobs = logprobs.map(|top| token_logprob(&self.tokenizer, logits, token.id, top));
+        let id = token.id;
+        self.emit(seq, token, logprobs);
+        Self::next_or_end(seq, id)
+    }
+
+    /// Sends a generated token's text (and log-probabilities).
+    fn emit(&self, seq: &mut Sequence, token: Token, logprobs: Option<TokenLogprob>) {
         self.shared.metrics.generated_tokens.fetch_add(1, Relaxed);
-        let logprobs = match seq.job.generation.logprobs {
-            Some(top) => vec![token_logprob(&self.tokenizer, logits, token.id, top)],
-            None => Vec::new(),
-        };
+        let logprobs: Vec<TokenLogprob> = logprobs.into_iter().collect();
         if !token.text.is_empty() || !logprobs.is_empty() {
             let _ = seq.job.events.send(Event::Delta {
                 text: token.text,
                 logprobs,
             });
         }
+    }
+
+    /// After the last token a step gave (`id`): the end when it ended the generation,
+    /// else the token to feed next.
+    fn next_or_end(seq: &mut Sequence, id: u32) -> Option<Finish> {
         let end = seq.continuation.finish();
         if end.is_none() {
-            seq.next = Some(token.id);
+            seq.next = Some(id);
         }
         end
+    }
+
+    /// Takes the tokens of a verification pass (the generated token and the draft
+    /// after it): the accepted drafted tokens and the model's own after them, each sent
+    /// as a plain step would send it; the rejected rows leave the cache.
+    fn after_verification(&mut self, slot: &mut Slot) -> Option<Finish> {
+        let seq = slot.seq.as_mut()?;
+        let result = accept_scored(
+            &mut seq.continuation,
+            &self.tokenizer,
+            &mut slot.session,
+            &seq.proposals,
+        );
+        let (steps, accepted) = match result {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = seq.job.events.send(Event::Failed(e.to_string()));
+                slot.session.rewind(0);
+                self.release(slot);
+                return None;
+            }
+        };
+        let m = &self.shared.metrics;
+        m.drafted_tokens
+            .fetch_add(seq.proposals.len() as u64, Relaxed);
+        m.accepted_tokens.fetch_add(accepted as u64, Relaxed);
+        let vocab = slot.session.model().config().vocab_size;
+        let mut last = None;
+        for (row, step) in steps.into_iter().enumerate() {
+            let token = match step {
+                Step::Token(token) => token,
+                Step::Done(end) => return Some(end),
+            };
+            let logprobs = seq.job.generation.logprobs.map(|top| {
+                let logits = &slot.session.scored()[row * vocab..(row + 1) * vocab];
+                token_logprob(&self.tokenizer, logits, token.id, top)
+            });
+            last = Some(token.id);
+            self.emit(seq, token, logprobs);
+        }
+        // The continuation saw every step: an end after the last token shows now.
+        match last {
+            Some(id) => Self::next_or_end(seq, id),
+            None => seq.continuation.finish(),
+        }
     }
 
     /// Sends the text held back and the end, and frees the slot.
@@ -502,6 +594,39 @@ impl Scheduler {
             m.set_bytes(store.held_bytes(), store.moved_bytes(), kv);
         }
     }
+}
+
+/// Fills `seq.proposals` with what `drafter` proposes after `next` (the token this
+/// step feeds), cut to what the slot's cache takes without evicting and to the tokens
+/// the generation may still give, and emptied when shorter than the minimum.
+fn draft(
+    drafter: &mut dyn Drafter,
+    options: &DraftOptions,
+    session: &Session,
+    seq: &mut Sequence,
+    next: u32,
+) -> ballast_runtime::Result<()> {
+    let kv = session.kv();
+    let free = kv.capacity().saturating_sub(kv.len());
+    let generation = seq.continuation.options();
+    let remaining = generation.max_tokens.map_or(usize::MAX, |m| {
+        m.saturating_sub(seq.continuation.generated())
+    });
+    let max = options
+        .max
+        .min(free.saturating_sub(1))
+        .min(remaining.saturating_sub(1));
+    if max == 0 || max < options.min {
+        return Ok(());
+    }
+    let mut context = session.tokens().to_vec();
+    context.push(next);
+    drafter.draft(&context, max, &generation.sampler, &mut seq.proposals)?;
+    seq.proposals.truncate(max);
+    if seq.proposals.len() < options.min {
+        seq.proposals.clear();
+    }
+    Ok(())
 }
 
 /// The log-probability of `id` and the `top` most likely tokens under `logits`.

@@ -24,6 +24,7 @@ fn tiny_engine() -> Engine {
         model,
         tokenizer,
         chat_template: None,
+        speculation: None,
     }
 }
 

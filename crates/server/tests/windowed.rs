@@ -24,6 +24,7 @@ fn gemma_engine() -> Engine {
         model,
         tokenizer,
         chat_template: None,
+        speculation: None,
     }
 }
 
