@@ -4,7 +4,7 @@ use std::io::{BufRead, Write};
 
 use anyhow::{Context, Result};
 use ballast_runtime::chat::{ChatMessage, ChatTemplate};
-use ballast_runtime::{GenerateOptions, Generator, Session, Step};
+use ballast_runtime::{GenerateOptions, Step};
 use clap::Args;
 
 use crate::common::{self, ModelArgs, SamplingArgs};
@@ -31,14 +31,13 @@ pub struct ChatArgs {
 }
 
 pub fn run(args: ChatArgs) -> Result<()> {
-    let threads = common::threads(args.model.threads);
-    let loaded = common::load(&args.model, threads, args.ctx, 64)?;
-    let source = loaded
-        .file
+    let engine = common::load(args.model.builder(args.ctx, 64)?)?;
+    let file = engine.file().clone();
+    let source = file
         .get_str("tokenizer.chat_template")
         .context("this model has no chat template; use `ballast run`")?;
     let template = ChatTemplate::new(source)?;
-    let tokenizer = loaded.tokenizer;
+    let tokenizer = engine.tokenizer().clone();
     let bos = tokenizer
         .bos_id()
         .map(|id| tokenizer.decode(&[id]))
@@ -53,9 +52,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         ignore_eos: args.ignore_eos,
         ..GenerateOptions::default()
     };
-    let tokenizer = std::sync::Arc::new(tokenizer);
-    let session = Session::new(loaded.model, args.ctx)?;
-    let mut generator = Generator::new(session, tokenizer.clone(), options)?;
+    let mut generator = engine.generator(options)?;
     let mut messages: Vec<ChatMessage> = Vec::new();
     if let Some(system) = &args.system {
         messages.push(ChatMessage {

@@ -11,6 +11,8 @@ use ballast_tier_stream::{
 use clap::Args;
 use serde_json::json;
 
+use ballast::ByteSize;
+
 use crate::common::{self, human_bytes};
 use crate::tiered::{self, describe, human_rate};
 
@@ -108,13 +110,13 @@ pub struct PlanArgs {
     pub bits: f64,
     /// Every layer this many bytes (e.g. 669MiB), whatever the shape says.
     #[arg(long)]
-    pub layer_bytes: Option<String>,
+    pub layer_bytes: Option<ByteSize>,
     /// Device (GPU) memory, e.g. 24G. Without it the backend computes from RAM.
     #[arg(long)]
-    pub vram: Option<String>,
+    pub vram: Option<ByteSize>,
     /// RAM for this process, e.g. 48G. Default: probed (MemAvailable, cgroup limit).
     #[arg(long)]
-    pub ram: Option<String>,
+    pub ram: Option<ByteSize>,
     /// Host-to-device bandwidth, e.g. 6.5GB/s (PCIe 3.0 x8). Default 13GB/s (assumed).
     #[arg(long)]
     pub h2d: Option<String>,
@@ -133,7 +135,7 @@ pub struct PlanArgs {
     /// (--h2d) per token, overlapped with the compute (a transfer hidden under it where
     /// it can be) and serial (each one waited for, as at a host sync point).
     #[arg(long)]
-    pub uploaded_per_token: Option<String>,
+    pub uploaded_per_token: Option<ByteSize>,
     /// Context size in tokens (sizes the KV cache).
     #[arg(short = 'c', long = "ctx", default_value_t = 2048)]
     pub ctx: u64,
@@ -214,13 +216,13 @@ pub fn run(args: PlanArgs) -> Result<()> {
     } else {
         let path = common::resolve_model(args.model.as_deref())?;
         // A pack is planned as tiered streaming streams it: stored sizes, decode speed.
-        let common::Opened { file, pack } =
-            common::open_model(&path, true, tiered::StoreKind::Tiered)?;
+        let ballast::Opened { file, pack } =
+            ballast::open_model(&path, true, ballast::StoreKind::Tiered)?;
         let config = ModelConfig::from_gguf(&file)?;
         let (g, l) = load_weights(&file, &config)?;
         let mut shape = model_shape(&config, &g, &l);
         if let Some(pack) = &pack {
-            let (store, decode) = tiered::decoding_store(pack, g.clone(), l, true)?;
+            let (store, decode) = ballast::store::decoding_store(pack, g.clone(), l, true)?;
             shape.stored_bytes = store.stored_bytes_per_layer();
             shape.decode_bytes_per_s = decode;
             shape.expert_bytes.clear();
@@ -235,18 +237,20 @@ pub fn run(args: PlanArgs) -> Result<()> {
     };
     if args.vram.is_some() {
         // A GPU plan is for Ballast's wgpu backend.
-        tiered::on_wgpu_device(&mut shape, globals.as_ref());
+        ballast::store::on_wgpu_device(&mut shape, globals.as_ref());
     }
-    if let Some(b) = &args.layer_bytes {
-        let b = probe::parse_size(b)?;
+    if let Some(b) = args.layer_bytes.map(ByteSize::bytes) {
         shape.layer_bytes.iter_mut().for_each(|x| *x = b);
     }
-    let device = args.vram.as_deref().map(probe::parse_size).transpose()?;
-    let own = tiered::process_reserve(
+    let device = args.vram.map(ByteSize::bytes);
+    let own = ballast::store::process_reserve(
         file.as_ref().map(|(f, _)| f.as_ref()),
         common::threads(args.threads),
     );
-    let (ram, ram_source) = tiered::ram_budget(args.ram.as_deref(), own)?;
+    let ballast::RamBudget {
+        bytes: ram,
+        source: ram_source,
+    } = ballast::store::ram_budget(args.ram, own)?;
     let h2d = match &args.h2d {
         Some(r) => probe::parse_rate(r)?,
         None => {
@@ -306,9 +310,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let pr = p.predict(&speeds, args.ctx);
     let uploaded = args
         .uploaded_per_token
-        .as_deref()
-        .map(probe::parse_size)
-        .transpose()?
+        .map(|bytes| bytes.bytes())
         .map(|bytes| Uploaded::predict(bytes, pr.compute_s, h2d));
     let (a, b, c) = p.counts();
     if let (true, Some(u)) = (args.json, &uploaded) {
