@@ -617,6 +617,30 @@ pub fn decoding_store(
     Ok((store, speed))
 }
 
+/// The shape tiered streaming plans for the model file at `path` (`ballast plan`'s
+/// question: where would each layer live), as [`EngineBuilder::build`] sees it: a pack
+/// with its stored sizes and a decode speed measured now; `on_gpu`: with what the wgpu
+/// backend keeps on its device. Returns the shape and the file opened.
+///
+/// [`EngineBuilder::build`]: crate::EngineBuilder::build
+pub fn planned_shape(path: &Path, on_gpu: bool) -> Result<(ModelShape, Opened)> {
+    let opened = open_model(path, true, StoreKind::Tiered)?;
+    let config = ModelConfig::from_gguf(&opened.file).at("loading", path)?;
+    let (globals, layers) = load_weights(&opened.file, &config).at("loading", path)?;
+    let mut shape = model_shape(&config, &globals, &layers);
+    if let Some(pack) = &opened.pack {
+        let (store, decode) =
+            decoding_store(pack, globals.clone(), layers, true).at("loading", path)?;
+        shape.stored_bytes = store.stored_bytes_per_layer();
+        shape.decode_bytes_per_s = decode;
+        shape.expert_bytes.clear();
+    }
+    if on_gpu {
+        on_wgpu_device(&mut shape, Some(&globals));
+    }
+    Ok((shape, opened))
+}
+
 /// What the wgpu backend keeps on its device beyond the layers: the session's KV cache,
 /// counted at f32 (the default there; an upper bound for f16 and q8) and held there
 /// alone (a `DeviceKv`: no host record), and it looks tokens up on the device, so an

@@ -3,15 +3,11 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
-use ballast_runtime::model::load_weights;
-use ballast_runtime::{CpuBackend, ModelConfig};
-use ballast_tier_stream::{
-    model_shape, plan, probe, Budgets, ModelShape, PlanRequest, Speeds, Tier,
-};
+use ballast::ByteSize;
+use ballast_runtime::CpuBackend;
+use ballast_tier_stream::{plan, probe, Budgets, ModelShape, PlanRequest, Speeds, Tier};
 use clap::Args;
 use serde_json::json;
-
-use ballast::ByteSize;
 
 use crate::common::{self, human_bytes};
 use crate::tiered::{self, describe, human_rate};
@@ -186,9 +182,7 @@ impl Uploaded {
 
 pub fn run(args: PlanArgs) -> Result<()> {
     let mut notes: Vec<String> = Vec::new();
-    // The model's global weights, when a file is given (a GPU plan asks where its
-    // embedding table goes).
-    let (mut shape, file, label, globals) = if let Some(name) = &args.preset {
+    let (mut shape, file, label) = if let Some(name) = &args.preset {
         let Some(p) = PRESETS.iter().find(|p| p.0 == name.as_str()) else {
             bail!(
                 "unknown preset '{name}'; known: {}",
@@ -196,7 +190,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
             );
         };
         let shape = ModelShape::from_dims(p.1, p.2, p.3, p.4, p.5, p.6, p.7, p.8);
-        (shape, None, format!("preset {}", p.0), None)
+        (shape, None, format!("preset {}", p.0))
     } else if let Some(layers) = args.layers {
         anyhow::ensure!(
             layers > 0 && args.heads > 0,
@@ -212,32 +206,21 @@ pub fn run(args: PlanArgs) -> Result<()> {
             args.bits,
             args.bits,
         );
-        (shape, None, "shape from flags".to_string(), None)
+        (shape, None, "shape from flags".to_string())
     } else {
         let path = common::resolve_model(args.model.as_deref())?;
-        // A pack is planned as tiered streaming streams it: stored sizes, decode speed.
-        let ballast::Opened { file, pack } =
-            ballast::open_model(&path, true, ballast::StoreKind::Tiered)?;
-        let config = ModelConfig::from_gguf(&file)?;
-        let (g, l) = load_weights(&file, &config)?;
-        let mut shape = model_shape(&config, &g, &l);
-        if let Some(pack) = &pack {
-            let (store, decode) = ballast::store::decoding_store(pack, g.clone(), l, true)?;
-            shape.stored_bytes = store.stored_bytes_per_layer();
-            shape.decode_bytes_per_s = decode;
-            shape.expert_bytes.clear();
+        // A pack is planned as tiered streaming streams it: stored sizes, decode speed;
+        // a GPU plan (for Ballast's wgpu backend) with where its embedding table goes.
+        let (shape, opened) = ballast::store::planned_shape(&path, args.vram.is_some())?;
+        if opened.pack.is_some() {
             notes.push("decode speed measured".into());
         }
-        (
-            shape,
-            Some((file, path.clone())),
-            path.display().to_string(),
-            Some(g),
-        )
+        let label = path.display().to_string();
+        (shape, Some((opened.file, path)), label)
     };
-    if args.vram.is_some() {
+    if args.vram.is_some() && file.is_none() {
         // A GPU plan is for Ballast's wgpu backend.
-        ballast::store::on_wgpu_device(&mut shape, globals.as_ref());
+        ballast::store::on_wgpu_device(&mut shape, None);
     }
     if let Some(b) = args.layer_bytes.map(ByteSize::bytes) {
         shape.layer_bytes.iter_mut().for_each(|x| *x = b);
