@@ -170,8 +170,8 @@ fn per_token(t: OpTimesSnapshot, n: usize) -> OpTimesSnapshot {
 pub fn run(args: BenchArgs) -> Result<()> {
     let path = common::resolve_model(args.model.as_deref())?;
     let mapped = !args.no_mmap && args.store.store != StoreKind::Ram;
-    let crate::common::Opened { file, pack } =
-        crate::common::open_model(&path, mapped, args.store.store)?;
+    let opened = ballast::open_model(&path, mapped, args.store.store)?;
+    let file = opened.file.clone();
     let threads = if args.threads.is_empty() {
         vec![common::threads(None)]
     } else {
@@ -192,53 +192,48 @@ pub fn run(args: BenchArgs) -> Result<()> {
     // Tokens cached and KV bytes held at the end of the last decode run.
     let mut kv_held: Option<(usize, u64)> = None;
     for &t in &threads {
-        let backend = common::backend(args.device, t)?;
-        let on_device = backend.device_forward().is_some();
         let depth = args.n_depth;
         let ctx = depth + args.n_prompt.max(args.n_gen) + 1;
         // Prompt tokens per pass: the pp test's, and chunks of up to 512 to fill the depth.
         let batch = args.n_prompt.max(depth.min(512)).max(1);
-        let reserve = common::neuron_reserve(&args.sparse, &args.store, &path, &file)?;
-        let built = tiered::build(
-            &file,
-            pack.as_ref(),
-            &path,
-            backend.clone(),
-            &args.store,
-            mapped,
-            ctx,
-            batch,
-            true,
-            reserve.bytes,
-        )
-        .map_err(|e| match e.downcast_ref::<tiered::ContextTooLong>() {
-            // The context is -d plus the longer of -p and -n, plus one.
-            Some(c) => anyhow::anyhow!(
-                "-d {depth} with -p {} / -n {} need a context of {} tokens, which does not fit the RAM budget of {} ({}); {} tokens do: lower -d plus the larger of -p and -n to at most {}\n  ({})",
-                args.n_prompt,
-                args.n_gen,
-                c.ctx,
-                human_bytes(c.budget),
-                c.source,
-                c.fits,
-                c.fits.saturating_sub(1),
-                c.refusal
-            ),
-            None => e,
-        })?;
-        if let Some((ram, source)) = &built.ram_budget {
-            budget_text
-                .get_or_insert_with(|| format!("RAM budget {} ({source})", human_bytes(*ram)));
+        let engine = ballast::Engine::builder(&path)
+            .opened(opened.clone())
+            .device(args.device)
+            .threads(t)
+            .mmap(!args.no_mmap)
+            .store_options(args.store.options())
+            .sparse(args.sparse.options())
+            .context(ctx)
+            .batch(batch)
+            .build()
+            .map_err(|e| match e {
+                // The context is -d plus the longer of -p and -n, plus one.
+                ballast::Error::ContextTooLong(c) => anyhow::anyhow!(
+                    "-d {depth} with -p {} / -n {} need a context of {} tokens, which does not fit the RAM budget of {} ({}); {} tokens do: lower -d plus the larger of -p and -n to at most {}\n  ({})",
+                    args.n_prompt,
+                    args.n_gen,
+                    c.ctx,
+                    human_bytes(c.budget),
+                    c.budget_source,
+                    c.fits,
+                    c.fits.saturating_sub(1),
+                    c.refusal
+                ),
+                e => e.into(),
+            })?;
+        let report = engine.report().clone();
+        report
+            .device_notes
+            .iter()
+            .for_each(|line| eprintln!("{line}"));
+        if let Some(ram) = &report.ram_budget {
+            budget_text.get_or_insert_with(|| {
+                format!("RAM budget {} ({})", human_bytes(ram.bytes), ram.source)
+            });
         }
-        let out_of_core = built.tiered.is_some();
-        let (model, sparse) = common::apply_sparsity(
-            &args.sparse,
-            &path,
-            &file,
-            built.model,
-            out_of_core,
-            reserve.profile,
-        )?;
+        let (model, sparse) = (engine.into_model(), report.sparse);
+        let backend = model.backend().clone();
+        let on_device = backend.device_forward().is_some();
         // Dense MLP weight bytes a decoded token reads, for the sparse MLP's figures.
         let dense_mlp_bytes: u64 = file
             .tensors()
@@ -250,8 +245,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             })
             .map(|t| t.n_bytes)
             .sum();
-        let tiered_info = built.tiered;
-        store_name = built.store_name;
+        let tiered_info = report.tiered;
+        store_name = report.store;
         if let Some(info) = &tiered_info {
             plan_text.get_or_insert_with(|| {
                 format!(

@@ -4,7 +4,7 @@ use std::io::{BufRead, Write};
 
 use anyhow::{Context, Result};
 use ballast_runtime::chat::{ChatMessage, ChatTemplate};
-use ballast_runtime::{GenerateOptions, Generator, Session, Step};
+use ballast_runtime::{GenerateOptions, Step};
 use clap::Args;
 
 use crate::common::{self, ModelArgs, SamplingArgs};
@@ -33,16 +33,15 @@ pub struct ChatArgs {
 }
 
 pub fn run(mut args: ChatArgs) -> Result<()> {
-    let threads = common::threads(args.model.threads);
     // A resident draft model shares the RAM budget with the model.
     args.model.store.beside = args.draft.resident_bytes(args.ctx)?;
-    let loaded = common::load(&args.model, threads, args.ctx, 64)?;
-    let source = loaded
-        .file
+    let engine = common::load(args.model.builder(args.ctx, 64)?)?;
+    let file = engine.file().clone();
+    let source = file
         .get_str("tokenizer.chat_template")
         .context("this model has no chat template; use `ballast run`")?;
     let template = ChatTemplate::new(source)?;
-    let tokenizer = loaded.tokenizer;
+    let tokenizer = engine.tokenizer().clone();
     let bos = tokenizer
         .bos_id()
         .map(|id| tokenizer.decode(&[id]))
@@ -57,10 +56,8 @@ pub fn run(mut args: ChatArgs) -> Result<()> {
         ignore_eos: args.ignore_eos,
         ..GenerateOptions::default()
     };
-    let tokenizer = std::sync::Arc::new(tokenizer);
-    let backend = loaded.model.backend().clone();
-    let session = Session::new(loaded.model, args.ctx)?;
-    let generator = Generator::new(session, tokenizer.clone(), options)?;
+    let backend = engine.model().backend().clone();
+    let generator = engine.generator(options)?;
     let mut generator = args.draft.apply(generator, backend, args.ctx, 64)?;
     let mut messages: Vec<ChatMessage> = Vec::new();
     if let Some(system) = &args.system {

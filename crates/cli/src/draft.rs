@@ -5,6 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
+use ballast::store::Beside;
 use ballast_runtime::generate::{
     DraftModel, DraftOptions, Drafter, Generator, PromptLookup, SpeculationStats,
 };
@@ -115,12 +116,12 @@ impl DraftArgs {
     /// RAM a draft model will hold beside the model, and its name, for the budget: its
     /// weights (read into RAM), its f16 KV cache for `ctx` tokens and a draft, and its
     /// logits and activations. `None` without a draft model.
-    pub fn resident_bytes(&self, ctx: usize) -> Result<Option<(u64, String)>> {
+    pub fn resident_bytes(&self, ctx: usize) -> Result<Option<Beside>> {
         self.resident_bytes_for(ctx, 1)
     }
 
     /// [`DraftArgs::resident_bytes`] with `n` sequences (a cache each).
-    pub fn resident_bytes_for(&self, ctx: usize, n: usize) -> Result<Option<(u64, String)>> {
+    pub fn resident_bytes_for(&self, ctx: usize, n: usize) -> Result<Option<Beside>> {
         let Some(draft) = self.draft.as_deref().filter(|d| *d != "ngram") else {
             return Ok(None);
         };
@@ -140,7 +141,10 @@ impl DraftArgs {
             path.file_name()
                 .map_or_else(|| draft.into(), |n| n.to_string_lossy())
         );
-        Ok(Some((weights + kv + scratch, name)))
+        Ok(Some(Beside {
+            bytes: weights + kv + scratch,
+            what: name,
+        }))
     }
 
     /// `generator` decoding speculatively when `--draft` asks for it.

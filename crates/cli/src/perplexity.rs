@@ -7,6 +7,8 @@ use ballast_runtime::session::perplexity_with_cache;
 use clap::Args;
 use serde_json::json;
 
+use ballast::Engine;
+
 use crate::common::{self, human_bytes, KvArgs, ModelArgs};
 
 /// Flags of `ballast perplexity`.
@@ -49,8 +51,8 @@ pub struct PerplexityArgs {
     pub kv: KvArgs,
 }
 
-fn run_stream(args: &PerplexityArgs, loaded: &mut common::Loaded, text: &str) -> Result<()> {
-    let mut tokens = loaded.tokenizer.encode(text, true, false)?;
+fn run_stream(args: &PerplexityArgs, engine: &mut Engine, text: &str) -> Result<()> {
+    let mut tokens = engine.tokenizer().encode(text, true, false)?;
     if let Some(limit) = args.limit {
         tokens.truncate(limit);
     }
@@ -66,7 +68,8 @@ fn run_stream(args: &PerplexityArgs, loaded: &mut common::Loaded, text: &str) ->
     if args.json {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    let kind = args.kv.kind(args.ctx);
+    let kv = args.kv.options();
+    let kind = kv.kind(args.ctx);
     let label;
     let (nll, held, moved, seconds);
     if args.recompute {
@@ -75,7 +78,7 @@ fn run_stream(args: &PerplexityArgs, loaded: &mut common::Loaded, text: &str) ->
         bar.set_length((to - args.score_from) as u64);
         let start = std::time::Instant::now();
         let scored = ballast_kv_cache::recompute_perplexity(
-            &mut loaded.model,
+            engine.model_mut(),
             &tokens,
             window,
             args.score_from..to,
@@ -91,16 +94,16 @@ fn run_stream(args: &PerplexityArgs, loaded: &mut common::Loaded, text: &str) ->
         held = Vec::new();
         moved = Vec::new();
     } else {
-        let (mut cache, mut policy) = args.kv.build(&loaded.model, args.ctx, args.batch)?;
+        let (mut cache, mut policy) = kv.build(engine.model(), args.ctx, args.batch)?;
         label = format!(
             "{} policy, {} cache, {} keys and values, capacity {}",
-            args.kv.policy,
+            args.kv.policy.name(),
             args.kv.mode.name(),
-            args.kv.precision(&loaded.model).name(),
+            kv.precision(engine.model()).name(),
             cache.capacity()
         );
         let report = ballast_kv_cache::stream_perplexity(
-            &mut loaded.model,
+            engine.model_mut(),
             &tokens,
             cache.as_mut(),
             policy
@@ -155,24 +158,20 @@ fn run_stream(args: &PerplexityArgs, loaded: &mut common::Loaded, text: &str) ->
 }
 
 pub fn run(args: PerplexityArgs) -> Result<()> {
-    let threads = common::threads(args.model.threads);
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;
-    let mut loaded = common::load(&args.model, threads, args.ctx, args.batch)?;
+    let mut engine = common::load(args.model.builder(args.ctx, args.batch)?)?;
     if args.stream {
-        return run_stream(&args, &mut loaded, &text);
+        return run_stream(&args, &mut engine, &text);
     }
-    if args.kv.policy != "none" {
+    if args.kv.policy != ballast::Eviction::None {
         bail!("--kv-policy needs --stream: llama-perplexity's windows of -c tokens never fill their cache, so nothing is evicted");
     }
     // As llama-perplexity: the whole text with the special tokens the model adds (BOS
     // first when it adds one), then every window starts with BOS.
-    let mut tokens = loaded.tokenizer.encode(&text, true, false)?;
-    let bos = loaded
-        .tokenizer
-        .add_bos()
-        .then(|| loaded.tokenizer.bos_id())
-        .flatten();
+    let tokenizer = engine.tokenizer().clone();
+    let mut tokens = tokenizer.encode(&text, true, false)?;
+    let bos = tokenizer.add_bos().then(|| tokenizer.bos_id()).flatten();
     if let Some(bos) = bos {
         for w in tokens.chunks_mut(args.ctx) {
             w[0] = bos;
@@ -184,14 +183,15 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     }
     // Each window's cache in the --kv-mode and --kv-dtype asked for (on the device
     // where the backend keeps KV rows there).
-    let model = loaded.model.share();
+    let model = engine.model().share();
+    let kv = args.kv.options();
     let report = perplexity_with_cache(
-        &mut loaded.model,
+        engine.model_mut(),
         &tokens,
         args.ctx,
         args.batch,
         || {
-            args.kv.cache(&model, args.ctx, args.batch).map_err(|e| {
+            kv.cache(&model, args.ctx, args.batch).map_err(|e| {
                 ballast_runtime::Error::InvalidArgument {
                     what: format!("{e:#}"),
                 }

@@ -3,10 +3,10 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use ballast_runtime::model::load_weights;
-use ballast_runtime::{CpuBackend, ModelConfig};
+use ballast::ByteSize;
+use ballast_runtime::CpuBackend;
 use ballast_tier_stream::{
-    model_shape, plan, probe, Budgets, ModelShape, PlanRequest, Prediction, Speeds, Tier,
+    plan, probe, Budgets, ModelShape, PlanRequest, Prediction, Speeds, Tier,
 };
 use clap::Args;
 use serde_json::json;
@@ -108,13 +108,13 @@ pub struct PlanArgs {
     pub bits: f64,
     /// Every layer this many bytes (e.g. 669MiB), whatever the shape says.
     #[arg(long)]
-    pub layer_bytes: Option<String>,
+    pub layer_bytes: Option<ByteSize>,
     /// Device (GPU) memory, e.g. 24G. Without it the backend computes from RAM.
     #[arg(long)]
-    pub vram: Option<String>,
+    pub vram: Option<ByteSize>,
     /// RAM for this process, e.g. 48G. Default: probed (MemAvailable, cgroup limit).
     #[arg(long)]
-    pub ram: Option<String>,
+    pub ram: Option<ByteSize>,
     /// Host-to-device bandwidth, e.g. 6.5GB/s (PCIe 3.0 x8). Default 13GB/s (assumed).
     #[arg(long)]
     pub h2d: Option<String>,
@@ -133,7 +133,7 @@ pub struct PlanArgs {
     /// (--h2d) per token, overlapped with the compute (a transfer hidden under it where
     /// it can be) and serial (each one waited for, as at a host sync point).
     #[arg(long)]
-    pub uploaded_per_token: Option<String>,
+    pub uploaded_per_token: Option<ByteSize>,
     /// Context size in tokens (sizes the KV cache).
     #[arg(short = 'c', long = "ctx", default_value_t = 2048)]
     pub ctx: u64,
@@ -233,9 +233,7 @@ impl Speculative {
 
 pub fn run(args: PlanArgs) -> Result<()> {
     let mut notes: Vec<String> = Vec::new();
-    // The model's global weights, when a file is given (a GPU plan asks where its
-    // embedding table goes).
-    let (mut shape, file, label, globals) = if let Some(name) = &args.preset {
+    let (mut shape, file, label) = if let Some(name) = &args.preset {
         let Some(p) = PRESETS.iter().find(|p| p.0 == name.as_str()) else {
             bail!(
                 "unknown preset '{name}'; known: {}",
@@ -243,7 +241,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
             );
         };
         let shape = ModelShape::from_dims(p.1, p.2, p.3, p.4, p.5, p.6, p.7, p.8);
-        (shape, None, format!("preset {}", p.0), None)
+        (shape, None, format!("preset {}", p.0))
     } else if let Some(layers) = args.layers {
         anyhow::ensure!(
             layers > 0 && args.heads > 0,
@@ -259,43 +257,34 @@ pub fn run(args: PlanArgs) -> Result<()> {
             args.bits,
             args.bits,
         );
-        (shape, None, "shape from flags".to_string(), None)
+        (shape, None, "shape from flags".to_string())
     } else {
         let path = common::resolve_model(args.model.as_deref())?;
-        // A pack is planned as tiered streaming streams it: stored sizes, decode speed.
-        let common::Opened { file, pack } =
-            common::open_model(&path, true, tiered::StoreKind::Tiered)?;
-        let config = ModelConfig::from_gguf(&file)?;
-        let (g, l) = load_weights(&file, &config)?;
-        let mut shape = model_shape(&config, &g, &l);
-        if let Some(pack) = &pack {
-            let (store, decode) = tiered::decoding_store(pack, g.clone(), l, true)?;
-            shape.stored_bytes = store.stored_bytes_per_layer();
-            shape.decode_bytes_per_s = decode;
-            shape.expert_bytes.clear();
+        // A pack is planned as tiered streaming streams it: stored sizes, decode speed;
+        // a GPU plan (for Ballast's wgpu backend) with where its embedding table goes.
+        let (shape, opened) = ballast::store::planned_shape(&path, args.vram.is_some())?;
+        if opened.pack.is_some() {
             notes.push("decode speed measured".into());
         }
-        (
-            shape,
-            Some((file, path.clone())),
-            path.display().to_string(),
-            Some(g),
-        )
+        let label = path.display().to_string();
+        (shape, Some((opened.file, path)), label)
     };
-    if args.vram.is_some() {
+    if args.vram.is_some() && file.is_none() {
         // A GPU plan is for Ballast's wgpu backend.
-        tiered::on_wgpu_device(&mut shape, globals.as_ref());
+        ballast::store::on_wgpu_device(&mut shape, None);
     }
-    if let Some(b) = &args.layer_bytes {
-        let b = probe::parse_size(b)?;
+    if let Some(b) = args.layer_bytes.map(ByteSize::bytes) {
         shape.layer_bytes.iter_mut().for_each(|x| *x = b);
     }
-    let device = args.vram.as_deref().map(probe::parse_size).transpose()?;
-    let own = tiered::process_reserve(
+    let device = args.vram.map(ByteSize::bytes);
+    let own = ballast::store::process_reserve(
         file.as_ref().map(|(f, _)| f.as_ref()),
         common::threads(args.threads),
     );
-    let (ram, ram_source) = tiered::ram_budget(args.ram.as_deref(), own)?;
+    let ballast::RamBudget {
+        bytes: ram,
+        source: ram_source,
+    } = ballast::store::ram_budget(args.ram, own)?;
     let h2d = match &args.h2d {
         Some(r) => probe::parse_rate(r)?,
         None => {
@@ -366,7 +355,14 @@ pub fn run(args: PlanArgs) -> Result<()> {
             let beside = draft_args
                 .resident_bytes(args.ctx as usize)?
                 .context("--draft ngram holds nothing: plan without it")?;
-            let (ram_left, _) = tiered::budget_beside((ram, ram_source.clone()), Some(&beside))?;
+            let ram_left = ballast::store::budget_beside(
+                ballast::store::RamBudget {
+                    bytes: ram,
+                    source: ram_source.clone(),
+                },
+                Some(&beside),
+            )?
+            .bytes;
             let request = PlanRequest {
                 budgets: Budgets {
                     device,
@@ -378,12 +374,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
                 format!(
                     "the model does not fit the {} that {} leaves of the budget",
                     human_bytes(ram_left),
-                    beside.1
+                    beside.what
                 )
             })?;
             let base = with_draft.predict(&speeds, args.ctx);
             // The draft decodes from RAM at the backend's speed.
-            let draft_token_s = beside.0 as f64 / compute;
+            let draft_token_s = beside.bytes as f64 / compute;
             let rows: Vec<Speculative> = [1, 2, 4, 8, 16]
                 .into_iter()
                 .map(|k| Speculative::predict(k, args.acceptance, &base, draft_token_s))
@@ -393,9 +389,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     };
     let uploaded = args
         .uploaded_per_token
-        .as_deref()
-        .map(probe::parse_size)
-        .transpose()?
+        .map(|bytes| bytes.bytes())
         .map(|bytes| Uploaded::predict(bytes, pr.compute_s, h2d));
     let (a, b, c) = p.counts();
     if let (true, Some(u)) = (args.json, &uploaded) {
@@ -433,7 +427,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
                 "predicted": {"seconds_per_token": pr.seconds_per_token, "tokens_per_s": pr.tokens_per_s(),
                     "compute_s": pr.compute_s, "h2d_s": pr.h2d_s, "disk_s": pr.disk_s,
                     "decode_s": pr.decode_s, "bottleneck": pr.bottleneck.name()},
-                "speculative": speculative.as_ref().map(|((held, what), with_draft, base, rows)| json!({
+                "speculative": speculative.as_ref().map(|(ballast::store::Beside { bytes: held, what }, with_draft, base, rows)| json!({
                     "draft": what, "draft_bytes": held, "acceptance": args.acceptance,
                     "layer_map": tiered::layer_map(with_draft),
                     "plain_tokens_per_s": base.tokens_per_s(),
@@ -493,7 +487,9 @@ pub fn run(args: PlanArgs) -> Result<()> {
         "{}",
         describe(&p, Some((&speeds, args.ctx)), Some(&notes.join(", ")))
     );
-    if let Some(((held, what), with_draft, base, rows)) = &speculative {
+    if let Some((ballast::store::Beside { bytes: held, what }, with_draft, base, rows)) =
+        &speculative
+    {
         println!(
             "with {what} in RAM ({}): the model gets {} of the budget, {}",
             human_bytes(*held),

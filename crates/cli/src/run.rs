@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use ballast_kv_cache::{load_session, model_fingerprint, save_session, SessionMeta};
 use ballast_runtime::memory::peak_rss_kib;
-use ballast_runtime::{GenerateOptions, Generator, Session, Step};
+use ballast_runtime::{GenerateOptions, Generator, Step};
 use clap::Args;
 use serde_json::json;
 
@@ -89,19 +89,19 @@ pub fn run(mut args: RunArgs) -> Result<()> {
     let threads = common::threads(args.model.threads);
     // A resident draft model shares the RAM budget with the model.
     args.model.store.beside = args.draft.resident_bytes(args.ctx)?;
-    let loaded = common::load(&args.model, threads, args.ctx, args.batch)?;
-    let tiered = loaded.tiered;
-    let compressed = loaded.compressed;
-    let tokenizer = loaded.tokenizer;
+    let kv = args.kv.options();
+    let engine = common::load(args.model.builder(args.ctx, args.batch)?.kv(kv.clone()))?;
+    let ballast::Report {
+        tiered, compressed, ..
+    } = engine.report().clone();
+    let tokenizer = engine.tokenizer().clone();
     let meta = SessionMeta {
-        fingerprint: model_fingerprint(&loaded.file),
-        precision: args.kv.precision(&loaded.model),
+        fingerprint: model_fingerprint(engine.file()),
+        precision: kv.precision(engine.model()),
         mode: args.kv.mode,
     };
-    let backend_name = loaded.model.backend().name();
-    let (cache, policy) = args.kv.build(&loaded.model, args.ctx, args.batch)?;
-    let mut session = Session::with_cache(loaded.model, cache, policy);
-    session.set_batch(args.batch);
+    let backend_name = engine.model().backend().name();
+    let mut session = engine.session()?;
     if let Some(path) = args.session.as_deref().filter(|p| p.exists()) {
         let saved = load_session(path, meta, session.kv_mut())
             .with_context(|| format!("resuming the session {}", path.display()))?;
@@ -118,7 +118,7 @@ pub fn run(mut args: RunArgs) -> Result<()> {
         .encode(&args.prompt, !resumed, true)
         .context("tokenizing the prompt")?;
     anyhow::ensure!(!prompt_ids.is_empty() || resumed, "the prompt is empty");
-    let has_policy = args.kv.policy != "none";
+    let has_policy = args.kv.policy != ballast::Eviction::None;
     let used = session.kv().len() + prompt_ids.len();
     anyhow::ensure!(
         has_policy || used < args.ctx,
@@ -137,7 +137,6 @@ pub fn run(mut args: RunArgs) -> Result<()> {
         keep_logits: args.session.is_some(),
         ..GenerateOptions::default()
     };
-    let tokenizer = std::sync::Arc::new(tokenizer);
     let generator = Generator::new(session, tokenizer.clone(), options)?;
     let mut generator = args
         .draft

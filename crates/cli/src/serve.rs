@@ -9,7 +9,6 @@ use ballast_server::{Engine, ServerConfig, Speculation};
 use clap::Args;
 
 use crate::common::{self, human_bytes, KvArgs, ModelArgs};
-use crate::tiered::ContextTooLong;
 
 /// Flags of `ballast serve`.
 #[derive(Args, Debug)]
@@ -114,46 +113,31 @@ pub fn run(mut args: ServeArgs) -> Result<()> {
 /// Loads the model and gives every slot its session: a handle on the same weights
 /// (`Model::share`) with its own KV cache.
 fn load(args: &ServeArgs) -> Result<Engine> {
-    let threads = common::threads(args.model.threads);
     let parallel = usize::from(args.parallel);
     // Tiered streaming reserves room for every slot's cache.
-    let loaded = common::load(&args.model, threads, args.ctx * parallel, args.batch)
+    let builder = args.model.builder(args.ctx, args.batch)?;
+    let engine = common::load(builder.kv(args.kv.options()).sequences(parallel))
         .map_err(|e| per_sequence(e, parallel))?;
-    let chat_template = loaded
-        .file
+    let chat_template = engine
+        .file()
         .get_str_opt("tokenizer.chat_template")?
         .map(str::to_string);
-    let path = common::resolve_model(args.model.model.as_deref())?;
-    let mut sessions = Vec::with_capacity(parallel);
-    for _ in 0..parallel {
-        // A slot holds a cache and a history; the passes run on the engine's handle
-        // below, so the slot's own handle needs no MLP lever.
-        let model = loaded.model.share();
-        let (cache, policy) = args.kv.build(&model, args.ctx, args.batch)?;
-        let mut session = Session::with_cache(model, cache, policy);
-        session.set_batch(args.batch);
-        sessions.push(session);
-    }
+    // A slot holds a cache and a history; the passes run on the engine's model below,
+    // with its MLP lever (--sparsity), for all slots.
+    let sessions = (0..parallel)
+        .map(|_| engine.shared_session())
+        .collect::<ballast::Result<Vec<Session>>>()?;
     eprintln!(
         "model loaded: {} sequences of {} tokens, {}",
         parallel,
         args.ctx,
-        loaded.model.backend().name()
+        engine.model().backend().name()
     );
-    // The handle every step's pass runs on, for all slots: with --sparsity, the sparse
-    // MLP (`Model::share` alone would give the dense one).
-    let (model, _) = common::apply_sparsity(
-        &args.model.sparse,
-        &path,
-        &loaded.file,
-        loaded.model.share(),
-        loaded.tiered.is_some(),
-        None,
-    )?;
+    let (model, tokenizer) = engine.into_parts()?;
     let backend = model.backend().clone();
-    let drafters =
-        args.draft
-            .drafters(&loaded.tokenizer, backend, args.ctx, args.batch, parallel)?;
+    let drafters = args
+        .draft
+        .drafters(&tokenizer, backend, args.ctx, args.batch, parallel)?;
     let speculation = (!drafters.is_empty()).then(|| Speculation {
         drafters,
         options: args.draft.options(),
@@ -161,7 +145,7 @@ fn load(args: &ServeArgs) -> Result<Engine> {
     Ok(Engine {
         model,
         sessions,
-        tokenizer: loaded.tokenizer,
+        tokenizer,
         chat_template,
         speculation,
     })
@@ -170,7 +154,7 @@ fn load(args: &ServeArgs) -> Result<Engine> {
 /// A context too long for the budget, told per sequence: `-c` is each one's, and the
 /// budget holds `--parallel` of them.
 fn per_sequence(e: anyhow::Error, parallel: usize) -> anyhow::Error {
-    let Some(c) = e.downcast_ref::<ContextTooLong>() else {
+    let Some(ballast::Error::ContextTooLong(c)) = e.downcast_ref::<ballast::Error>() else {
         return e;
     };
     let each = c.fits / parallel as u64;
@@ -186,7 +170,7 @@ fn per_sequence(e: anyhow::Error, parallel: usize) -> anyhow::Error {
         "{parallel} sequences of {} tokens do not fit the RAM budget of {} ({}); {} tokens in all do: {advice} (or more memory: --ram, a higher limit)\n  ({})",
         c.ctx / parallel as u64,
         human_bytes(c.budget),
-        c.source,
+        c.budget_source,
         c.fits,
         c.refusal
     )

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
+use ballast::Engine;
 use ballast_runtime::{Model, Session};
 use ballast_sparse_mlp::{SparseFfn, SparsityProfile};
 use clap::Args;
@@ -80,14 +81,14 @@ pub enum NeuronOrder {
 
 /// The calibration text of `args`, as at most `--tokens` tokens of `loaded`'s
 /// tokenizer, and its path.
-fn calibration_ids(args: &SparsifyArgs, loaded: &common::Loaded) -> Result<(Vec<u32>, PathBuf)> {
+fn calibration_ids(args: &SparsifyArgs, loaded: &Engine) -> Result<(Vec<u32>, PathBuf)> {
     let text_path = args
         .text
         .clone()
         .unwrap_or_else(|| PathBuf::from("/usr/share/common-licenses/GFDL-1.3"));
     let text = std::fs::read_to_string(&text_path)
         .with_context(|| format!("reading the calibration text {}", text_path.display()))?;
-    let mut ids = loaded.tokenizer.encode(&text, false, false)?;
+    let mut ids = loaded.tokenizer().encode(&text, false, false)?;
     let all = ids.len();
     ids.truncate(args.tokens);
     anyhow::ensure!(
@@ -124,11 +125,11 @@ fn run_windows(
 /// `--neuron-order`).
 fn hot_first_orders(
     args: &SparsifyArgs,
-    loaded: &common::Loaded,
+    loaded: &Engine,
     path: &std::path::Path,
 ) -> Result<Vec<Vec<u32>>> {
-    let config = loaded.model.config();
-    let fingerprint = ballast_kv_cache::model_fingerprint(&loaded.file);
+    let config = loaded.model().config();
+    let fingerprint = ballast_kv_cache::model_fingerprint(loaded.file());
     let (ids, text_path) = calibration_ids(args, loaded)?;
     let profile_path = args
         .model
@@ -140,11 +141,11 @@ fn hot_first_orders(
         SparsityProfile::load(&profile_path, fingerprint, config.n_layers, config.n_ff)?
     } else {
         let (ffn, calibration) = SparseFfn::calibrating();
-        run_windows(args, &loaded.model, ffn, &ids, "calibrating")?;
+        run_windows(args, loaded.model(), ffn, &ids, "calibrating")?;
         calibration.profile(fingerprint, ids.len() as u64)
     };
     let (ffn, calibration) = SparseFfn::counting_activity(profile.thresholds(HOT_SPARSITY)?);
-    run_windows(args, &loaded.model, ffn, &ids, "ranking neurons")?;
+    run_windows(args, loaded.model(), ffn, &ids, "ranking neurons")?;
     let counts = calibration.active_counts();
     eprintln!(
         "neurons ranked by activity at sparsity {HOT_SPARSITY} over {} tokens of {}",
@@ -163,11 +164,10 @@ fn hot_first_orders(
 fn write_neurons(args: &SparsifyArgs) -> Result<()> {
     use ballast_runtime::blocks::{FFN_DOWN, FFN_UP};
     use ballast_sparse_mlp::{layer_records, NeuronFileHeader, NeuronFileWriter};
-    let path = common::resolve_model(args.model.model.as_deref())?;
-    let threads = common::threads(args.model.threads);
-    let loaded = common::load(&args.model, threads, args.ctx, args.ctx)?;
-    common::ensure_silu_mlp(&loaded.model, &path)?;
-    let config = loaded.model.config().clone();
+    let loaded = common::load(args.model.builder(args.ctx, args.ctx)?)?;
+    let path = loaded.path().to_path_buf();
+    ballast::ensure_silu_mlp(loaded.model(), &path)?;
+    let config = loaded.model().config().clone();
     let orders = match args.neuron_order {
         NeuronOrder::Hot => hot_first_orders(args, &loaded, &path)?,
         NeuronOrder::Id => vec![(0..config.n_ff as u32).collect(); config.n_layers],
@@ -176,7 +176,7 @@ fn write_neurons(args: &SparsifyArgs) -> Result<()> {
         .output
         .clone()
         .unwrap_or_else(|| ballast_sparse_mlp::neuron_file_path(&path));
-    let store = loaded.model.store();
+    let store = loaded.model().store();
     let first = store.layer(ballast_runtime::store::PassId(u64::MAX), 0)?;
     let layout = ballast_runtime::neurons::NeuronLayout {
         n_embd: config.d_model,
@@ -186,7 +186,7 @@ fn write_neurons(args: &SparsifyArgs) -> Result<()> {
     drop(first);
     let header = NeuronFileHeader {
         version: ballast_sparse_mlp::NEURON_FILE_VERSION,
-        fingerprint: ballast_kv_cache::model_fingerprint(&loaded.file),
+        fingerprint: ballast_kv_cache::model_fingerprint(loaded.file()),
         n_layers: config.n_layers,
         n_ff: config.n_ff,
         layout,
@@ -245,13 +245,12 @@ pub fn run(args: SparsifyArgs) -> Result<()> {
     if args.neurons {
         return write_neurons(&args);
     }
-    let path = common::resolve_model(args.model.model.as_deref())?;
-    let threads = common::threads(args.model.threads);
-    let loaded = common::load(&args.model, threads, args.ctx, args.ctx)?;
-    common::ensure_silu_mlp(&loaded.model, &path)?;
+    let loaded = common::load(args.model.builder(args.ctx, args.ctx)?)?;
+    let path = loaded.path().to_path_buf();
+    ballast::ensure_silu_mlp(loaded.model(), &path)?;
     let (ids, text_path) = calibration_ids(&args, &loaded)?;
     let n = ids.len();
-    let config = loaded.model.config().clone();
+    let config = loaded.model().config().clone();
     anyhow::ensure!(
         args.rank <= config.d_model,
         "--rank {}: at most the model width, {}",
@@ -263,8 +262,8 @@ pub fn run(args: SparsifyArgs) -> Result<()> {
     } else {
         SparseFfn::calibrating()
     };
-    run_windows(&args, &loaded.model, ffn, &ids, "calibrating")?;
-    let fingerprint = ballast_kv_cache::model_fingerprint(&loaded.file);
+    run_windows(&args, loaded.model(), ffn, &ids, "calibrating")?;
+    let fingerprint = ballast_kv_cache::model_fingerprint(loaded.file());
     let mut profile = calibration.profile(fingerprint, n as u64);
     if args.rank > 0 {
         let bar = indicatif::ProgressBar::new(config.n_layers as u64);
@@ -277,11 +276,11 @@ pub fn run(args: SparsifyArgs) -> Result<()> {
         let mut attention = Vec::with_capacity(config.n_layers);
         for l in 0..config.n_layers {
             let weights = loaded
-                .model
+                .model()
                 .store()
                 .layer(ballast_runtime::store::PassId(u64::MAX), l)?;
             let gate = weights.matrix(ballast_runtime::blocks::FFN_GATE)?;
-            let backend = loaded.model.backend().as_ref();
+            let backend = loaded.model().backend().as_ref();
             layers.push(calibration.fit_predictor(backend, l, gate, args.rank)?);
             attention.push(calibration.fit_attention_predictor(backend, l, gate, args.rank)?);
             bar.inc(1);
