@@ -154,7 +154,8 @@ pub struct PlanArgs {
     /// Speculative decoding with this draft model (a file or a known name) held in
     /// RAM beside the model: the plan splits the budget between the two and predicts
     /// tokens/s for --acceptance, against plain decoding with the whole budget.
-    #[arg(long, value_name = "MODEL")]
+    /// `ngram` (prompt lookup) holds nothing and drafts for free.
+    #[arg(long, value_name = "MODEL|ngram")]
     pub draft: Option<String>,
     /// With --draft: the share of drafted tokens the model accepts (code a draft knows
     /// well: 0.8-0.9; prose: 0.5-0.7).
@@ -352,31 +353,41 @@ pub fn run(args: PlanArgs) -> Result<()> {
                 draft_min: 0,
                 draft_p_min: 0.75,
             };
-            let beside = draft_args
-                .resident_bytes(args.ctx as usize)?
-                .context("--draft ngram holds nothing: plan without it")?;
-            let ram_left = ballast::store::budget_beside(
-                ballast::store::RamBudget {
-                    bytes: ram,
-                    source: ram_source.clone(),
-                },
-                Some(&beside),
-            )?
-            .bytes;
-            let request = PlanRequest {
-                budgets: Budgets {
-                    device,
-                    ram: ram_left,
-                },
-                ..request.clone()
+            // Prompt lookup holds nothing and drafts for free: the model keeps the
+            // whole budget.
+            let beside =
+                draft_args
+                    .resident_bytes(args.ctx as usize)?
+                    .unwrap_or(ballast::store::Beside {
+                        bytes: 0,
+                        what: "prompt lookup".into(),
+                    });
+            let with_draft = if beside.bytes == 0 {
+                p.clone()
+            } else {
+                let ram_left = ballast::store::budget_beside(
+                    ballast::store::RamBudget {
+                        bytes: ram,
+                        source: ram_source.clone(),
+                    },
+                    Some(&beside),
+                )?
+                .bytes;
+                let request = PlanRequest {
+                    budgets: Budgets {
+                        device,
+                        ram: ram_left,
+                    },
+                    ..request.clone()
+                };
+                plan(&request).with_context(|| {
+                    format!(
+                        "the model does not fit the {} that {} leaves of the budget",
+                        human_bytes(ram_left),
+                        beside.what
+                    )
+                })?
             };
-            let with_draft = plan(&request).with_context(|| {
-                format!(
-                    "the model does not fit the {} that {} leaves of the budget",
-                    human_bytes(ram_left),
-                    beside.what
-                )
-            })?;
             let base = with_draft.predict(&speeds, args.ctx);
             // The draft decodes from RAM at the backend's speed.
             let draft_token_s = beside.bytes as f64 / compute;
