@@ -481,4 +481,23 @@ fn greedy_speculative_decoding_equals_plain_decoding_on_wgpu() {
             tolerance,
         );
     }
+    // A verification is one submission that reads back every row; dropping the
+    // rejected rows only moves the device cache's length (no transfer), and the next
+    // pass attends over the kept rows alone.
+    let wgpu = Arc::new(ballast_runtime::WgpuBackend::new(
+        ballast_runtime::testing::gpu_for_tests().unwrap(),
+    ));
+    let spec = spec_for(0, 5);
+    let mut verified = session(&spec, wgpu.clone(), 64);
+    verified.feed(&[1, 2, 3]).unwrap();
+    verified.feed_scored(&[4, 5, 6, 7, 8]).unwrap();
+    let report = wgpu.device_memory().unwrap().last_pass().unwrap();
+    assert_eq!((report.submissions, report.tokens), (1, 5));
+    assert!(verified.keep_scored(2));
+    let kept = verified.logits().to_vec();
+    let after = verified.feed(&[9]).unwrap().to_vec();
+    let mut plain = session(&spec, wgpu.clone(), 64);
+    plain.feed(&[1, 2, 3, 4]).unwrap();
+    assert_eq!(plain.feed(&[5]).unwrap(), &kept[..]);
+    assert_eq!(plain.feed(&[9]).unwrap(), &after[..]);
 }
