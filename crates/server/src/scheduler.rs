@@ -13,8 +13,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
 use ballast_runtime::generate::{
-    accept_scored, Continuation, DraftOptions, Drafter, Finish, FinishReason as Reason,
-    GenerateOptions, Proposal, Step, Token,
+    accept_scored, draft_limit, Continuation, DraftOptions, Drafter, Finish,
+    FinishReason as Reason, GenerateOptions, Proposal, Step, Token,
 };
 use ballast_runtime::sampler::log_softmax_at;
 use ballast_runtime::{feed_batch, BatchFeed, Model, Session, TierBytes, Tokenizer};
@@ -606,22 +606,14 @@ fn draft(
     seq: &mut Sequence,
     next: u32,
 ) -> ballast_runtime::Result<()> {
-    let kv = session.kv();
-    let free = kv.capacity().saturating_sub(kv.len());
-    let generation = seq.continuation.options();
-    let remaining = generation.max_tokens.map_or(usize::MAX, |m| {
-        m.saturating_sub(seq.continuation.generated())
-    });
-    let max = options
-        .max
-        .min(free.saturating_sub(1))
-        .min(remaining.saturating_sub(1));
-    if max == 0 || max < options.min {
+    let max = draft_limit(session, &seq.continuation, options);
+    if max == 0 {
         return Ok(());
     }
     let mut context = session.tokens().to_vec();
     context.push(next);
-    drafter.draft(&context, max, &generation.sampler, &mut seq.proposals)?;
+    let sampler = seq.continuation.options().sampler;
+    drafter.draft(&context, max, &sampler, &mut seq.proposals)?;
     seq.proposals.truncate(max);
     if seq.proposals.len() < options.min {
         seq.proposals.clear();

@@ -439,6 +439,28 @@ pub fn apply_presence_frequency_penalties(
     }
 }
 
+/// The most tokens worth drafting after the unfed token of `session`: the
+/// verification feeds it and the draft, which must all fit the cache without an
+/// eviction (an eviction cannot be undone for rejected tokens), and drafting past the
+/// generation's token limit is wasted. 0 when below `options.min`: decode plainly.
+pub fn draft_limit(session: &Session, state: &Continuation, options: &DraftOptions) -> usize {
+    let kv = session.kv();
+    let free = kv.capacity().saturating_sub(kv.len());
+    let remaining = state
+        .options()
+        .max_tokens
+        .map_or(usize::MAX, |m| m.saturating_sub(state.generated()));
+    let max = options
+        .max
+        .min(free.saturating_sub(1))
+        .min(remaining.saturating_sub(1));
+    if max < options.min {
+        0
+    } else {
+        max
+    }
+}
+
 /// Decides the tokens of a verification pass: `session` was just fed the unfed token
 /// and `proposals` in one [`Session::feed_scored`]. Each row of logits goes through
 /// `state` ([`Continuation::verify`] for a drafted token, [`Continuation::choose`]
@@ -622,19 +644,8 @@ impl Generator {
         let Some((drafter, options)) = self.speculation.as_mut() else {
             return Ok(None);
         };
-        // The verification feeds the unfed token and the draft: all must fit without
-        // an eviction, and drafting past the token limit is wasted.
-        let kv = self.session.kv();
-        let free = kv.capacity().saturating_sub(kv.len());
-        let remaining = self
-            .options
-            .max_tokens
-            .map_or(usize::MAX, |m| m.saturating_sub(self.state.generated()));
-        let max = options
-            .max
-            .min(free.saturating_sub(1))
-            .min(remaining.saturating_sub(1));
-        if max == 0 || max < options.min {
+        let max = draft_limit(&self.session, &self.state, options);
+        if max == 0 {
             return Ok(None);
         }
         self.context.clear();
