@@ -11,6 +11,7 @@ mod plan;
 mod run;
 mod serve;
 mod sparsify;
+mod synth;
 mod tiered;
 
 use clap::{Parser, Subcommand};
@@ -53,6 +54,9 @@ enum Command {
     /// Serve the model over an OpenAI-compatible HTTP API (chat and text completions,
     /// streaming, metrics).
     Serve(serve::ServeArgs),
+    /// Write a synthetic model at a real model's shape (Llama-3.1-8B, Qwen2.5-7B,
+    /// Qwen3-30B-A3B, ...) with random weights, for benchmarks at that size.
+    Synth(synth::SynthArgs),
 }
 
 #[derive(clap::Args)]
@@ -100,6 +104,7 @@ fn main() {
         Command::Plan(a) => plan::run(a),
         Command::Sparsify(a) => sparsify::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Synth(a) => synth::run(a),
         Command::FetchModel(a) => fetch_model(a),
     };
     if let Err(e) = result {

@@ -1486,3 +1486,62 @@ fn a_draft_model_is_counted_in_the_ram_budget() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("leaves nothing"), "{}", stderr(&o));
 }
+
+/// `synth` writes a model of a named shape in each mix that `run` and `inspect` open;
+/// `--list` gives the real shapes' sizes; an unknown shape or type is named.
+#[test]
+fn synth_writes_runnable_models_of_named_shapes() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = ballast(&["synth", "--list"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let list = stdout(&o);
+    for shape in ["llama-3.1-8b", "qwen2.5-7b", "qwen3-30b-a3b"] {
+        assert!(list.contains(shape), "{list}");
+    }
+    for (mix, ty) in [("q4_k_m", "Q6_K"), ("q8_0", "Q8_0"), ("bf16", "BF16")] {
+        let path = dir.path().join(format!("tiny-{mix}.gguf"));
+        let p = path.to_str().unwrap();
+        let o = ballast(&["synth", "--shape", "tiny-llama", "--type", mix, p]);
+        assert!(o.status.success(), "{mix}: {}", stderr(&o));
+        let o = ballast(&["inspect", p]);
+        assert!(stdout(&o).contains(ty), "{mix}: {}", stdout(&o));
+        let o = ballast(&[
+            "run",
+            "-m",
+            p,
+            "abc",
+            "-n",
+            "4",
+            "--temp",
+            "0",
+            "--ignore-eos",
+        ]);
+        assert!(o.status.success(), "{mix}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains("generation: 4 tokens"),
+            "{}",
+            stderr(&o)
+        );
+    }
+    let out = dir.path().join("x.gguf");
+    let o = ballast(&["synth", "--shape", "llama-9b", out.to_str().unwrap()]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("llama-3.1-8b"),
+        "{}",
+        stderr(&o)
+    );
+    let o = ballast(&[
+        "synth",
+        "--shape",
+        "tiny-llama",
+        "--type",
+        "q5",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("q4_k_m"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!out.exists());
+}

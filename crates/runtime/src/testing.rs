@@ -28,7 +28,15 @@ pub enum TinyVocab {
     /// user-defined and one unused token; no `add_space_prefix` key, so the default
     /// (true) applies.
     SentencePiece,
+    /// The byte-level vocabulary padded to this many tokens with normal tokens no text
+    /// encodes to (a real model's vocabulary size, for its embedding table and output
+    /// head: [`crate::synth`]).
+    ByteLevelPadded(usize),
 }
+
+/// Chooses a deferred matrix's type from its name, the spec's type for it and its dims
+/// ([`TinyModelSpec::deferred_writer`]).
+pub type TypeOf<'a> = dyn Fn(&str, GgmlType, &[u64]) -> GgmlType + 'a;
 
 /// The shape and types of a tiny model.
 #[derive(Clone, Debug)]
@@ -255,6 +263,7 @@ impl TinyModelSpec {
     pub fn vocab_size(&self) -> usize {
         match self.vocab {
             TinyVocab::ByteLevel => TINY_VOCAB,
+            TinyVocab::ByteLevelPadded(n) => n.max(TINY_VOCAB),
             TinyVocab::SentencePiece => spm_vocab().0.len(),
         }
     }
@@ -266,6 +275,18 @@ impl TinyModelSpec {
 
     /// The model in a [`GgufWriter`], to add or change entries before writing.
     pub fn writer(&self) -> Result<GgufWriter> {
+        self.build_writer(None)
+    }
+
+    /// The model with its matrices deferred ([`GgufWriter::add_tensor_deferred`]): each
+    /// of the type `type_of(name, the spec's type, dims)` gives, its bytes made when the
+    /// file is written with [`GgufWriter::write_streaming`]. Vectors (norms, biases)
+    /// are written as usual.
+    pub fn deferred_writer(&self, type_of: &TypeOf<'_>) -> Result<GgufWriter> {
+        self.build_writer(Some(type_of))
+    }
+
+    fn build_writer(&self, deferred: Option<&TypeOf<'_>>) -> Result<GgufWriter> {
         let mut w = GgufWriter::new();
         let a = self.arch.as_str();
         let hd = self.head_dim();
@@ -344,12 +365,16 @@ impl TinyModelSpec {
             }
         }
         match self.vocab {
-            TinyVocab::ByteLevel => {
+            TinyVocab::ByteLevel | TinyVocab::ByteLevelPadded(_) => {
                 let mut tokens: Vec<String> =
                     (0..=255u8).map(|b| gpt2_byte_char(b).to_string()).collect();
                 tokens.push("<|endoftext|>".into());
                 let mut types = vec![1i32; 256];
                 types.push(3);
+                for i in tokens.len()..self.vocab_size() {
+                    tokens.push(format!("pad{i}"));
+                    types.push(1);
+                }
                 w.add_metadata("tokenizer.ggml.model", Value::String("gpt2".into()))?;
                 w.add_metadata("tokenizer.ggml.pre", Value::String("gpt-2".into()))?;
                 w.add_metadata("tokenizer.ggml.tokens", Value::Array(Array::String(tokens)))?;
@@ -386,12 +411,15 @@ impl TinyModelSpec {
                           rows: u64,
                           stack: u64|
          -> Result<()> {
-            let values = rng.values((cols * rows * stack) as usize, 1.0 / (cols as f32).sqrt());
             let dims: &[u64] = if stack > 1 {
                 &[cols, rows, stack]
             } else {
                 &[cols, rows]
             };
+            if let Some(type_of) = deferred {
+                return w.add_tensor_deferred(name, type_of(name, ty, dims), dims);
+            }
+            let values = rng.values((cols * rows * stack) as usize, 1.0 / (cols as f32).sqrt());
             w.add_tensor(name, ty, dims, quant::quantize(ty, &values)?)
         };
         matrix(&mut w, "token_embd.weight", self.embd_type, d, vocab, 1)?;

@@ -52,7 +52,7 @@ mod writer;
 
 pub use reader::{GgufFile, TensorInfo, MEMORY_PATH};
 pub use value::{Array, Value, ValueType};
-pub use writer::GgufWriter;
+pub use writer::{GgufWriter, TensorPart};
 
 /// The four bytes every GGUF file starts with.
 pub const MAGIC: [u8; 4] = *b"GGUF";

@@ -13,7 +13,37 @@ struct WriterTensor {
     name: String,
     ty: GgmlType,
     dims: Vec<u64>,
-    data: Vec<u8>,
+    data: TensorData,
+}
+
+/// A tensor's bytes: given when added, or made when the file is written.
+enum TensorData {
+    Bytes(Vec<u8>),
+    /// This many bytes, asked of the caller of [`GgufWriter::write_streaming`].
+    Deferred(u64),
+}
+
+impl TensorData {
+    fn len(&self) -> u64 {
+        match self {
+            TensorData::Bytes(b) => b.len() as u64,
+            TensorData::Deferred(n) => *n,
+        }
+    }
+}
+
+/// What [`GgufWriter::write_streaming`] asks the bytes of: a deferred tensor's name,
+/// type and dims, and where the asked part starts in its data.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorPart<'a> {
+    /// The tensor's name.
+    pub name: &'a str,
+    /// Its type.
+    pub ty: GgmlType,
+    /// Its dims, in ggml order.
+    pub dims: &'a [u64],
+    /// The offset of the part in the tensor's data; parts start at whole blocks.
+    pub offset: u64,
 }
 
 /// Builds a GGUF v3 file in memory: metadata entries and tensors, in the order added.
@@ -123,29 +153,7 @@ impl GgufWriter {
     ) -> Result<()> {
         let name = name.into();
         let data = data.into();
-        if self.tensors.iter().any(|t| t.name == name) {
-            return Err(invalid("tensor", &name, "added twice"));
-        }
-        if dims.len() > MAX_DIMS as usize {
-            return Err(invalid(
-                "tensor",
-                &name,
-                format!("{} dimensions, more than {MAX_DIMS}", dims.len()),
-            ));
-        }
-        let expected = super::reader::tensor_bytes(Path::new("<writer>"), &name, ty, dims)
-            .map_err(|e| {
-                let reason = match e {
-                    Error::GgufBlockMismatch { ne0, block_len, .. } => format!(
-                        "{ty} rows of {ne0} values are not a multiple of the block length {block_len}"
-                    ),
-                    Error::GgufTensorSizeOverflow { what, .. } => {
-                        format!("{what} of dims {dims:?} overflows 64 bits")
-                    }
-                    other => other.to_string(),
-                };
-                invalid("tensor", &name, reason)
-            })?;
+        let expected = self.check_tensor(&name, ty, dims)?;
         if expected != data.len() as u64 {
             return Err(invalid(
                 "tensor",
@@ -160,9 +168,56 @@ impl GgufWriter {
             name,
             ty,
             dims: dims.to_vec(),
-            data,
+            data: TensorData::Bytes(data),
         });
         Ok(())
+    }
+
+    /// Adds a tensor whose bytes are made when the file is written
+    /// ([`GgufWriter::write_streaming`]; [`GgufWriter::to_bytes`] writes zeros for
+    /// them): a file of many gigabytes is written without holding its tensors.
+    pub fn add_tensor_deferred(
+        &mut self,
+        name: impl Into<String>,
+        ty: GgmlType,
+        dims: &[u64],
+    ) -> Result<()> {
+        let name = name.into();
+        let bytes = self.check_tensor(&name, ty, dims)?;
+        self.tensors.push(WriterTensor {
+            name,
+            ty,
+            dims: dims.to_vec(),
+            data: TensorData::Deferred(bytes),
+        });
+        Ok(())
+    }
+
+    /// Refuses a second tensor of `name` and shapes no file can hold; the bytes of one
+    /// of `ty` and `dims`.
+    fn check_tensor(&self, name: &str, ty: GgmlType, dims: &[u64]) -> Result<u64> {
+        if self.tensors.iter().any(|t| t.name == name) {
+            return Err(invalid("tensor", name, "added twice"));
+        }
+        if dims.len() > MAX_DIMS as usize {
+            return Err(invalid(
+                "tensor",
+                name,
+                format!("{} dimensions, more than {MAX_DIMS}", dims.len()),
+            ));
+        }
+        super::reader::tensor_bytes(Path::new("<writer>"), name, ty, dims).map_err(|e| {
+            let reason = match e {
+                Error::GgufBlockMismatch { ne0, block_len, .. } => format!(
+                    "{ty} rows of {ne0} values are not a multiple of the block length {block_len}"
+                ),
+                Error::GgufTensorSizeOverflow { what, .. } => {
+                    format!("{what} of dims {dims:?} overflows 64 bits")
+                }
+                other => other.to_string(),
+            };
+            invalid("tensor", name, reason)
+        })
     }
 
     /// Adds an F32 tensor from values (`values.len()` must be the product of `dims`).
@@ -176,8 +231,23 @@ impl GgufWriter {
         self.add_tensor(name, GgmlType::F32, dims, bytes)
     }
 
-    /// The complete GGUF file.
+    /// The complete GGUF file (deferred tensors as zeros).
     pub fn to_bytes(&self) -> Vec<u8> {
+        let align = self.alignment();
+        let mut out = self.header();
+        for t in &self.tensors {
+            match &t.data {
+                TensorData::Bytes(b) => out.extend_from_slice(b),
+                TensorData::Deferred(n) => out.resize(out.len() + *n as usize, 0),
+            }
+            pad(&mut out, align);
+        }
+        out
+    }
+
+    /// Everything before the tensor data: magic, version, counts, metadata, tensor
+    /// infos, padding to the alignment.
+    fn header(&self) -> Vec<u8> {
         let align = self.alignment();
         let mut out = Vec::new();
         out.extend_from_slice(&MAGIC);
@@ -198,49 +268,110 @@ impl GgufWriter {
             }
             out.extend_from_slice(&t.ty.id().to_le_bytes());
             out.extend_from_slice(&offset.to_le_bytes());
-            offset += (t.data.len() as u64).div_ceil(align) * align;
+            offset += t.data.len().div_ceil(align) * align;
         }
         pad(&mut out, align);
-        for t in &self.tensors {
-            out.extend_from_slice(&t.data);
-            pad(&mut out, align);
-        }
         out
+    }
+
+    /// Bytes of the whole file.
+    pub fn file_bytes(&self) -> u64 {
+        let align = self.alignment();
+        self.header().len() as u64
+            + self
+                .tensors
+                .iter()
+                .map(|t| t.data.len().div_ceil(align) * align)
+                .sum::<u64>()
+    }
+
+    /// Writes the file to `path` atomically (as [`GgufWriter::write_to_file`]) without
+    /// holding it in memory: `fill` is asked for each deferred tensor's bytes, in parts
+    /// of at most `part_bytes` (rounded down to whole blocks), in file order.
+    pub fn write_streaming(
+        &self,
+        path: &Path,
+        part_bytes: usize,
+        mut fill: impl FnMut(TensorPart<'_>, &mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        let align = self.alignment() as usize;
+        atomic_write(path, |f| {
+            let mut out = std::io::BufWriter::with_capacity(1 << 20, f);
+            out.write_all(&self.header())?;
+            let mut buf = Vec::new();
+            for t in &self.tensors {
+                let len = t.data.len();
+                match &t.data {
+                    TensorData::Bytes(b) => out.write_all(b)?,
+                    TensorData::Deferred(n) => {
+                        let block = t.ty.block_bytes().max(1);
+                        let part = (part_bytes / block).max(1) * block;
+                        let mut done = 0u64;
+                        while done < *n {
+                            let size = part.min((*n - done) as usize);
+                            buf.resize(size, 0);
+                            let asked = TensorPart {
+                                name: &t.name,
+                                ty: t.ty,
+                                dims: &t.dims,
+                                offset: done,
+                            };
+                            fill(asked, &mut buf).map_err(std::io::Error::other)?;
+                            out.write_all(&buf)?;
+                            done += size as u64;
+                        }
+                    }
+                }
+                let padding = (len as usize).next_multiple_of(align) - len as usize;
+                out.write_all(&vec![0; padding])?;
+            }
+            out.flush()
+        })
     }
 
     /// Writes the file to `path` atomically: to a temporary file in the same directory,
     /// then renamed over `path`.
     pub fn write_to_file(&self, path: &Path) -> Result<()> {
-        let io = |source| Error::FileIo {
-            path: path.to_path_buf(),
-            source,
-        };
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        let file_name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "out.gguf".to_string());
-        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let tmp = dir.join(format!(".{file_name}.tmp.{}.{n}", std::process::id()));
-        let result = (|| {
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&tmp)?;
-            f.write_all(&self.to_bytes())?;
-            f.sync_all()?;
-            drop(f);
-            std::fs::rename(&tmp, path)
-        })();
-        if result.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        result.map_err(io)
+        let bytes = self.to_bytes();
+        atomic_write(path, |f| f.write_all(&bytes))
     }
+}
+
+/// Runs `write` on a new temporary file beside `path`, then syncs it and renames it
+/// over `path`; on failure the temporary file is removed and `path` is untouched.
+fn atomic_write(
+    path: &Path,
+    write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
+) -> Result<()> {
+    let io = |source| Error::FileIo {
+        path: path.to_path_buf(),
+        source,
+    };
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let file_name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "out.gguf".to_string());
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!(".{file_name}.tmp.{}.{n}", std::process::id()));
+    let result = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)?;
+        write(&mut f)?;
+        f.sync_all()?;
+        drop(f);
+        std::fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.map_err(io)
 }
 
 /// Nesting depth of an array: 1 for an array of non-arrays.
@@ -304,5 +435,69 @@ fn put_array(out: &mut Vec<u8>, a: &Array) {
         Array::U64(v) => le!(v),
         Array::I64(v) => le!(v),
         Array::F64(v) => le!(v),
+    }
+}
+
+#[cfg(test)]
+mod streaming_tests {
+    use super::*;
+
+    /// A file written in parts by `write_streaming` is the file `to_bytes` gives with
+    /// the same bytes added up front, and a failed fill leaves no file behind.
+    #[test]
+    fn streamed_tensors_equal_tensors_given_up_front() {
+        let dir = std::env::temp_dir().join(format!("gguf-stream-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let bytes_of = |name: &str, offset: u64, len: usize| -> Vec<u8> {
+            (0..len)
+                .map(|i| (name.len() as u64 * 31 + offset + i as u64) as u8)
+                .collect()
+        };
+        let mut given = GgufWriter::new();
+        let mut deferred = GgufWriter::new();
+        for w in [&mut given, &mut deferred] {
+            w.add_metadata("general.architecture", Value::String("llama".into()))
+                .unwrap();
+            w.add_tensor_f32("norm", &[3], &[1.0, 2.0, 3.0]).unwrap();
+        }
+        // 40 blocks of Q8_0 (34 bytes each), asked in parts of 3 blocks.
+        let dims = [32u64, 40];
+        given
+            .add_tensor("m", GgmlType::Q8_0, &dims, bytes_of("m", 0, 34 * 40))
+            .unwrap();
+        deferred
+            .add_tensor_deferred("m", GgmlType::Q8_0, &dims)
+            .unwrap();
+        assert!(deferred
+            .add_tensor_deferred("m", GgmlType::Q8_0, &dims)
+            .is_err());
+        assert!(deferred
+            .add_tensor_deferred("odd", GgmlType::Q8_0, &[31, 2])
+            .is_err());
+        let path = dir.join("m.gguf");
+        let mut parts = 0;
+        deferred
+            .write_streaming(&path, 34 * 3 + 5, |part, buf| {
+                assert_eq!(part.offset % 34, 0, "parts start at whole blocks");
+                buf.copy_from_slice(&bytes_of(part.name, part.offset, buf.len()));
+                parts += 1;
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(parts, 14);
+        let written = std::fs::read(&path).unwrap();
+        assert_eq!(written, given.to_bytes());
+        assert_eq!(deferred.file_bytes(), written.len() as u64);
+
+        let failed = dir.join("failed.gguf");
+        let r = deferred.write_streaming(&failed, 1 << 20, |_, _| {
+            Err(Error::InvalidArgument {
+                what: "no bytes".into(),
+            })
+        });
+        assert!(r.is_err() && !failed.exists());
+        let leftovers = std::fs::read_dir(&dir).unwrap().count();
+        assert_eq!(leftovers, 1, "only m.gguf");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
