@@ -299,7 +299,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
         (Some(r), _) => probe::parse_rate(r)?,
         (None, Some((_, path))) => {
             notes.push("disk measured".into());
-            tiered::measure_disk(path)?
+            // As many readers as tiered streaming's default (--io-threads).
+            tiered::measure_disk(path, 2)?
         }
         (None, None) => {
             notes.push("disk assumed".into());

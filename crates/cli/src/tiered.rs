@@ -206,34 +206,51 @@ pub fn describe_ram_tiers(options: &[RamTierOption]) -> String {
     s
 }
 
-/// Measures the disk: reads up to 256 MiB of `path` with direct I/O in 4 MiB requests
-/// (from the middle of the file, where the layers are).
-pub fn measure_disk(path: &Path) -> Result<f64> {
+/// Measures the disk's read speed on `path` as tiered streaming reads it: direct reads
+/// of a tensor's size (32 MiB) by `readers` threads at once (its `--io-threads`), over
+/// up to 512 MiB from the middle of the file, its page cache dropped first.
+pub fn measure_disk(path: &Path, readers: usize) -> Result<f64> {
     let f = DirectFile::open(path, true)?;
     let len = f.len();
-    let chunk = 4u64 << 20;
-    let total = len.min(256 << 20) / 4096 * 4096;
+    let chunk = 32u64 << 20;
+    let total = len.min(512 << 20) / 4096 * 4096;
     anyhow::ensure!(
         total > 0,
         "{} is too small to measure the disk",
         path.display()
     );
     let start_at = (len - total) / 2 / 4096 * 4096;
-    let mut buf = io::AlignedBuf::new(chunk as usize);
+    let readers = readers.max(1) as u64;
     let _ = io::drop_file_cache(path);
     let t = Instant::now();
-    let mut off = 0;
-    while off < total {
-        let want = (total - off).min(chunk) as usize;
-        let n = f.read_at(&mut buf.as_mut_slice()[..want], start_at + off)?;
-        anyhow::ensure!(
-            n > 0,
-            "{}: read nothing at {}",
-            path.display(),
-            start_at + off
-        );
-        off += n as u64;
-    }
+    // Reader r reads chunks r, r + readers, ...: the reads stay in flight together.
+    std::thread::scope(|scope| {
+        let f = &f;
+        let handles: Vec<_> = (0..readers)
+            .map(|r| {
+                scope.spawn(move || -> Result<()> {
+                    let mut buf = io::AlignedBuf::new(chunk as usize);
+                    let mut off = r * chunk;
+                    while off < total {
+                        let want = (total - off).min(chunk) as usize;
+                        let n = f.read_at(&mut buf.as_mut_slice()[..want], start_at + off)?;
+                        anyhow::ensure!(
+                            n > 0,
+                            "{}: read nothing at {}",
+                            path.display(),
+                            start_at + off
+                        );
+                        off += readers * chunk;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles.into_iter().try_for_each(|h| {
+            h.join()
+                .map_err(|_| anyhow::anyhow!("a disk reader panicked"))?
+        })
+    })?;
     Ok(total as f64 / t.elapsed().as_secs_f64())
 }
 
