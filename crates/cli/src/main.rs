@@ -4,6 +4,7 @@ mod bench;
 mod chat;
 mod common;
 mod draft;
+mod gpu_check;
 mod inspect;
 mod pack;
 mod perplexity;
@@ -57,6 +58,10 @@ enum Command {
     /// Write a synthetic model at a real model's shape (Llama-3.1-8B, Qwen2.5-7B,
     /// Qwen3-30B-A3B, ...) with random weights, for benchmarks at that size.
     Synth(synth::SynthArgs),
+    /// Check a GPU in one command, building nothing: the adapter, every reference
+    /// architecture's tokens against the CPU's, and decode speed on synthetic models
+    /// at real shapes with the share of the memory bandwidth it uses.
+    GpuCheck(gpu_check::GpuCheckArgs),
 }
 
 #[derive(clap::Args)]
@@ -105,6 +110,7 @@ fn main() {
         Command::Sparsify(a) => sparsify::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Synth(a) => synth::run(a),
+        Command::GpuCheck(a) => gpu_check::run(a),
         Command::FetchModel(a) => fetch_model(a),
     };
     if let Err(e) = result {
