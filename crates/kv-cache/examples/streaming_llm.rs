@@ -1,9 +1,9 @@
 //! StreamingLLM over your own key/value rows: 4 attention sinks and a window of 12,
 //! fed 100 tokens one at a time, as a forward pass would.
 //!
-//! The cache and the policy are this crate's alone. Re-rotating the sinks' keys after
-//! an eviction needs a RoPE op, which `StreamingLlm::with_rope` takes as a backend;
-//! the runtime's CPU backend (a dev-dependency) lends it here.
+//! Nothing here needs the runtime: the cache and the policy are this crate's, and the
+//! RoPE op that re-rotates the sinks' keys after an eviction (`StreamingLlm::with_rope`
+//! takes any `RopeOps`; a runtime backend is one) is the few lines of `NeoxRope` below.
 //!
 //! Run: `cargo run -p ballast-kv-cache --example streaming_llm`
 
@@ -12,7 +12,35 @@ use std::sync::Arc;
 use ballast_core::backend::{Rope, RopeOps, RopeStyle};
 use ballast_core::{KvCache, KvPolicy, KvShape};
 use ballast_kv_cache::{PointerShift, Precision, StreamingLlm};
-use ballast_runtime::CpuBackend;
+
+/// NeoX-style RoPE on the host: pairs `(x[i], x[i + n_dims / 2])` of each head.
+struct NeoxRope;
+
+impl RopeOps for NeoxRope {
+    fn rope(
+        &self,
+        x: &mut [f32],
+        positions: &[u32],
+        n_heads: usize,
+        head_dim: usize,
+        rope: &Rope,
+    ) -> ballast_core::Result<()> {
+        let half = rope.n_dims / 2;
+        for (row, &pos) in x.chunks_exact_mut(n_heads * head_dim).zip(positions) {
+            for head in row.chunks_exact_mut(head_dim) {
+                for i in 0..half {
+                    let theta =
+                        pos as f32 * rope.freq_base.powf(-2.0 * i as f32 / rope.n_dims as f32);
+                    let (sin, cos) = rope.angle(i, theta).sin_cos();
+                    let (a, b) = (head[i], head[i + half]);
+                    head[i] = a * cos - b * sin;
+                    head[i + half] = a * sin + b * cos;
+                }
+            }
+        }
+        Ok(())
+    }
+}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let shape = KvShape {
@@ -28,7 +56,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         freq_scale: 1.0,
         freq_factors: None,
     };
-    let backend = Arc::new(CpuBackend::new(1));
+    let backend = Arc::new(NeoxRope);
     let mut cache = PointerShift::new(shape, n_sink + window, Precision::F16)?;
     let mut policy = StreamingLlm::new(n_sink, window)?
         .with_rope(backend.clone(), vec![rope.clone(); shape.n_layers]);

@@ -14,8 +14,10 @@
 //!   recent window, positions inside the cache), the plain sliding window, or none.
 //! - Session files ([`save_session`], [`load_session`]): header, checksum, atomic
 //!   write, typed errors that leave the running cache untouched.
-//! - `stream_perplexity` and `recompute_perplexity` (feature `runtime`, off by default:
-//!   they run the runtime's model): the StreamingLLM evaluation.
+//!
+//! The crate depends on `ballast-core` alone. StreamingLLM's evaluation, which runs a
+//! model (`stream_perplexity`, `recompute_perplexity`), is in the runtime's
+//! `stream_eval` module.
 //!
 //! Eviction and int8 storage are approximate: they change what attention sees, and are
 //! measured by perplexity against exact runs, never assumed harmless.
@@ -49,8 +51,6 @@ mod modes;
 mod persist;
 mod policy;
 mod rows;
-#[cfg(feature = "runtime")]
-mod stream;
 
 pub use error::{Error, Result};
 pub use modes::{new_cache, set_update_threads, PointerShift, ShiftConcat, SmartMask, UpdateMode};
@@ -60,5 +60,3 @@ pub use persist::{
 };
 pub use policy::{PolicyKind, StreamingLlm};
 pub use rows::Precision;
-#[cfg(feature = "runtime")]
-pub use stream::{perplexity_of, recompute_perplexity, stream_perplexity, StreamReport};

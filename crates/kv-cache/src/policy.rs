@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
-use ballast_core::backend::Rope;
-use ballast_core::{Backend, Error, KvCache, KvPolicy, Result};
+use ballast_core::backend::{Rope, RopeOps};
+use ballast_core::{Error, KvCache, KvPolicy, Result};
 
 /// Which tokens a bounded cache keeps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,8 +59,8 @@ impl PolicyKind {
 pub struct StreamingLlm {
     n_sink: usize,
     window: usize,
-    /// The backend that rotates, and each layer's RoPE.
-    rope: Option<(Arc<dyn Backend>, Vec<Rope>)>,
+    /// The RoPE op that rotates (a backend's), and each layer's RoPE.
+    rope: Option<(Arc<dyn RopeOps + Send + Sync>, Vec<Rope>)>,
     anchors: Vec<Option<SinkAnchor>>,
     scratch: (Vec<u32>, Vec<f32>, Vec<f32>),
 }
@@ -92,10 +92,11 @@ impl StreamingLlm {
     }
 
     /// The policy `kind` describes (`None` for [`PolicyKind::None`]), re-rotating
-    /// sinks with `backend` and `layer_ropes`, the RoPE of each layer.
+    /// sinks with `backend`'s RoPE op (any [`ballast_core::Backend`], or any other
+    /// [`RopeOps`]) and `layer_ropes`, the RoPE of each layer.
     pub fn from_kind(
         kind: PolicyKind,
-        backend: Arc<dyn Backend>,
+        backend: Arc<dyn RopeOps + Send + Sync>,
         layer_ropes: Vec<Rope>,
     ) -> Result<Option<StreamingLlm>> {
         Ok(match kind {
@@ -109,8 +110,14 @@ impl StreamingLlm {
 
     /// Re-rotates the sinks with `backend`'s RoPE op and `layer_ropes`: the settings
     /// each layer rotated its keys with, one per layer of the cache (a model's
-    /// `ModelConfig::layer_ropes`).
-    pub fn with_rope(mut self, backend: Arc<dyn Backend>, layer_ropes: Vec<Rope>) -> StreamingLlm {
+    /// `ModelConfig::layer_ropes`). Any [`ballast_core::Backend`] is a [`RopeOps`]
+    /// (an `Arc<dyn Backend>` coerces to the argument); a caller without one
+    /// implements [`RopeOps`] alone.
+    pub fn with_rope(
+        mut self,
+        backend: Arc<dyn RopeOps + Send + Sync>,
+        layer_ropes: Vec<Rope>,
+    ) -> StreamingLlm {
         self.rope = Some((backend, layer_ropes));
         self
     }

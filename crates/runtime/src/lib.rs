@@ -73,6 +73,7 @@ pub mod model_cache;
 pub mod quant;
 pub mod sampler;
 pub mod session;
+pub mod stream_eval;
 pub mod synth;
 pub mod testing;
 pub mod threadpool;

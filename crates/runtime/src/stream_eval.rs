@@ -1,15 +1,16 @@
-//! Perplexity of a text read as one stream, token by token, through any cache and
-//! policy (StreamingLLM's evaluation), and the paper's slow oracle: a sliding window
-//! recomputed from scratch for every token.
+//! StreamingLLM's evaluation: the perplexity of a text read as one stream, token by
+//! token, through any cache and policy ([`stream_perplexity`], e.g. a
+//! `ballast-kv-cache` cache under its `StreamingLlm` policy), and the paper's slow
+//! oracle, a sliding window recomputed from scratch for every token
+//! ([`recompute_perplexity`]). Compare [`crate::session::perplexity`], which scores
+//! independent windows the way `llama-perplexity` does.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use ballast_runtime::model::Logits;
-use ballast_runtime::sampler::log_softmax_at;
-use ballast_runtime::{DenseKv, KvCache, KvPolicy, Model};
-
-use crate::error::Result;
+use crate::model::Logits;
+use crate::sampler::log_softmax_at;
+use crate::{DenseKv, KvCache, KvPolicy, Model, Result};
 
 /// Per-token results of a stream.
 #[derive(Clone, Debug, Default)]
