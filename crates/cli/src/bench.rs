@@ -2,16 +2,18 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use ballast_runtime::backend::OpTimesSnapshot;
 use ballast_runtime::backend::PassReport;
+use ballast_runtime::generate::{Drafter, SpeculationStats};
 use ballast_runtime::gpu::DeviceChoice;
 use ballast_runtime::memory::peak_rss_kib;
-use ballast_runtime::Session;
+use ballast_runtime::{GenerateOptions, Generator, SamplerConfig, Session, Step, Tokenizer};
 use clap::Args;
 use serde_json::json;
 
 use crate::common::{self, human_bytes};
+use crate::draft::DraftArgs;
 use crate::tiered::{self, StoreArgs, StoreKind};
 use ballast_kv_cache::{Precision, UpdateMode};
 use ballast_runtime::blocks::{FFN_DOWN, FFN_GATE, FFN_UP};
@@ -53,6 +55,14 @@ pub struct BenchArgs {
     /// memory, bytes moved per decoded token and time per kernel.
     #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
     pub device: DeviceChoice,
+    /// With `--draft`, a speculative test besides pp and tg: `-n` greedy tokens after
+    /// a built-in prompt (a code prompt for a draft model, an editing prompt for
+    /// `ngram`), decoded plainly and speculatively in turn, `-r` times each.
+    #[command(flatten)]
+    pub draft: DraftArgs,
+    /// The speculative test's prompt, instead of the built-in one.
+    #[arg(long, value_name = "FILE", requires = "draft")]
+    pub prompt_file: Option<std::path::PathBuf>,
 }
 
 struct TestResult {
@@ -167,7 +177,7 @@ fn per_token(t: OpTimesSnapshot, n: usize) -> OpTimesSnapshot {
     }
 }
 
-pub fn run(args: BenchArgs) -> Result<()> {
+pub fn run(mut args: BenchArgs) -> Result<()> {
     let path = common::resolve_model(args.model.as_deref())?;
     let mapped = !args.no_mmap && args.store.store != StoreKind::Ram;
     let opened = ballast::open_model(&path, mapped, args.store.store)?;
@@ -179,6 +189,27 @@ pub fn run(args: BenchArgs) -> Result<()> {
     };
     anyhow::ensure!(args.repetitions > 0, "-r must be at least 1");
     let size: u64 = file.tensors().iter().map(|t| t.n_bytes).sum();
+    let speculative = match args.draft.draft.as_deref() {
+        Some(draft) => Some(SpecPrompt::new(
+            draft,
+            args.prompt_file.as_deref(),
+            &Tokenizer::from_gguf(&file)?,
+        )?),
+        None => None,
+    };
+    let depth = args.n_depth;
+    // The speculative test's prompt, its tokens and a draft beyond them.
+    let spec_ctx = speculative
+        .as_ref()
+        .map_or(0, |s| s.ids.len() + args.n_gen + args.draft.draft_max + 2);
+    let ctx = (depth + args.n_prompt.max(args.n_gen) + 1).max(spec_ctx);
+    // Prompt tokens per pass: the pp test's, and chunks of up to 512 to fill the depth;
+    // a verification pass scores a whole draft at once.
+    let verify = speculative.as_ref().map_or(1, |_| args.draft.draft_max + 1);
+    let batch = args.n_prompt.max(depth.min(512)).max(verify);
+    // A resident draft model shares the RAM budget with the model.
+    args.store.beside = args.draft.resident_bytes(ctx)?;
+    let mut spec_results: Vec<SpecResult> = Vec::new();
     let mut results = Vec::new();
     let mut backend_name = String::new();
     let mut store_name = "";
@@ -192,10 +223,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
     // Tokens cached and KV bytes held at the end of the last decode run.
     let mut kv_held: Option<(usize, u64)> = None;
     for &t in &threads {
-        let depth = args.n_depth;
-        let ctx = depth + args.n_prompt.max(args.n_gen) + 1;
-        // Prompt tokens per pass: the pp test's, and chunks of up to 512 to fill the depth.
-        let batch = args.n_prompt.max(depth.min(512)).max(1);
         let engine = ballast::Engine::builder(&path)
             .opened(opened.clone())
             .device(args.device)
@@ -231,6 +258,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 format!("RAM budget {} ({})", human_bytes(ram.bytes), ram.source)
             });
         }
+        let tokenizer = engine.tokenizer().clone();
         let (model, sparse) = (engine.into_model(), report.sparse);
         let backend = model.backend().clone();
         let on_device = backend.device_forward().is_some();
@@ -258,7 +286,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         backend_name = model.backend().name();
         let vocab = model.config().vocab_size;
-        let mut session = Session::with_batch(model, ctx, batch)?;
+        let session = Session::with_batch(model, ctx, batch)?;
+        // Every test goes through the generation loop: pp is its prompt, tg its greedy
+        // decoding of -n tokens, one pass each.
+        let mut generator = Generator::new(session, tokenizer.clone(), greedy(args.n_gen))?;
         // The context every test starts from: `depth` tokens, processed once per thread
         // count; each repetition rewinds to it.
         let at_depth = |test: String| {
@@ -272,18 +303,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
             progress.set_message(format!(
                 "filling the context to depth {depth} at {t} threads"
             ));
-            session.feed(&prompt_tokens(depth, vocab))?;
+            generator.prompt(&prompt_tokens(depth, vocab))?;
         }
         if args.n_prompt > 0 {
             progress.set_message(format!("pp{} at {t} threads", args.n_prompt));
-            session.set_batch(args.n_prompt);
+            generator.session_mut().set_batch(args.n_prompt);
             let prompt = prompt_tokens(args.n_prompt, vocab);
-            session.feed(&prompt)?; // warm-up
+            generator.prompt(&prompt)?; // warm-up
             let mut speeds = Vec::new();
             for _ in 0..args.repetitions {
-                session.rewind(depth);
+                generator.session_mut().rewind(depth);
                 let start = Instant::now();
-                session.feed(&prompt)?;
+                generator.prompt(&prompt)?;
                 speeds.push(args.n_prompt as f64 / start.elapsed().as_secs_f64());
             }
             results.push(TestResult {
@@ -296,9 +327,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         if args.n_gen > 0 {
             progress.set_message(format!("tg{} at {t} threads", args.n_gen));
-            let tokens = prompt_tokens(args.n_gen, vocab);
-            session.rewind(depth);
-            session.feed(&tokens[..1])?; // warm-up
+            // A one-token prompt, then a token per pass: -n passes.
+            let first = prompt_tokens(1, vocab);
+            generator.session_mut().rewind(depth);
+            generator.prompt(&first)?; // warm-up
             let mut speeds = Vec::new();
             let mut busy = OpTimesSnapshot::default();
             let mut wall = Duration::ZERO;
@@ -308,20 +340,21 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 .as_ref()
                 .map(|s| *s.lock().unwrap_or_else(|p| p.into_inner()));
             for _ in 0..args.repetitions {
-                session.rewind(depth);
+                generator.session_mut().rewind(depth);
                 backend.op_times().reset();
                 let start = Instant::now();
-                for &id in &tokens {
-                    if on_device {
-                        // Greedy decode reads back one id per token, as `run` does.
-                        session.feed_greedy(&[id])?;
-                    } else {
-                        session.feed(&[id])?;
-                    }
-                }
+                // On a device, greedy decoding reads back one id per token.
+                generator.prompt(&first)?;
+                let generated = decode(&mut generator)?.len();
                 let elapsed = start.elapsed();
+                anyhow::ensure!(
+                    generated == args.n_gen,
+                    "tg{} generated {generated} tokens",
+                    args.n_gen
+                );
                 wall += elapsed;
-                kv_held = Some((session.kv().len(), session.kv().held_bytes().total()));
+                let kv = generator.session().kv();
+                kv_held = Some((kv.len(), kv.held_bytes().total()));
                 let s = backend.op_times().snapshot();
                 busy.matmul += s.matmul;
                 busy.attention += s.attention;
@@ -431,8 +464,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     }
                 });
             let mut pt = per_token(busy, n);
-            // Whatever no op accounted for (sampling excluded: there is none here)
-            // is engine overhead; show it with "other".
+            // Whatever no op accounted for (the argmax, the detokenizer) is engine
+            // overhead; show it with "other".
             let accounted = busy.matmul + busy.attention + busy.other;
             pt.other += wall.saturating_sub(accounted) / n.max(1) as u32;
             results.push(TestResult {
@@ -450,6 +483,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             // One more decoded token at the end of a full context of n_gen tokens, to
             // read what the backend counted, then the same token profiled per kernel.
             let tokens = prompt_tokens(args.n_gen.max(1), vocab);
+            let session = generator.session_mut();
             session.rewind(0);
             if tokens.len() > 1 {
                 session.feed(&tokens[..tokens.len() - 1])?;
@@ -490,6 +524,29 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 context: ctx,
                 kv_device,
             });
+        }
+        if let Some(prompt) = speculative.as_ref().filter(|_| args.n_gen > 0) {
+            progress.set_message(format!(
+                "tg{} plain and speculative at {t} threads",
+                args.n_gen
+            ));
+            let drafter = args
+                .draft
+                .drafter(&tokenizer, backend.clone(), ctx, batch)?
+                .context("--draft gave no drafter")?;
+            let stream = tiered_info.as_ref().map(|i| i.stats.clone());
+            let read = || {
+                stream.as_ref().map(|s| {
+                    let s = s.get();
+                    s.disk_bytes + s.experts.bytes
+                })
+            };
+            let mut session = generator.into_session();
+            session.rewind(0);
+            session.set_batch(batch);
+            spec_results.push(speculative_test(
+                &args, prompt, session, tokenizer, drafter, &read, t,
+            )?);
         }
     }
     // KV-cache memory per cached token (keys and values of every layer that keeps the
@@ -598,6 +655,35 @@ pub fn run(args: BenchArgs) -> Result<()> {
             }
             println!("{obj}");
         }
+        if let Some(prompt) = &speculative {
+            for r in &spec_results {
+                let (draft_ms, verify_ms) = r.ms_per_token();
+                let mut speculation = crate::draft::to_json(&r.stats);
+                speculation["draft_ms_per_token"] = json!(draft_ms);
+                speculation["verify_ms_per_token"] = json!(verify_ms);
+                println!(
+                    "{}",
+                    json!({
+                        "model": model_name, "size_bytes": size, "backend": backend_name,
+                        "store": store_name, "threads": r.threads,
+                        "test": format!("tg{} speculative", args.n_gen),
+                        "draft": args.draft.draft, "drafter": r.drafter,
+                        "draft_max": args.draft.draft_max, "draft_min": args.draft.draft_min,
+                        "draft_p_min": args.draft.draft_p_min,
+                        "prompt": prompt.what, "prompt_tokens": prompt.ids.len(),
+                        "plain_tokens_per_s_median": median(&r.plain),
+                        "speculative_tokens_per_s_median": median(&r.speculative),
+                        "plain_samples": r.plain, "speculative_samples": r.speculative,
+                        "speedup": r.speedup(),
+                        "same_output": r.same_output,
+                        "speculation": speculation,
+                        "storage_bytes_per_token": r.storage.map(|(plain, spec)| json!({
+                            "plain": plain, "speculative": spec,
+                        })),
+                    })
+                );
+            }
+        }
         let kv: serde_json::Map<String, serde_json::Value> = kv_per_token
             .iter()
             .map(|(name, b)| (name.to_string(), json!(b)))
@@ -673,6 +759,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
             lo,
             hi
         );
+    }
+    if let Some(prompt) = &speculative {
+        for r in &spec_results {
+            print_speculative(r, prompt, &args);
+        }
     }
     for f in &sparse_figures {
         println!(
@@ -845,6 +936,49 @@ pub fn run(args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
+fn print_speculative(r: &SpecResult, prompt: &SpecPrompt, args: &BenchArgs) {
+    let s = &r.stats;
+    println!(
+        "speculative decoding, {} threads: --draft {} ({}) on {} ({} tokens), {} greedy tokens, medians of {}",
+        r.threads,
+        args.draft.draft.as_deref().unwrap_or_default(),
+        r.drafter,
+        prompt.what,
+        prompt.ids.len(),
+        args.n_gen,
+        args.repetitions,
+    );
+    println!(
+        "  plain {:.2} t/s, speculative {:.2} t/s: {:.2}x; {}",
+        median(&r.plain),
+        median(&r.speculative),
+        r.speedup(),
+        if r.same_output {
+            "the same tokens as plain decoding"
+        } else {
+            "NOT the tokens of plain decoding"
+        }
+    );
+    println!(
+        "  {:.0}% of drafted tokens accepted ({} of {}), {:.2} tokens per pass of the model ({} verification passes, {} plain steps)",
+        100.0 * s.acceptance(),
+        s.accepted,
+        s.drafted,
+        s.tokens_per_pass(),
+        s.passes,
+        s.plain_steps,
+    );
+    let (draft_ms, verify_ms) = r.ms_per_token();
+    println!("  per generated token: drafting {draft_ms:.3} ms, verifying {verify_ms:.3} ms");
+    if let Some((plain, spec)) = r.storage {
+        println!(
+            "  read from storage per generated token: plain {}, speculative {}",
+            human_bytes(plain as u64),
+            human_bytes(spec as u64)
+        );
+    }
+}
+
 /// What the device backend reported: a decoded token as is and profiled, the peak
 /// device memory, and the device's KV cache per element type at `context` tokens.
 struct DeviceReport {
@@ -949,4 +1083,220 @@ fn roofline(
             read_bytes_per_s: ballast_runtime::memory::read_bandwidth(256 << 20, t),
         })
         .collect()
+}
+
+/// Greedy decoding of `n` tokens, end-of-generation tokens included (as llama-bench's
+/// tg, which generates a fixed count).
+fn greedy(n: usize) -> GenerateOptions {
+    GenerateOptions {
+        sampler: SamplerConfig {
+            temperature: 0.0,
+            ..SamplerConfig::default()
+        },
+        max_tokens: Some(n),
+        ignore_eos: true,
+        ..GenerateOptions::default()
+    }
+}
+
+/// Steps `generator` to the end of its generation: the tokens' ids.
+fn decode(generator: &mut Generator) -> Result<Vec<u32>> {
+    let mut ids = Vec::with_capacity(generator.options().max_tokens.unwrap_or(0));
+    loop {
+        match generator.step()? {
+            Step::Token(token) => ids.push(token.id),
+            Step::Done(_) => return Ok(ids),
+        }
+    }
+}
+
+/// The speculative test's default prompt for a draft model: code to continue.
+const CODE_PROMPT: &str = r#"```python
+# Utilities for a small inventory system.
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class Item:
+    name: str
+    quantity: int
+    unit_price: float
+    tags: List[str] = field(default_factory=list)
+
+
+class Inventory:
+    """Items by name: add, remove, search by tag, restock and value the stock."""
+
+    def __init__(self) -> None:
+"#;
+
+/// The speculative test's default prompt for prompt lookup: an edit, which repeats a
+/// given function with one change.
+const EDIT_PROMPT: &str = r#"Here is a Python function:
+
+```python
+def summarize_orders(orders, min_total=0.0):
+    """Group orders by customer and return per-customer totals, counts and averages."""
+    totals = {}
+    counts = {}
+    for order in orders:
+        customer = order["customer"]
+        amount = order["quantity"] * order["unit_price"]
+        if order.get("discount"):
+            amount -= amount * order["discount"]
+        totals[customer] = totals.get(customer, 0.0) + amount
+        counts[customer] = counts.get(customer, 0) + 1
+    summary = []
+    for customer, total in totals.items():
+        if total < min_total:
+            continue
+        average = total / counts[customer]
+        summary.append(
+            {
+                "customer": customer,
+                "total": round(total, 2),
+                "orders": counts[customer],
+                "average": round(average, 2),
+            }
+        )
+    summary.sort(key=lambda row: row["total"], reverse=True)
+    return summary
+```
+
+Write the same function again with one change: the default of `min_total` becomes 10.0. Keep everything else exactly as it is.
+
+```python
+"#;
+
+/// The speculative test's prompt.
+struct SpecPrompt {
+    /// Where it comes from, for the report.
+    what: String,
+    ids: Vec<u32>,
+}
+
+impl SpecPrompt {
+    /// `file`'s text, else the built-in prompt suited to `draft` (`ngram` or a model).
+    fn new(draft: &str, file: Option<&std::path::Path>, tokenizer: &Tokenizer) -> Result<Self> {
+        let (what, text) = match file {
+            Some(path) => (
+                path.display().to_string(),
+                std::fs::read_to_string(path)
+                    .with_context(|| format!("reading the prompt {}", path.display()))?,
+            ),
+            None if draft == "ngram" => ("the built-in editing prompt".into(), EDIT_PROMPT.into()),
+            None => ("the built-in code prompt".into(), CODE_PROMPT.into()),
+        };
+        let ids = tokenizer
+            .encode(&text, true, true)
+            .context("tokenizing the prompt")?;
+        anyhow::ensure!(!ids.is_empty(), "the prompt is empty");
+        Ok(SpecPrompt { what, ids })
+    }
+}
+
+/// The speculative test at one thread count.
+struct SpecResult {
+    threads: usize,
+    drafter: String,
+    /// Tokens per second of each repetition: plain, speculative.
+    plain: Vec<f64>,
+    speculative: Vec<f64>,
+    /// Over every speculative repetition.
+    stats: SpeculationStats,
+    /// Tokens each repetition timed.
+    tokens: usize,
+    /// Whether every speculative repetition gave the plain one's tokens.
+    same_output: bool,
+    /// Bytes read from storage per generated token (tiered streaming): plain,
+    /// speculative.
+    storage: Option<(f64, f64)>,
+}
+
+impl SpecResult {
+    fn speedup(&self) -> f64 {
+        median(&self.speculative) / median(&self.plain).max(1e-12)
+    }
+
+    /// Milliseconds per generated token spent drafting, and verifying.
+    fn ms_per_token(&self) -> (f64, f64) {
+        let n = (self.tokens * self.plain.len()).max(1) as f64;
+        (
+            self.stats.draft_time.as_secs_f64() * 1e3 / n,
+            self.stats.verify_time.as_secs_f64() * 1e3 / n,
+        )
+    }
+}
+
+/// `-n` greedy tokens after `prompt` on `session`, decoded plainly then with `drafter`,
+/// `-r` times. Only the decoding is timed: the prompt, and the draft model's reading
+/// of it, come before the clock starts. The first token comes with the prompt's
+/// logits, so `-n + 1` are generated and the `-n` after it timed. `read`: bytes the
+/// store has read from storage so far, when it streams.
+fn speculative_test(
+    args: &BenchArgs,
+    prompt: &SpecPrompt,
+    session: Session,
+    tokenizer: std::sync::Arc<Tokenizer>,
+    drafter: Box<dyn Drafter>,
+    read: &dyn Fn() -> Option<u64>,
+    threads: usize,
+) -> Result<SpecResult> {
+    let mut generator = Generator::new(session, tokenizer, greedy(args.n_gen + 1))?;
+    let sampler = generator.options().sampler;
+    let (drafter_name, options) = (drafter.name(), args.draft.options());
+    let mut drafter = Some(drafter);
+    let mut result = SpecResult {
+        threads,
+        drafter: drafter_name,
+        plain: Vec::new(),
+        speculative: Vec::new(),
+        stats: SpeculationStats::default(),
+        tokens: args.n_gen,
+        same_output: true,
+        storage: None,
+    };
+    let mut bytes = [0u64; 2];
+    let mut scratch = Vec::new();
+    for _ in 0..args.repetitions {
+        let mut outputs = [Vec::new(), Vec::new()];
+        for (k, speculative) in [false, true].into_iter().enumerate() {
+            generator.session_mut().rewind(0);
+            if speculative {
+                let mut d = drafter.take().context("the drafter was lost")?;
+                // A draft model reads the prompt now (one token drafted and dropped).
+                scratch.clear();
+                d.draft(&prompt.ids, 1, &sampler, &mut scratch)?;
+                generator = generator.with_drafter(d, options);
+            }
+            generator.prompt(&prompt.ids)?;
+            let before = read();
+            let start = Instant::now();
+            let ids = decode(&mut generator)?;
+            let elapsed = start.elapsed();
+            if let (Some(a), Some(b)) = (read(), before) {
+                bytes[k] += a - b;
+            }
+            anyhow::ensure!(
+                ids.len() == args.n_gen + 1,
+                "the speculative test generated {} tokens of {}",
+                ids.len(),
+                args.n_gen + 1
+            );
+            let rate = args.n_gen as f64 / elapsed.as_secs_f64();
+            if speculative {
+                result.speculative.push(rate);
+                drafter = generator.take_drafter().map(|(d, _)| d);
+            } else {
+                result.plain.push(rate);
+            }
+            outputs[k] = ids;
+        }
+        result.same_output &= outputs[0] == outputs[1];
+    }
+    result.stats = generator.speculation_stats();
+    let n = (args.n_gen * args.repetitions).max(1) as f64;
+    result.storage = read().map(|_| (bytes[0] as f64 / n, bytes[1] as f64 / n));
+    Ok(result)
 }

@@ -190,6 +190,75 @@ fn inspect_prints_metadata_and_tensors() {
 }
 
 #[test]
+fn bench_draft_reports_speculation() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let m = model.to_str().unwrap();
+    let prompt = dir.path().join("prompt.txt");
+    std::fs::write(&prompt, "one two three four one two three four one two").unwrap();
+    let bench = |extra: &[&str]| {
+        let mut args = vec![
+            "bench", "-m", m, "-p", "8", "-n", "12", "-r", "2", "-t", "1", "--json", "--draft",
+            "ngram",
+        ];
+        args.extend_from_slice(extra);
+        ballast(&args)
+    };
+    for extra in [&[][..], &["--prompt-file", prompt.to_str().unwrap()][..]] {
+        let o = bench(extra);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let rows: Vec<serde_json::Value> = stdout(&o)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let tests: Vec<&str> = rows.iter().filter_map(|r| r["test"].as_str()).collect();
+        assert_eq!(tests, ["pp8", "tg12", "tg12 speculative"]);
+        let r = &rows[2];
+        assert_eq!(r["draft"], "ngram");
+        assert_eq!(r["drafter"], "prompt lookup");
+        assert!(r["prompt_tokens"].as_u64().unwrap() > 0);
+        assert_eq!(r["plain_samples"].as_array().unwrap().len(), 2);
+        assert_eq!(r["speculative_samples"].as_array().unwrap().len(), 2);
+        for field in [
+            "plain_tokens_per_s_median",
+            "speculative_tokens_per_s_median",
+            "speedup",
+        ] {
+            assert!(r[field].as_f64().unwrap() > 0.0, "{field}: {r}");
+        }
+        // Greedy speculative decoding gives the plain tokens.
+        assert_eq!(r["same_output"], true, "{r}");
+        let s = &r["speculation"];
+        // 12 tokens after the first, twice: each from a verification pass or a plain
+        // step.
+        let passes = s["passes"].as_u64().unwrap() + s["plain_steps"].as_u64().unwrap();
+        assert!(passes > 0 && passes <= 24, "{s}");
+        assert!(s["tokens_per_pass"].as_f64().unwrap() >= 1.0, "{s}");
+        let acceptance = s["acceptance"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&acceptance), "{s}");
+        for field in ["draft_ms_per_token", "verify_ms_per_token"] {
+            assert!(s[field].as_f64().unwrap() >= 0.0, "{field}: {s}");
+        }
+        // Not tiered streaming: no storage figure.
+        assert!(r["storage_bytes_per_token"].is_null(), "{r}");
+    }
+    // The text report names the figures.
+    let o = ballast(&[
+        "bench", "-m", m, "-p", "0", "-n", "6", "-r", "1", "-t", "1", "--draft", "ngram",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    for words in [
+        "speculative decoding, 1 threads: --draft ngram (prompt lookup)",
+        "tokens per pass of the model",
+        "drafting",
+        "verifying",
+    ] {
+        assert!(text.contains(words), "{words:?} in {text}");
+    }
+}
+
+#[test]
 fn bench_and_perplexity_report_figures() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
@@ -781,6 +850,20 @@ fn gpu_run_and_bench_report_the_adapter_and_traffic() {
     assert_eq!(token["submissions"], 1, "{device}");
     assert!(token["weight_bytes_read"].as_u64().unwrap() > 0, "{device}");
     assert!(token["kv_bytes_read"].as_u64().unwrap() > 0, "{device}");
+
+    // The speculative test on the device: verification passes give the plain tokens.
+    let o = ballast(&[
+        "bench", "-m", m, "-p", "8", "-n", "8", "-r", "1", "--json", "--device", "gpu", "--draft",
+        "ngram",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let spec = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|r| r["test"] == "tg8 speculative")
+        .expect("a speculative row");
+    assert_eq!(spec["same_output"], true, "{spec}");
+    assert!(spec["speedup"].as_f64().unwrap() > 0.0, "{spec}");
 }
 
 /// Tiered streaming on the GPU: with a device budget that holds some layers and a RAM

@@ -573,6 +573,14 @@ impl Generator {
         self
     }
 
+    /// Decodes plainly from now on: the drafter and its options back (`None` without
+    /// one), to draft with again later ([`Generator::with_drafter`]), as a benchmark
+    /// alternating plain and speculative decoding on one session does. Tokens already
+    /// verified are still handed out.
+    pub fn take_drafter(&mut self) -> Option<(Box<dyn Drafter>, DraftOptions)> {
+        self.speculation.take()
+    }
+
     /// What speculation did so far (all zero without a drafter).
     pub fn speculation_stats(&self) -> SpeculationStats {
         self.stats
