@@ -478,6 +478,17 @@ fn chat_answers_like_run_and_refuses_a_conversation_past_the_context() {
         chat.starts_with(&run) && chat.len() > run.len(),
         "chat {chat:?}, run {run:?}"
     );
+    // Speculative turns (prompt lookup, and the model drafting for itself) give the
+    // same conversation.
+    for draft in ["ngram", m] {
+        // A tiny random model is never sure: draft whatever the confidence.
+        let mut args = vec!["chat", "-m", m, "--draft", draft, "--draft-max", "3"];
+        args.extend(["--draft-p-min", "0"]);
+        args.extend(greedy);
+        let s = ballast_with_input(&args, "Hi\nAgain\n");
+        assert!(s.status.success(), "{}", stderr(&s));
+        assert_eq!(stdout(&s), chat, "--draft {draft}");
+    }
 
     let mut args = vec!["chat", "-m", m, "-c", "32"];
     args.extend(&greedy[..5]);
@@ -1485,7 +1496,16 @@ fn speculative_runs_give_the_plain_tokens_and_foreign_drafts_are_refused() {
     let plain = generated_tokens(m, prompt, 24, &["--temp", "0"]);
     assert_eq!(plain.lines().count(), 24);
     for drafter in ["ngram", draft.to_str().unwrap()] {
-        let flags = ["--temp", "0", "--draft", drafter, "--draft-max", "4"];
+        let flags = [
+            "--temp",
+            "0",
+            "--draft",
+            drafter,
+            "--draft-max",
+            "4",
+            "--draft-p-min",
+            "0",
+        ];
         assert_eq!(generated_tokens(m, prompt, 24, &flags), plain, "{drafter}");
     }
     let o = ballast(&[
