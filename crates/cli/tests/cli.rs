@@ -19,8 +19,13 @@ fn ballast(args: &[&str]) -> Output {
 }
 
 fn tiny_model(dir: &Path) -> PathBuf {
-    let path = dir.join("tiny.gguf");
-    std::fs::write(&path, TinyModelSpec::default().to_gguf_bytes().unwrap()).unwrap();
+    write_model(dir, "tiny.gguf", &TinyModelSpec::default())
+}
+
+/// `spec` written as `dir/name`.
+fn write_model(dir: &Path, name: &str, spec: &TinyModelSpec) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, spec.to_gguf_bytes().unwrap()).unwrap();
     path
 }
 
@@ -1485,13 +1490,12 @@ fn speculative_runs_give_the_plain_tokens_and_foreign_drafts_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
     let m = model.to_str().unwrap();
-    let draft = dir.path().join("draft.gguf");
     let draft_spec = TinyModelSpec {
         n_layers: 1,
         seed: 9,
         ..TinyModelSpec::default()
     };
-    std::fs::write(&draft, draft_spec.to_gguf_bytes().unwrap()).unwrap();
+    let draft = write_model(dir.path(), "draft.gguf", &draft_spec);
     let prompt = "abcabcabcab";
     let plain = generated_tokens(m, prompt, 24, &["--temp", "0"]);
     assert_eq!(plain.lines().count(), 24);
@@ -1514,12 +1518,11 @@ fn speculative_runs_give_the_plain_tokens_and_foreign_drafts_are_refused() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("speculation: "), "{}", stderr(&o));
 
-    let foreign = dir.path().join("spm.gguf");
     let spm = TinyModelSpec {
         vocab: ballast_runtime::testing::TinyVocab::SentencePiece,
         ..TinyModelSpec::default()
     };
-    std::fs::write(&foreign, spm.to_gguf_bytes().unwrap()).unwrap();
+    let foreign = write_model(dir.path(), "spm.gguf", &spm);
     let o = ballast(&["run", "-m", m, prompt, "--draft", foreign.to_str().unwrap()]);
     assert!(!o.status.success());
     let err = stderr(&o);
@@ -1550,13 +1553,12 @@ fn a_draft_model_is_counted_in_the_ram_budget() {
     let model = layered_model(dir.path());
     let m = model.to_str().unwrap();
     // A draft of about 15 MiB, bigger than the model.
-    let draft = dir.path().join("big-draft.gguf");
     let spec = TinyModelSpec {
         d_model: 512,
         n_ff: 4096,
         ..TinyModelSpec::default()
     };
-    std::fs::write(&draft, spec.to_gguf_bytes().unwrap()).unwrap();
+    let draft = write_model(dir.path(), "big-draft.gguf", &spec);
     let d = draft.to_str().unwrap();
     let fixed = ["-c", "64", "--disk", "1GB/s", "--compute", "10GB/s"];
     let plan = |ram: &str| {
