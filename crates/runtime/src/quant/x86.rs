@@ -526,15 +526,103 @@ unsafe fn q5_0_avx2<const RR: usize, const NT: usize>(
     unsafe { q8_0_like_avx2::<RR, NT, 2>(w, nb, a, s) }
 }
 
-/// Reads the 16 i16 block sums of a Q8_K block.
-#[inline(always)]
-unsafe fn bsums(y: *const u8) -> [i32; 16] {
-    let mut out = [0i32; 16];
-    for (g, o) in out.iter_mut().enumerate() {
-        // SAFETY: the sums are the last 32 bytes of the 292-byte block.
-        *o = unsafe { (y.add(260 + 2 * g) as *const i16).read_unaligned() } as i32;
+/// The tile shapes the K-quant kernels take: at most 8 (row, token) pairs, one f32 lane
+/// each in the final step.
+const K_LANES: usize = 8;
+
+/// Sums the eight i32 lanes of each of the first `n` vectors of `v` (n <= 8): lane i of
+/// the result is `v[i]`'s total (lanes past `n` are meaningless). Integer sums are exact,
+/// so the order is free.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lane_totals(v: &[__m256i; K_LANES], n: usize) -> __m256i {
+    // hadd twice leaves [v0..v3 partial over the low 128 bits | v0..v3 over the high].
+    let q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    if n <= 4 {
+        let t = _mm_add_epi32(
+            _mm256_castsi256_si128(q0),
+            _mm256_extracti128_si256::<1>(q0),
+        );
+        return _mm256_castsi128_si256(t);
     }
-    out
+    let q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256::<0x20>(q0, q1),
+        _mm256_permute2x128_si256::<0x31>(q0, q1),
+    )
+}
+
+/// [`lane_totals`] for vectors of four i32 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lane_totals128(v: &[__m128i; K_LANES], n: usize) -> __m256i {
+    let t0 = _mm_hadd_epi32(_mm_hadd_epi32(v[0], v[1]), _mm_hadd_epi32(v[2], v[3]));
+    if n <= 4 {
+        return _mm256_castsi128_si256(t0);
+    }
+    let t1 = _mm_hadd_epi32(_mm_hadd_epi32(v[4], v[5]), _mm_hadd_epi32(v[6], v[7]));
+    _mm256_set_m128i(t1, t0)
+}
+
+/// A `pshufb` pattern that copies i16 lane `i` of each 128-bit half to its eight lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn broadcast_word(i: usize) -> __m256i {
+    let lo = 2 * i as i16;
+    _mm256_set1_epi16(lo | ((lo + 1) << 8))
+}
+
+/// A `pshufb` pattern that copies byte `i` to bytes 0..8 and byte `i + 1` to 8..16.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn pair_of_bytes(i: usize) -> __m128i {
+    _mm_set_epi64x(
+        0x0101_0101_0101_0101 * (i as i64 + 1),
+        0x0101_0101_0101_0101 * i as i64,
+    )
+}
+
+/// Prefetches a superblock of `bytes` bytes `PREFETCH` ahead of `x`, one cache line at a
+/// time.
+#[inline(always)]
+fn prefetch_superblock(x: *const u8, bytes: usize) {
+    let mut at = 0;
+    while at < bytes {
+        // SAFETY: prefetching never faults, wherever the address points.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + at) as *const i8) };
+        at += 64;
+    }
+}
+
+/// The per-lane f32 inputs of a K-quant tile's final step, lane `r * NT + t` for row `r`
+/// and token `t`: the weight's scale (and minimum's scale) and the activation's.
+#[inline(always)]
+fn lane_scales<const RR: usize, const NT: usize>(
+    d: &[f32; K_LANES],
+    y: impl Fn(usize) -> f32,
+) -> ([f32; K_LANES], [f32; K_LANES]) {
+    let (mut dw, mut dy) = ([0f32; K_LANES], [0f32; K_LANES]);
+    for r in 0..RR {
+        for t in 0..NT {
+            dw[r * NT + t] = d[r];
+            dy[r * NT + t] = y(t);
+        }
+    }
+    (dw, dy)
+}
+
+/// The f32 totals of a K-quant tile, lane `r * NT + t`, as rows x tokens.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_tile_result<const RR: usize, const NT: usize>(acc: __m256) -> [[f32; NT]; RR] {
+    let mut lanes = [0f32; K_LANES];
+    // SAFETY: `lanes` holds eight f32; the store is unaligned.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    let mut res = [[0f32; NT]; RR];
+    for (r, row) in res.iter_mut().enumerate() {
+        row.copy_from_slice(&lanes[r * NT..(r + 1) * NT]);
+    }
+    res
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -564,7 +652,11 @@ unsafe fn q5_k_avx2<const RR: usize, const NT: usize>(
 }
 
 /// Q4_K / Q5_K x Q8_K: integer sums per 32-value sub-block weighted by the 6-bit scales
-/// (in `madd`), the mins applied through the Q8_K block sums.
+/// (in `madd`), the mins applied through the Q8_K block sums. The integer totals of every
+/// (row, token) pair of the tile are gathered into one vector, lane `r * NT + t`, so that
+/// the scalar kernel's f32 expression, `acc + ((d·dy)·si − (dmin·dy)·sm)`, runs for the
+/// whole tile in one set of vector operations (the same operations per lane, hence the
+/// same bits; no FMA, as the scalar code has none).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q45_k_avx2<const RR: usize, const NT: usize, const FIVE: bool>(
     w: Rows<RR>,
@@ -572,82 +664,90 @@ unsafe fn q45_k_avx2<const RR: usize, const NT: usize, const FIVE: bool>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
+    const { assert!(RR * NT <= K_LANES) };
     let bb = if FIVE { 176 } else { 144 };
     let m4 = _mm256_set1_epi8(0x0F);
     let one = _mm256_set1_epi8(1);
-    let mut acc = [[0f32; NT]; RR];
+    let mut acc = _mm256_setzero_ps();
     for b in 0..nb {
         // SAFETY: superblock b of each row and activation row is in bounds.
         unsafe {
+            // The activation's sums per 32 values (pairs of its 16-value block sums),
+            // which the mins multiply.
+            let mut pair_sums = [_mm_setzero_si128(); NT];
+            for (t, ps) in pair_sums.iter_mut().enumerate() {
+                let bs = _mm256_loadu_si256(a[t].add(b * 292 + 260) as *const __m256i);
+                *ps = _mm_hadd_epi16(
+                    _mm256_castsi256_si128(bs),
+                    _mm256_extracti128_si256::<1>(bs),
+                );
+            }
+            let mut sums = [_mm256_setzero_si256(); K_LANES];
+            let mut min_sums = [_mm_setzero_si128(); K_LANES];
+            let (mut d, mut dmin) = ([0f32; K_LANES], [0f32; K_LANES]);
             for r in 0..RR {
                 let x = w[r].add(b * bb);
+                prefetch_superblock(x, bb);
                 let hd = f16x2(x);
-                let d = _mm_cvtss_f32(hd);
-                let dmin = _mm_cvtss_f32(_mm_movehdup_ps(hd));
-                let sc = std::slice::from_raw_parts(x.add(4), 12);
-                let mut scales = [0i16; 8];
-                let mut mins = [0i32; 8];
-                for j in 0..8 {
-                    let (a, m) = super::blocks::scale_min_k4(j, sc);
-                    scales[j] = a as i16;
-                    mins[j] = m as i32;
-                }
+                d[r] = _mm_cvtss_f32(hd);
+                dmin[r] = _mm_cvtss_f32(_mm_movehdup_ps(hd));
+                let (sc, mn) = k4_scales_mins(x.add(4));
+                let scales_mins = _mm256_cvtepu8_epi16(_mm_set_epi64x(mn as i64, sc as i64));
+                let sc128 = _mm256_castsi256_si128(scales_mins);
+                let scales = _mm256_set_m128i(sc128, sc128);
+                let mins = _mm256_extracti128_si256::<1>(scales_mins);
                 let qs = x.add(if FIVE { 48 } else { 16 });
                 let qh = if FIVE {
                     _mm256_loadu_si256(x.add(16) as *const __m256i)
                 } else {
                     _mm256_setzero_si256()
                 };
+                let mut sumi = [_mm256_setzero_si256(); NT];
+                for c in 0..4 {
+                    let q = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+                    let mut lo = _mm256_and_si256(q, m4);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+                    if FIVE {
+                        let sh_lo = _mm_cvtsi32_si128(2 * c as i32);
+                        let sh_hi = _mm_cvtsi32_si128(2 * c as i32 + 1);
+                        let hb_lo = _mm256_and_si256(_mm256_srl_epi16(qh, sh_lo), one);
+                        let hb_hi = _mm256_and_si256(_mm256_srl_epi16(qh, sh_hi), one);
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hb_lo));
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi16::<4>(hb_hi));
+                    }
+                    let scale_lo = _mm256_shuffle_epi8(scales, broadcast_word(2 * c));
+                    let scale_hi = _mm256_shuffle_epi8(scales, broadcast_word(2 * c + 1));
+                    for (t, acc_i) in sumi.iter_mut().enumerate() {
+                        let y = a[t].add(b * 292 + 4 + 64 * c);
+                        let ylo = _mm256_loadu_si256(y as *const __m256i);
+                        let yhi = _mm256_loadu_si256(y.add(32) as *const __m256i);
+                        let plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo), scale_lo);
+                        let phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi), scale_hi);
+                        *acc_i = _mm256_add_epi32(*acc_i, _mm256_add_epi32(plo, phi));
+                    }
+                }
                 for t in 0..NT {
-                    let y = a[t].add(b * 292);
-                    let mut sumi = _mm256_setzero_si256();
-                    for c in 0..4 {
-                        let q = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
-                        let mut lo = _mm256_and_si256(q, m4);
-                        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
-                        if FIVE {
-                            let sh_lo = _mm_cvtsi32_si128(2 * c as i32);
-                            let sh_hi = _mm_cvtsi32_si128(2 * c as i32 + 1);
-                            let hb_lo = _mm256_and_si256(_mm256_srl_epi16(qh, sh_lo), one);
-                            let hb_hi = _mm256_and_si256(_mm256_srl_epi16(qh, sh_hi), one);
-                            lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hb_lo));
-                            hi = _mm256_or_si256(hi, _mm256_slli_epi16::<4>(hb_hi));
-                        }
-                        let ylo = _mm256_loadu_si256(y.add(4 + 64 * c) as *const __m256i);
-                        let yhi = _mm256_loadu_si256(y.add(4 + 64 * c + 32) as *const __m256i);
-                        let plo = _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(lo, ylo),
-                            _mm256_set1_epi16(scales[2 * c]),
-                        );
-                        let phi = _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(hi, yhi),
-                            _mm256_set1_epi16(scales[2 * c + 1]),
-                        );
-                        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(plo, phi));
-                    }
-                    let bs = bsums(y);
-                    let mut sm = 0i32;
-                    for j in 0..8 {
-                        sm += mins[j] * (bs[2 * j] + bs[2 * j + 1]);
-                    }
-                    let dy = *s[t].add(b);
-                    // Same f32 expression as the scalar kernel: bit-identical per superblock.
-                    acc[r][t] += d * dy * hsum_epi32(sumi) as f32 - dmin * dy * sm as f32;
+                    sums[r * NT + t] = sumi[t];
+                    min_sums[r * NT + t] = _mm_madd_epi16(mins, pair_sums[t]);
                 }
             }
+            let si = _mm256_cvtepi32_ps(lane_totals(&sums, RR * NT));
+            let sm = _mm256_cvtepi32_ps(lane_totals128(&min_sums, RR * NT));
+            let (dw, dy) = lane_scales::<RR, NT>(&d, |t| *s[t].add(b));
+            let (dm, _) = lane_scales::<RR, NT>(&dmin, |_| 0.0);
+            let dy = _mm256_loadu_ps(dy.as_ptr());
+            let scaled = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(dw.as_ptr()), dy), si);
+            let mins = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(dm.as_ptr()), dy), sm);
+            acc = _mm256_add_ps(acc, _mm256_sub_ps(scaled, mins));
         }
     }
-    let mut res = [[0f32; NT]; RR];
-    for r in 0..RR {
-        for t in 0..NT {
-            res[r][t] = acc[r][t];
-        }
-    }
-    res
+    k_tile_result::<RR, NT>(acc)
 }
 
 /// Q6_K x Q8_K: unsigned 6-bit quants times activations, weighted per 16 values by the
-/// i8 scales in `madd`; the -32 offset is applied through the Q8_K block sums.
+/// i8 scales in `madd`; the -32 offset is applied through the Q8_K block sums. As in
+/// [`q45_k_avx2`], the tile's integer totals share one vector for the final f32 step,
+/// `acc + (d·dy)·si`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6_k_avx2<const RR: usize, const NT: usize>(
     w: Rows<RR>,
@@ -655,80 +755,76 @@ unsafe fn q6_k_avx2<const RR: usize, const NT: usize>(
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
+    const { assert!(RR * NT <= K_LANES) };
     let m4 = _mm256_set1_epi8(0x0F);
     let m2 = _mm256_set1_epi8(0x03);
-    let mut acc = [[0f32; NT]; RR];
+    let mut acc = _mm256_setzero_ps();
     for b in 0..nb {
         // SAFETY: superblock b of each row and activation row is in bounds.
         unsafe {
+            let mut block_sums = [_mm256_setzero_si256(); NT];
+            for (t, bs) in block_sums.iter_mut().enumerate() {
+                *bs = _mm256_loadu_si256(a[t].add(b * 292 + 260) as *const __m256i);
+            }
+            let mut sums = [_mm256_setzero_si256(); K_LANES];
+            let mut d = [0f32; K_LANES];
             for r in 0..RR {
                 let x = w[r].add(b * 210);
-                let d = _mm_cvtss_f32(f16x1(x.add(208)));
-                let mut sc = [0i16; 16];
-                for (i, v) in sc.iter_mut().enumerate() {
-                    *v = *x.add(192 + i) as i8 as i16;
-                }
-                let scv =
-                    |i: usize| _mm256_set_m128i(_mm_set1_epi16(sc[i + 1]), _mm_set1_epi16(sc[i]));
+                prefetch_superblock(x, 210);
+                d[r] = _mm_cvtss_f32(f16x1(x.add(208)));
+                let scales = _mm_loadu_si128(x.add(192) as *const __m128i);
+                let mut sumi = [_mm256_setzero_si256(); NT];
+                // The offset: 32 · Σ scale_i · (sum of the activation's block i).
+                let scales16 = _mm256_cvtepi8_epi16(scales);
                 for t in 0..NT {
-                    let y = a[t].add(b * 292);
-                    let mut sumi = _mm256_setzero_si256();
-                    for n in 0..2 {
-                        let ql0 = _mm256_loadu_si256(x.add(64 * n) as *const __m256i);
-                        let ql1 = _mm256_loadu_si256(x.add(64 * n + 32) as *const __m256i);
-                        let qh = _mm256_loadu_si256(x.add(128 + 32 * n) as *const __m256i);
-                        let q1 = _mm256_or_si256(
-                            _mm256_and_si256(ql0, m4),
-                            _mm256_slli_epi16::<4>(_mm256_and_si256(qh, m2)),
-                        );
-                        let q2 = _mm256_or_si256(
-                            _mm256_and_si256(ql1, m4),
-                            _mm256_slli_epi16::<4>(_mm256_and_si256(
-                                _mm256_srli_epi16::<2>(qh),
-                                m2,
-                            )),
-                        );
-                        let q3 = _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
-                            _mm256_slli_epi16::<4>(_mm256_and_si256(
-                                _mm256_srli_epi16::<4>(qh),
-                                m2,
-                            )),
-                        );
-                        let q4 = _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
-                            _mm256_slli_epi16::<4>(_mm256_and_si256(
-                                _mm256_srli_epi16::<6>(qh),
-                                m2,
-                            )),
-                        );
-                        let yb = y.add(4 + 128 * n);
-                        for (g, q) in [q1, q2, q3, q4].into_iter().enumerate() {
-                            let yv = _mm256_loadu_si256(yb.add(32 * g) as *const __m256i);
-                            let p =
-                                _mm256_madd_epi16(_mm256_maddubs_epi16(q, yv), scv(8 * n + 2 * g));
-                            sumi = _mm256_add_epi32(sumi, p);
+                    let offset = _mm256_madd_epi16(scales16, block_sums[t]);
+                    sumi[t] = _mm256_sub_epi32(sumi[t], _mm256_slli_epi32::<5>(offset));
+                }
+                for n in 0..2 {
+                    let ql0 = _mm256_loadu_si256(x.add(64 * n) as *const __m256i);
+                    let ql1 = _mm256_loadu_si256(x.add(64 * n + 32) as *const __m256i);
+                    let qh = _mm256_loadu_si256(x.add(128 + 32 * n) as *const __m256i);
+                    let q1 = _mm256_or_si256(
+                        _mm256_and_si256(ql0, m4),
+                        _mm256_slli_epi16::<4>(_mm256_and_si256(qh, m2)),
+                    );
+                    let q2 = _mm256_or_si256(
+                        _mm256_and_si256(ql1, m4),
+                        _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<2>(qh), m2)),
+                    );
+                    let q3 = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4),
+                        _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<4>(qh), m2)),
+                    );
+                    let q4 = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
+                        _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<6>(qh), m2)),
+                    );
+                    for (g, q) in [q1, q2, q3, q4].into_iter().enumerate() {
+                        // Scales 8n + 2g and 8n + 2g + 1, for the 16 values each half covers.
+                        let scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+                            scales,
+                            pair_of_bytes(8 * n + 2 * g),
+                        ));
+                        for (t, acc_i) in sumi.iter_mut().enumerate() {
+                            let y = a[t].add(b * 292 + 4 + 128 * n + 32 * g);
+                            let yv = _mm256_loadu_si256(y as *const __m256i);
+                            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, yv), scale);
+                            *acc_i = _mm256_add_epi32(*acc_i, p);
                         }
                     }
-                    let bs = bsums(y);
-                    let mut corr = 0i32;
-                    for i in 0..16 {
-                        corr += sc[i] as i32 * bs[i];
-                    }
-                    let dy = *s[t].add(b);
-                    // Same f32 expression as the scalar kernel: bit-identical per superblock.
-                    acc[r][t] += d * dy * (hsum_epi32(sumi) - 32 * corr) as f32;
+                }
+                for t in 0..NT {
+                    sums[r * NT + t] = sumi[t];
                 }
             }
+            let si = _mm256_cvtepi32_ps(lane_totals(&sums, RR * NT));
+            let (dw, dy) = lane_scales::<RR, NT>(&d, |t| *s[t].add(b));
+            let dwy = _mm256_mul_ps(_mm256_loadu_ps(dw.as_ptr()), _mm256_loadu_ps(dy.as_ptr()));
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(dwy, si));
         }
     }
-    let mut res = [[0f32; NT]; RR];
-    for r in 0..RR {
-        for t in 0..NT {
-            res[r][t] = acc[r][t];
-        }
-    }
-    res
+    k_tile_result::<RR, NT>(acc)
 }
 
 /// Plain float weights: one row and token at a time.
