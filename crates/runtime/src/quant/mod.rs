@@ -863,7 +863,12 @@ pub unsafe fn matmul_token_major(
 
 /// The (rows, tokens) tile `matmul_at` hands a kernel. Decode (one token): 8 rows on
 /// AVX-512 (4 below) share each activation block load, its offset correction and the
-/// final reductions (with 4, these were a fifth of a Q5_0 block's work). Prefill reuses
+/// final reductions (with 4, these were a fifth of a Q5_0 block's work). AVX2 takes 8
+/// rows too except for Q4_1 and Q5_1, whose two accumulators per row do not fit its 16
+/// registers 8 times, and 2 rows x 4 tokens in prefill for the Q8_0-like formats
+/// (`BALLAST_BENCH_TABLE=1 cargo bench --bench quant`, thread CPU time: Q8_0 decode
+/// 25 → 29 GB/s, prefill 69k → 89k tokens/s on SmolLM2's q_o; Q4_K decode 17 → 19 GB/s;
+/// Q4_1 decode 16.3 → 15.2 with 8 rows, so it keeps 4). Prefill reuses
 /// each decoded weight block for several tokens: on AVX-512 the 32-element formats take 4 rows x all
 /// whole groups of 8 tokens (two 512-bit row pairs, sixteen accumulators per group; the
 /// Q8_0-like kernels decode the 4 rows once for every group), the K-quants 2 rows x all
@@ -871,6 +876,7 @@ pub unsafe fn matmul_token_major(
 fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
     match (n, level) {
         (1, SimdLevel::Avx512) => (8, 1),
+        (1, SimdLevel::Avx2) if !matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1) => (8, 1),
         (1, _) => (4, 1),
         (_, SimdLevel::Avx512)
             if matches!(activation_type(ty), GgmlType::Q8_0 | GgmlType::Q8_1) =>
@@ -878,6 +884,9 @@ fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
             (4, (n / PACK_TOKENS * PACK_TOKENS).max(PACK_TOKENS))
         }
         (_, SimdLevel::Avx512) => (2, n),
+        (_, SimdLevel::Avx2) if matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0) => {
+            (2, 4)
+        }
         _ => (1, 4),
     }
 }
