@@ -1,6 +1,7 @@
 //! aarch64 NEON kernels for the quantized formats the real models use (Q4_0, Q4_1,
-//! Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), one row and token at a time; the plain types
-//! use the scalar kernels.
+//! Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), one row and token at a time (the plain types
+//! use the scalar kernels), and activation quantization to Q8_0, Q8_1 and Q8_K with the
+//! scalar code's bytes.
 //!
 //! They sum in the scalar reference's order, so every level gives the same bits, which
 //! a test run under qemu checks (`cargo xtask test` when the aarch64 target and qemu

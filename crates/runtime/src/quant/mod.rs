@@ -10,20 +10,20 @@
 //! environment variable `BALLAST_SIMD=scalar|avx2|avx512|neon` forces a level (an
 //! unsupported request falls back to the best available one). [`simd_level`] reports it.
 //!
-//! | level | types with their own kernels (others use the next lower level) |
-//! |---|---|
-//! | avx512 (F/BW/VL/DQ + VNNI) | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K |
-//! | avx2 (+ FMA, F16C) | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16 |
-//! | neon | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K |
-//! | scalar | all weight types |
+//! | level | types with their own kernels (others use the next lower level) | activation quantization | attention, SwiGLU (`backend`) |
+//! |---|---|---|---|
+//! | avx512 (F/BW/VL/DQ + VNNI) | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K | AVX2's | own |
+//! | avx2 (+ FMA, F16C) | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16 | own | own |
+//! | neon | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K | own | own |
+//! | scalar | all weight types | reference | reference |
 //!
 //! Every kernel computes each block's integer dot product exactly. For the quantized
 //! types every level also accumulates f32 in the same order, so all levels give the same
 //! bits: the 32-element formats in llama.cpp's x86 order (eight lanes of FMAs per row, then
 //! its horizontal sum), the K-quants one `+=` per superblock. Only the float types (F32,
 //! F16, BF16) differ between levels in the order of f32 accumulation (see the tests for the
-//! bound). Activation quantization to Q8_0/Q8_1/Q8_K also has an AVX2 path, bit-identical to the
-//! scalar reference.
+//! bound). Activation quantization to Q8_0/Q8_1/Q8_K also has AVX2 and NEON paths, byte for
+//! byte the scalar reference's ([`quantize_activations_at`] picks one).
 //!
 //! [`matmul`] writes `out[r * n_tokens + t]`, so callers can split weight rows across
 //! threads (each thread passes whole rows and gets a contiguous output chunk);
