@@ -465,6 +465,27 @@ fn neon_tests() -> Result<()> {
     step(
         "NEON kernels against the scalar reference (qemu-aarch64)",
         &mut test,
+    )?;
+    // The unit tests that hold every level of attention and SwiGLU to the reference
+    // (SwiGLU's over gates of every exponent, more than the proptest draws).
+    let mut unit = cargo();
+    unit.args([
+        "test",
+        "--release",
+        "--target",
+        AARCH64,
+        "-p",
+        "ballast-runtime",
+        "--no-default-features",
+        "--lib",
+        "--",
+        "backend::attention",
+        "backend::elementwise",
+    ]);
+    cross(&mut unit);
+    step(
+        "NEON attention and SwiGLU unit tests (qemu-aarch64)",
+        &mut unit,
     )
 }
 

@@ -471,9 +471,13 @@ proptest! {
         }
     }
 
-    /// `quantize_activations` (SIMD when available) gives exactly the bytes of the rule
+    /// `quantize_activations` at every SIMD level gives exactly the bytes of the rule
     /// llama.cpp's x86 activation quantizers follow (see `x86_activation_reference`),
-    /// including on ties (multiples of d / 2).
+    /// including on ties (multiples of d / 2), and the same block scales (a dot product
+    /// that reads them gives the same bits). Some blocks are all zeros, some hold a ±0
+    /// and a repeated largest magnitude of both signs (Q8_K's scale takes the sign of
+    /// the first), some are half-integers under an amax of 127 (ties at every other
+    /// value).
     #[test]
     fn activation_quantization_matches_reference(seed in any::<u64>()) {
         let mut r = Rng(seed);
@@ -482,21 +486,52 @@ proptest! {
             let k = 256 * (1 + r.below(3));
             let n = 1 + r.below(4);
             let scale = [1e-6f32, 1e-3, 1.0, 1e4][r.below(4)];
-            let x: Vec<f32> = (0..n * k)
+            let mut x: Vec<f32> = (0..n * k)
                 .map(|_| match r.below(3) {
                     // Halves of the integer grid of an amax = 127 block: exact ties.
                     0 => (r.below(255) as f32 - 127.0) * 0.5,
                     _ => r.unit() * scale,
                 })
                 .collect();
-            let mut acts = QuantizedActivations::new();
-            quant::quantize_activations(weight, &x, n, k, &mut acts).unwrap();
+            let bl = if at == GgmlType::Q8_K { 256 } else { 32 };
+            for block in x.chunks_exact_mut(bl) {
+                match r.below(8) {
+                    0 => block.fill(0.0),
+                    1 => {
+                        let m = 2.0 * scale;
+                        block[r.below(bl)] = m;
+                        block[r.below(bl)] = -m;
+                        block[r.below(bl)] = -0.0;
+                    }
+                    // Amax 127, so the scale is 1 and every half-integer is a tie.
+                    2 => {
+                        for v in block.iter_mut() {
+                            *v = (r.below(509) as f32 - 254.0) * 0.5;
+                        }
+                        block[r.below(bl)] = 127.0;
+                    }
+                    _ => {}
+                }
+            }
             let want = if at == GgmlType::Q8_K {
                 quant::quantize(at, &x).unwrap()
             } else {
                 x86_activation_reference(at, &x)
             };
-            prop_assert_eq!(acts.bytes(), &want[..]);
+            let w = quant::quantize(weight, &vec![0.37f32; k]).unwrap();
+            let mut scalar = QuantizedActivations::new();
+            quant::quantize_activations_at(SimdLevel::Scalar, weight, &x, n, k, &mut scalar)
+                .unwrap();
+            for level in quant::available_simd_levels() {
+                let mut acts = QuantizedActivations::new();
+                quant::quantize_activations_at(level, weight, &x, n, k, &mut acts).unwrap();
+                prop_assert_eq!(acts.bytes(), &want[..], "{:?} {:?}", weight, level);
+                for t in 0..n {
+                    let got = quant::vec_dot(weight, &w, &acts, t).unwrap();
+                    let exp = quant::vec_dot(weight, &w, &scalar, t).unwrap();
+                    prop_assert_eq!(got.to_bits(), exp.to_bits(), "{:?} {:?}", weight, level);
+                }
+            }
         }
     }
 

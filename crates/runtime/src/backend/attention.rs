@@ -11,9 +11,9 @@
 //! An f32 cache follows the same steps without the f16 roundings.
 //!
 //! [`attend_head_reference`] is the plain statement of it; [`attend_head`] picks an
-//! AVX-512 or AVX2 version with the same results when the CPU has it (AVX2 keeps
-//! ggml's 16-lane accumulators as pairs of 8-lane ones, so it adds the same lanes in
-//! the same order).
+//! AVX-512, AVX2 or NEON version with the same results when the CPU has it (AVX2 keeps
+//! ggml's 16-lane accumulators as pairs of 8-lane ones, NEON as quadruples of 4-lane
+//! ones, so they add the same lanes in the same order).
 
 use half::f16;
 
@@ -174,8 +174,8 @@ fn fits(q: &[f32], kv: &KvView<'_>, slot: HeadSlot, out: &[f32]) -> bool {
 }
 
 /// [`attend_head_reference`] at `level`, in its float order (same results, bit for
-/// bit): on AVX-512 or AVX2 when the CPU has it and the head size is a multiple of 64
-/// (at most 256), else the reference. A level the CPU lacks runs the reference.
+/// bit): on AVX-512, AVX2 or NEON when the CPU has it and the head size is a multiple
+/// of 64 (at most 256), else the reference. A level the CPU lacks runs the reference.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_head_at(
     level: crate::quant::SimdLevel,
@@ -207,10 +207,25 @@ pub fn attend_head_at(
             return;
         }
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    if level == crate::quant::SimdLevel::Neon
+        && slot.head_dim % STEP == 0
+        && slot.head_dim <= arm::MAX_HEAD
+        && level.is_supported()
+        && fits(q, kv, slot, out)
+    {
+        // SAFETY: NEON support was just checked, and `fits` that every row read and
+        // the head written are in bounds.
+        unsafe { arm::attend_head_neon(q, q_pos, kv, slot, scale, out) };
+        return;
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let _ = (level, fits);
     attend_head_reference(q, q_pos, kv, slot, scale, tmp, out)
 }
+
+#[cfg(target_arch = "aarch64")]
+mod arm;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {

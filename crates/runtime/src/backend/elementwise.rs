@@ -10,10 +10,13 @@
 //!
 //! Each op is written once as plain Rust on `f32::mul_add`; on x86-64 with FMA the same
 //! code is compiled a second time with the FMA feature on, so `mul_add` is one
-//! instruction instead of a libm call. Both give the same bits. SwiGLU also has AVX2
-//! and AVX-512 versions, lane for lane the same operations (same bits).
+//! instruction instead of a libm call. Both give the same bits. SwiGLU also has AVX2,
+//! AVX-512 and NEON versions, lane for lane the same operations (same bits).
 
 use super::{Rope, RopeStyle};
+
+#[cfg(target_arch = "aarch64")]
+mod arm;
 
 /// `exp(x)` as ggml's AVX-512 `ggml_v_expf` computes it.
 #[inline(always)]
@@ -251,8 +254,8 @@ pub(crate) fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
 }
 
 /// `out[i] = silu(gate[i]) * up[i]` at `level` (every level gives the same bits): on
-/// AVX-512 sixteen lanes at a time, on AVX2 eight; else (or at a level the CPU lacks)
-/// one value at a time, compiled with FMA when the CPU has it.
+/// AVX-512 sixteen lanes at a time, on AVX2 eight, on NEON four; else (or at a level
+/// the CPU lacks) one value at a time, compiled with FMA when the CPU has it.
 pub fn swiglu_at(level: crate::quant::SimdLevel, gate: &[f32], up: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -270,7 +273,12 @@ pub fn swiglu_at(level: crate::quant::SimdLevel, gate: &[f32], up: &[f32], out: 
             return unsafe { fma::swiglu(gate, up, out) };
         }
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    if level == crate::quant::SimdLevel::Neon && level.is_supported() {
+        // SAFETY: NEON support was just checked.
+        return unsafe { arm::swiglu(gate, up, out) };
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let _ = level;
     swiglu_impl(gate, up, out)
 }

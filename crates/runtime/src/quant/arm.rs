@@ -1,6 +1,7 @@
 //! aarch64 NEON kernels for the quantized formats the real models use (Q4_0, Q4_1,
-//! Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), one row and token at a time; the plain types
-//! use the scalar kernels.
+//! Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), one row and token at a time (the plain types
+//! use the scalar kernels), and activation quantization to Q8_0, Q8_1 and Q8_K with the
+//! scalar code's bytes.
 //!
 //! They sum in the scalar reference's order, so every level gives the same bits, which
 //! a test run under qemu checks (`cargo xtask test` when the aarch64 target and qemu
@@ -336,4 +337,133 @@ unsafe fn dot_q6_k(w: &[u8], a: &[u8]) -> f32 {
         sum += f16_at(x, 208) * f32_at(y, 0) * si as f32;
     }
     sum
+}
+
+// ---------------------------------------------------------------- activation quantization
+
+/// Largest magnitude of `x` (a multiple of 16 values), as the scalar fold
+/// `a.max(v.abs())`: `fmaxnm` skips NaN as `f32::max` does, and a maximum is exact in
+/// any order.
+///
+/// # Safety
+/// `x.len()` is a multiple of 16.
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn amax(x: &[f32]) -> f32 {
+    let mut m = [vdupq_n_f32(0.0); 4];
+    for c in x.chunks_exact(16) {
+        for (i, mi) in m.iter_mut().enumerate() {
+            // SAFETY: `c` holds 16 values.
+            let v = unsafe { vld1q_f32(c.as_ptr().add(4 * i)) };
+            *mi = vmaxnmq_f32(*mi, vabsq_f32(v));
+        }
+    }
+    vmaxnmvq_f32(vmaxnmq_f32(
+        vmaxnmq_f32(m[0], m[1]),
+        vmaxnmq_f32(m[2], m[3]),
+    ))
+}
+
+/// Sixteen values times `s`, rounded half to even to i32 (saturating, NaN to 0: Rust's
+/// `as i32`), each then capped at `top`, and narrowed to i8 by truncation (Rust's
+/// `as i8`).
+///
+/// # Safety
+/// `x` holds at least 16 values.
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn round16(x: &[f32], s: float32x4_t, top: i32) -> int8x16_t {
+    let q: [int32x4_t; 4] = std::array::from_fn(|i| {
+        // SAFETY: `x` holds 16 values.
+        let v = unsafe { vld1q_f32(x.as_ptr().add(4 * i)) };
+        vminq_s32(vcvtnq_s32_f32(vmulq_f32(v, s)), vdupq_n_s32(top))
+    });
+    let lo = vcombine_s16(vmovn_s32(q[0]), vmovn_s32(q[1]));
+    let hi = vcombine_s16(vmovn_s32(q[2]), vmovn_s32(q[3]));
+    vcombine_s8(vmovn_s16(lo), vmovn_s16(hi))
+}
+
+/// Quantizes rows to Q8_0 (`Q8_1 == false`) or Q8_1 with the bytes of
+/// `blocks::quantize_activation_blocks` (scale by `127 / amax`, round half to even; the
+/// scale and, for Q8_1, `d · Σq` rounded to f16 by `half`, as the scalar code does),
+/// appending each block's f32 scales to `scales`.
+///
+/// # Safety
+/// The CPU must support NEON; `x.len()` must be a multiple of 32 and `out` exactly the
+/// quantized size.
+#[target_feature(enable = "neon")]
+pub(crate) unsafe fn quantize_q8_neon<const Q8_1: bool>(
+    x: &[f32],
+    out: &mut [u8],
+    scales: &mut Vec<f32>,
+) {
+    let bb = if Q8_1 { 36 } else { 34 };
+    let qoff = if Q8_1 { 4 } else { 2 };
+    for (xb, ob) in x.chunks_exact(32).zip(out.chunks_exact_mut(bb)) {
+        // SAFETY: `xb` holds 32 values.
+        let amax = unsafe { amax(xb) };
+        let d = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let dh = half::f16::from_f32(d);
+        ob[0..2].copy_from_slice(&dh.to_le_bytes());
+        scales.push(dh.to_f32());
+        let vid = vdupq_n_f32(id);
+        // The cap at i32::MAX changes nothing: `as i32` already saturates there.
+        // SAFETY: `xb` holds 32 values and `ob` 32 quants at `qoff`.
+        let (lo, hi) = unsafe {
+            let q = (
+                round16(xb, vid, i32::MAX),
+                round16(&xb[16..], vid, i32::MAX),
+            );
+            vst1q_s8(ob.as_mut_ptr().add(qoff) as *mut i8, q.0);
+            vst1q_s8(ob.as_mut_ptr().add(qoff + 16) as *mut i8, q.1);
+            q
+        };
+        if Q8_1 {
+            // The sum of the stored i8 quants, as the scalar code adds them (exact).
+            let sum = vaddlvq_s8(lo) as i32 + vaddlvq_s8(hi) as i32;
+            let sh = half::f16::from_f32(sum as f32 * d);
+            ob[2..4].copy_from_slice(&sh.to_le_bytes());
+            scales.push(sh.to_f32());
+        }
+    }
+}
+
+/// Quantizes rows to Q8_K with the bytes of `blocks::quantize_blocks` (llama.cpp's
+/// `quantize_row_q8_K_ref`: scale `-127 / max` by the signed value of largest
+/// magnitude, first one on ties; round half to even, as its `nearest_int`; cap at 127;
+/// sums of each 16 quants), appending each block's f32 scale to `scales`.
+///
+/// # Safety
+/// The CPU must support NEON; `x.len()` must be a multiple of 256 and `out` exactly the
+/// quantized size.
+#[target_feature(enable = "neon")]
+pub(crate) unsafe fn quantize_q8_k_neon(x: &[f32], out: &mut [u8], scales: &mut Vec<f32>) {
+    for (xb, ob) in x.chunks_exact(256).zip(out.chunks_exact_mut(292)) {
+        // SAFETY: `xb` holds 256 values.
+        let amax = unsafe { amax(xb) };
+        if amax == 0.0 {
+            ob.fill(0);
+            scales.push(0.0);
+            continue;
+        }
+        // The scalar scan keeps the first value reaching the largest magnitude.
+        let max = xb.iter().copied().find(|v| v.abs() == amax).unwrap_or(amax);
+        let iscale = -127.0f32 / max;
+        let vs = vdupq_n_f32(iscale);
+        for g in 0..16 {
+            // SAFETY: 16 values at `16 g` of `xb`, 16 quants at `4 + 16 g` of the
+            // 292-byte block.
+            let q = unsafe {
+                let q = round16(&xb[16 * g..], vs, 127);
+                vst1q_s8(ob.as_mut_ptr().add(4 + 16 * g) as *mut i8, q);
+                q
+            };
+            let sum = vaddlvq_s8(q);
+            ob[260 + 2 * g..262 + 2 * g].copy_from_slice(&sum.to_le_bytes());
+        }
+        let d = 1.0 / iscale;
+        ob[0..4].copy_from_slice(&d.to_le_bytes());
+        scales.push(d);
+    }
 }

@@ -10,20 +10,20 @@
 //! environment variable `BALLAST_SIMD=scalar|avx2|avx512|neon` forces a level (an
 //! unsupported request falls back to the best available one). [`simd_level`] reports it.
 //!
-//! | level | types with their own kernels (others use the next lower level) |
-//! |---|---|
-//! | avx512 (F/BW/VL/DQ + VNNI) | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K |
-//! | avx2 (+ FMA, F16C) | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16 |
-//! | neon | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K |
-//! | scalar | all weight types |
+//! | level | types with their own kernels (others use the next lower level) | activation quantization | attention, SwiGLU (`backend`) |
+//! |---|---|---|---|
+//! | avx512 (F/BW/VL/DQ + VNNI) | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K | AVX2's | own |
+//! | avx2 (+ FMA, F16C) | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16 | own | own |
+//! | neon | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K | own | own |
+//! | scalar | all weight types | reference | reference |
 //!
 //! Every kernel computes each block's integer dot product exactly. For the quantized
 //! types every level also accumulates f32 in the same order, so all levels give the same
 //! bits: the 32-element formats in llama.cpp's x86 order (eight lanes of FMAs per row, then
 //! its horizontal sum), the K-quants one `+=` per superblock. Only the float types (F32,
 //! F16, BF16) differ between levels in the order of f32 accumulation (see the tests for the
-//! bound). Activation quantization to Q8_0/Q8_1/Q8_K also has an AVX2 path, bit-identical to the
-//! scalar reference.
+//! bound). Activation quantization to Q8_0/Q8_1/Q8_K also has AVX2 and NEON paths, byte for
+//! byte the scalar reference's ([`quantize_activations_at`] picks one).
 //!
 //! [`matmul`] writes `out[r * n_tokens + t]`, so callers can split weight rows across
 //! threads (each thread passes whole rows and gets a contiguous output chunk);
@@ -362,6 +362,19 @@ pub fn quantize_activations(
     k: usize,
     out: &mut QuantizedActivations,
 ) -> Result<()> {
+    quantize_activations_at(current_simd_level(), weight, x, n_tokens, k, out)
+}
+
+/// [`quantize_activations`] at a given kernel level (for tests); every level gives the
+/// same bytes. A level the CPU does not support runs the scalar code.
+pub fn quantize_activations_at(
+    level: SimdLevel,
+    weight: GgmlType,
+    x: &[f32],
+    n_tokens: usize,
+    k: usize,
+    out: &mut QuantizedActivations,
+) -> Result<()> {
     if !is_weight_type(weight) {
         return Err(Error::QuantUnsupported {
             ty: weight,
@@ -402,7 +415,7 @@ pub fn quantize_activations(
     out.bytes.resize(rb * n_tokens, 0);
     #[cfg(target_arch = "x86_64")]
     {
-        let simd = matches!(current_simd_level(), SimdLevel::Avx2 | SimdLevel::Avx512);
+        let simd = matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512) && level.is_supported();
         if simd && matches!(ty, GgmlType::Q8_0 | GgmlType::Q8_1) {
             // SAFETY: the level guarantees AVX2/FMA/F16C; the sizes were validated above.
             unsafe {
@@ -421,6 +434,29 @@ pub fn quantize_activations(
             return Ok(());
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    if level == SimdLevel::Neon && level.is_supported() {
+        let (bytes, scales) = (&mut out.bytes, &mut out.scales);
+        if matches!(ty, GgmlType::Q8_0 | GgmlType::Q8_1) {
+            // SAFETY: NEON support was just checked; the sizes were validated above.
+            unsafe {
+                if ty == GgmlType::Q8_1 {
+                    arm::quantize_q8_neon::<true>(x, bytes, scales);
+                } else {
+                    arm::quantize_q8_neon::<false>(x, bytes, scales);
+                }
+            }
+            out.fill_packed();
+            return Ok(());
+        }
+        if ty == GgmlType::Q8_K {
+            // SAFETY: as above.
+            unsafe { arm::quantize_q8_k_neon(x, bytes, scales) };
+            return Ok(());
+        }
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    let _ = level;
     blocks::quantize_activation_blocks(ty, x, &mut out.bytes);
     let bb = ty.block_bytes();
     for b in out.bytes.chunks_exact(bb) {
