@@ -79,6 +79,17 @@ fn cases() -> Vec<(GgmlType, &'static str, usize, usize)> {
     }
     let (name, rows, k) = QWEN_HEAD;
     out.push((GgmlType::Q8_0, name, rows, k));
+    // A matrix of 96-150 MB of each decode kernel's type: far larger than the caches, so
+    // what a token pays for streaming that type from memory (the prefetch pattern).
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::Q5_0,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+    ] {
+        out.push((ty, "dram_1536", 65536, 1536));
+    }
     out
 }
 
@@ -99,7 +110,11 @@ fn bench(c: &mut Criterion) {
         let w = quant::quantize(ty, &data(rows * k, 1)).unwrap();
         // The head's prefill is the same kernel as the other Q8_0 shapes', and a
         // prompt's logits are only needed for its last token.
-        let token_counts: &[usize] = if name == QWEN_HEAD.0 { &[1] } else { &[1, 128] };
+        let token_counts: &[usize] = if name == QWEN_HEAD.0 || name.starts_with("dram") {
+            &[1]
+        } else {
+            &[1, 128]
+        };
         for &n in token_counts {
             let mut acts = QuantizedActivations::new();
             quant::quantize_activations(ty, &data(n * k, 7), n, k, &mut acts).unwrap();
@@ -168,7 +183,11 @@ fn table() {
         let w = quant::quantize(ty, &data(rows * k, 1)).unwrap();
         // The head's prefill is the same kernel as the other Q8_0 shapes', and a
         // prompt's logits are only needed for its last token.
-        let token_counts: &[usize] = if name == QWEN_HEAD.0 { &[1] } else { &[1, 128] };
+        let token_counts: &[usize] = if name == QWEN_HEAD.0 || name.starts_with("dram") {
+            &[1]
+        } else {
+            &[1, 128]
+        };
         for &n in token_counts {
             let mut acts = QuantizedActivations::new();
             quant::quantize_activations(ty, &data(n * k, 7), n, k, &mut acts).unwrap();
