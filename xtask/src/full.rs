@@ -224,10 +224,20 @@ fn speed_table(
 ) -> Result<()> {
     let reps = if quick { "3" } else { "5" };
     let rounds = if quick { 1 } else { 2 };
-    let flags = ["-p", "128", "-n", "128", "-r", reps, "-t", "1,2"];
+    let short = ["-p", "128", "-n", "128", "-r", reps, "-t", "1,2"];
+    // Decode after 4,096 tokens of context, where attention costs most.
+    let deep = ["-p", "0", "-n", "64", "-d", "4096", "-r", reps, "-t", "1,2"];
     let mut table = Vec::new();
-    // The default model (Q4_1) and a real K-quant one (Q5_0, Q8_0, Q4_K, Q6_K).
-    for name in ["smollm2-135m", "qwen2.5-coder-0.5b"] {
+    // The default model (Q4_1), a K-quant mix with Q5_0 where rows are not whole
+    // superblocks, a Q4_K_M file (Q4_K and Q6_K layers, a Q8_0 head), and the default
+    // model again at depth.
+    let runs: [(&str, &[&str]); 4] = [
+        ("smollm2-135m", &short),
+        ("qwen2.5-coder-0.5b", &short),
+        ("gemma3-270m", &short),
+        ("smollm2-135m", &deep),
+    ];
+    for (name, flags) in runs {
         let model = fetch_named(name)?;
         let (mut ours, mut theirs) = (Speeds::new(), Speeds::new());
         let mut roof = std::collections::BTreeMap::new();
@@ -291,6 +301,11 @@ fn speed_table(
                             (_, Some(n)) if n > 0 => format!("tg{n}"),
                             (Some(p), _) => format!("pp{p}"),
                             _ => continue,
+                        };
+                        // Named as `ballast bench` names a test at depth.
+                        let test = match r["n_depth"].as_u64() {
+                            Some(d) if d > 0 => format!("{test} @ d{d}"),
+                            _ => test,
                         };
                         let t = r["n_threads"].as_u64().unwrap_or(0) as usize;
                         let tps = r["avg_ts"].as_f64().unwrap_or(0.0);

@@ -67,9 +67,10 @@ pub(crate) const USAGE: &str =
                 names no wgpu, tokenizers, minijinja or ballast-runtime), clippy -D warnings
                 (also of ballast-runtime without its gpu feature), every test of the workspace, and
                 ballast serve driven by the openai Python package (crates/server/tests/python)
-  bench         ballast bench on the default model and on qwen2.5-coder-0.5b (K-quants; fetched
-                on first use) at 1 and 2 threads (-p 128 -n 128 -r 5, two rounds; --quick: -r 3,
-                one round), side by side with llama-bench of the same flags when
+  bench         ballast bench on the default model, qwen2.5-coder-0.5b (K-quants and Q5_0) and
+                gemma3-270m (Q4_K_M; both fetched on first use) at 1 and 2 threads (-p 128
+                -n 128 -r 5, two rounds; --quick: -r 3, one round), and the default model's
+                decode after 4,096 tokens (-p 0 -n 64 -d 4096), side by side with llama-bench of the same flags when
                 LLAMA_BENCH=/path/to/llama-bench is set (alternated, same run), with each decode's
                 weight bytes per second against the measured memory read bandwidth (the
                 roofline); with LLAMA_BENCH_AVX2=/path/to/a-llama-bench-built-without-AVX-512, a
