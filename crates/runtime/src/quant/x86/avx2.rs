@@ -8,14 +8,15 @@ use super::{f16x1, f16x2, hsum256, k4_scales_mins, prefetch_tile_ahead, tile_fn,
 use crate::quant::QuantizedActivations;
 use std::arch::x86_64::*;
 
-tile_fn!(tile_q4_0_avx2, q4_0_avx2, 18);
-tile_fn!(tile_q4_1_avx2, q4_1_avx2, 20);
-tile_fn!(tile_q8_0_avx2, q8_0_avx2, 34);
-tile_fn!(tile_q5_0_avx2, q5_0_avx2, 22);
-tile_fn!(tile_q5_1_avx2, q5_1_avx2, 24);
-tile_fn!(tile_q4_k_avx2, q4_k_avx2, 144);
-tile_fn!(tile_q5_k_avx2, q5_k_avx2, 176);
-tile_fn!(tile_q6_k_avx2, q6_k_avx2, 210);
+// A kernel shared by several formats takes the format as its last const argument.
+tile_fn!(tile_q4_0_avx2, q8_0_like_avx2, [1], 18);
+tile_fn!(tile_q4_1_avx2, q41_like_avx2, [false], 20);
+tile_fn!(tile_q8_0_avx2, q8_0_like_avx2, [0], 34);
+tile_fn!(tile_q5_0_avx2, q8_0_like_avx2, [2], 22);
+tile_fn!(tile_q5_1_avx2, q41_like_avx2, [true], 24);
+tile_fn!(tile_q4_k_avx2, q45_k_avx2, [false], 144);
+tile_fn!(tile_q5_k_avx2, q45_k_avx2, [true], 176);
+tile_fn!(tile_q6_k_avx2, q6_k_avx2, [], 210);
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -49,32 +50,7 @@ fn high_bits32(qh: u32) -> __m256i {
     )
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_1_avx2<const RR: usize, const NT: usize>(
-    w: Rows<RR>,
-    nb: usize,
-    a: [*const u8; NT],
-    s: [*const f32; NT],
-) -> [[f32; NT]; RR] {
-    // SAFETY: `q41_like_avx2`'s contract is this wrapper's (the caller keeps
-    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
-    // its target features.
-    unsafe { q41_like_avx2::<RR, NT, false>(w, nb, a, s) }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_1_avx2<const RR: usize, const NT: usize>(
-    w: Rows<RR>,
-    nb: usize,
-    a: [*const u8; NT],
-    s: [*const f32; NT],
-) -> [[f32; NT]; RR] {
-    // SAFETY: `q41_like_avx2`'s contract is this wrapper's (the caller keeps
-    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
-    // its target features.
-    unsafe { q41_like_avx2::<RR, NT, true>(w, nb, a, s) }
-}
-
+/// Q4_1 (`FIVE == false`) or Q5_1 x Q8_1.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q41_like_avx2<const RR: usize, const NT: usize, const FIVE: bool>(
     w: Rows<RR>,
@@ -124,6 +100,7 @@ unsafe fn q41_like_avx2<const RR: usize, const NT: usize, const FIVE: bool>(
     res
 }
 
+/// Q8_0 / Q4_0 / Q5_0 (`KIND` 0, 1, 2) x Q8_0.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q8_0_like_avx2<const RR: usize, const NT: usize, const KIND: u8>(
     w: Rows<RR>,
@@ -169,45 +146,6 @@ unsafe fn q8_0_like_avx2<const RR: usize, const NT: usize, const KIND: u8>(
         }
     }
     res
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0_avx2<const RR: usize, const NT: usize>(
-    w: Rows<RR>,
-    nb: usize,
-    a: [*const u8; NT],
-    s: [*const f32; NT],
-) -> [[f32; NT]; RR] {
-    // SAFETY: `q8_0_like_avx2`'s contract is this wrapper's (the caller keeps
-    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
-    // its target features.
-    unsafe { q8_0_like_avx2::<RR, NT, 0>(w, nb, a, s) }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_0_avx2<const RR: usize, const NT: usize>(
-    w: Rows<RR>,
-    nb: usize,
-    a: [*const u8; NT],
-    s: [*const f32; NT],
-) -> [[f32; NT]; RR] {
-    // SAFETY: `q8_0_like_avx2`'s contract is this wrapper's (the caller keeps
-    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
-    // its target features.
-    unsafe { q8_0_like_avx2::<RR, NT, 1>(w, nb, a, s) }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_0_avx2<const RR: usize, const NT: usize>(
-    w: Rows<RR>,
-    nb: usize,
-    a: [*const u8; NT],
-    s: [*const f32; NT],
-) -> [[f32; NT]; RR] {
-    // SAFETY: `q8_0_like_avx2`'s contract is this wrapper's (the caller keeps
-    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
-    // its target features.
-    unsafe { q8_0_like_avx2::<RR, NT, 2>(w, nb, a, s) }
 }
 
 /// The tile shapes the K-quant kernels take: at most 8 (row, token) pairs, one f32 lane
@@ -295,32 +233,6 @@ fn k_tile_result<const RR: usize, const NT: usize>(acc: __m256) -> [[f32; NT]; R
         row.copy_from_slice(&lanes[r * NT..(r + 1) * NT]);
     }
     res
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_k_avx2<const RR: usize, const NT: usize>(
-    w: Rows<RR>,
-    nb: usize,
-    a: [*const u8; NT],
-    s: [*const f32; NT],
-) -> [[f32; NT]; RR] {
-    // SAFETY: `q45_k_avx2`'s contract is this wrapper's (the caller keeps
-    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
-    // its target features.
-    unsafe { q45_k_avx2::<RR, NT, false>(w, nb, a, s) }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_k_avx2<const RR: usize, const NT: usize>(
-    w: Rows<RR>,
-    nb: usize,
-    a: [*const u8; NT],
-    s: [*const f32; NT],
-) -> [[f32; NT]; RR] {
-    // SAFETY: `q45_k_avx2`'s contract is this wrapper's (the caller keeps
-    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
-    // its target features.
-    unsafe { q45_k_avx2::<RR, NT, true>(w, nb, a, s) }
 }
 
 /// Q4_K / Q5_K x Q8_K: integer sums per 32-value sub-block weighted by the 6-bit scales
@@ -499,8 +411,12 @@ unsafe fn q6_k_avx2<const RR: usize, const NT: usize>(
     k_tile_result::<RR, NT>(acc)
 }
 
-/// Plain float weights: one row and token at a time.
-unsafe fn float_tile<const KIND: u8>(
+/// The [`TileFn`](super::TileFn) of plain float weights (`KIND` 0: f32, 1: f16, 2: bf16):
+/// one row and token at a time.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `w` and `acts` must be validated.
+pub(super) unsafe fn float_tile<const KIND: u8>(
     w: &[u8],
     rb: usize,
     acts: &QuantizedActivations,
@@ -516,45 +432,6 @@ unsafe fn float_tile<const KIND: u8>(
             out[i * stride + j] = unsafe { float_dot_avx2::<KIND>(row, f) };
         }
     }
-}
-
-pub(super) unsafe fn tile_f32_avx2(
-    w: &[u8],
-    rb: usize,
-    acts: &QuantizedActivations,
-    t0: usize,
-    nt: usize,
-    out: &mut [f32],
-    stride: usize,
-) {
-    // SAFETY: this tile kernel's caller checked AVX2 and the sizes, as `float_tile` needs.
-    unsafe { float_tile::<0>(w, rb, acts, t0, nt, out, stride) }
-}
-
-pub(super) unsafe fn tile_f16_avx2(
-    w: &[u8],
-    rb: usize,
-    acts: &QuantizedActivations,
-    t0: usize,
-    nt: usize,
-    out: &mut [f32],
-    stride: usize,
-) {
-    // SAFETY: this tile kernel's caller checked AVX2 and the sizes, as `float_tile` needs.
-    unsafe { float_tile::<1>(w, rb, acts, t0, nt, out, stride) }
-}
-
-pub(super) unsafe fn tile_bf16_avx2(
-    w: &[u8],
-    rb: usize,
-    acts: &QuantizedActivations,
-    t0: usize,
-    nt: usize,
-    out: &mut [f32],
-    stride: usize,
-) {
-    // SAFETY: this tile kernel's caller checked AVX2 and the sizes, as `float_tile` needs.
-    unsafe { float_tile::<2>(w, rb, acts, t0, nt, out, stride) }
 }
 
 /// Dot product of a float row (`KIND` 0: f32, 1: f16, 2: bf16) with f32 activations.

@@ -9,11 +9,11 @@ use super::{by_4_tokens, hsum256, prefetch_tile_ahead, tile_fn, Rows, PREFETCH};
 use crate::quant::{QuantizedActivations, TileOut, PACKED_BLOCK, PACKED_BLOCK_Q8_1, PACK_TOKENS};
 use std::arch::x86_64::*;
 
-tile_fn!(tile_q4_0_avx512_narrow, q4_0_avx512, 18);
-tile_fn!(tile_q4_1_avx512_narrow, q4_1_avx512, 20);
-tile_fn!(tile_q8_0_avx512_narrow, q8_0_avx512, 34);
-tile_fn!(tile_q5_0_avx512_narrow, q5_0_avx512, 22);
-tile_fn!(tile_q5_1_avx512_narrow, q5_1_avx512, 24);
+tile_fn!(tile_q4_0_avx512_narrow, q8_0_like_avx512, [1], 18);
+tile_fn!(tile_q4_1_avx512_narrow, q41_like_avx512, [false], 20);
+tile_fn!(tile_q8_0_avx512_narrow, q8_0_like_avx512, [0], 34);
+tile_fn!(tile_q5_0_avx512_narrow, q8_0_like_avx512, [2], 22);
+tile_fn!(tile_q5_1_avx512_narrow, q41_like_avx512, [true], 24);
 
 /// Expands the prefill tile of a 32-element format: 4 rows x whole groups of 8 tokens
 /// through its wide kernel (`$wide_name`, also called by itself for the token-major
@@ -194,32 +194,6 @@ unsafe fn broadcast32(p: *const u8) -> __m512i {
     // SAFETY: the caller keeps 32 bytes readable at `p`; the load is unaligned.
     let q = unsafe { _mm256_loadu_si256(p as *const __m256i) };
     _mm512_broadcast_i64x4(q)
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn q4_1_avx512<const RR: usize, const NT: usize>(
-    w: Rows<RR>,
-    nb: usize,
-    a: [*const u8; NT],
-    s: [*const f32; NT],
-) -> [[f32; NT]; RR] {
-    // SAFETY: `q41_like_avx512`'s contract is this wrapper's (the caller keeps
-    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
-    // its target features.
-    unsafe { q41_like_avx512::<RR, NT, false>(w, nb, a, s) }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn q5_1_avx512<const RR: usize, const NT: usize>(
-    w: Rows<RR>,
-    nb: usize,
-    a: [*const u8; NT],
-    s: [*const f32; NT],
-) -> [[f32; NT]; RR] {
-    // SAFETY: `q41_like_avx512`'s contract is this wrapper's (the caller keeps
-    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
-    // its target features.
-    unsafe { q41_like_avx512::<RR, NT, true>(w, nb, a, s) }
 }
 
 /// The high bits of the 5-bit quants of two blocks as 0x10 / 0x00 bytes, in the element
@@ -644,43 +618,4 @@ unsafe fn q8_0_like_wide_avx512<const KIND: u8>(
             }
         }
     }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn q8_0_avx512<const RR: usize, const NT: usize>(
-    w: Rows<RR>,
-    nb: usize,
-    a: [*const u8; NT],
-    s: [*const f32; NT],
-) -> [[f32; NT]; RR] {
-    // SAFETY: `q8_0_like_avx512`'s contract is this wrapper's (the caller keeps
-    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
-    // its target features.
-    unsafe { q8_0_like_avx512::<RR, NT, 0>(w, nb, a, s) }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn q4_0_avx512<const RR: usize, const NT: usize>(
-    w: Rows<RR>,
-    nb: usize,
-    a: [*const u8; NT],
-    s: [*const f32; NT],
-) -> [[f32; NT]; RR] {
-    // SAFETY: `q8_0_like_avx512`'s contract is this wrapper's (the caller keeps
-    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
-    // its target features.
-    unsafe { q8_0_like_avx512::<RR, NT, 1>(w, nb, a, s) }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn q5_0_avx512<const RR: usize, const NT: usize>(
-    w: Rows<RR>,
-    nb: usize,
-    a: [*const u8; NT],
-    s: [*const f32; NT],
-) -> [[f32; NT]; RR] {
-    // SAFETY: `q8_0_like_avx512`'s contract is this wrapper's (the caller keeps
-    // `nb` blocks readable at each row and activation pointer), and this wrapper enables
-    // its target features.
-    unsafe { q8_0_like_avx512::<RR, NT, 2>(w, nb, a, s) }
 }

@@ -11,9 +11,9 @@ use super::{
 use crate::quant::QuantizedActivations;
 use std::arch::x86_64::*;
 
-tile_fn!(tile_q4_k_avx512_narrow, q4_k_avx512, 144);
-tile_fn!(tile_q5_k_avx512_narrow, q5_k_avx512, 176);
-tile_fn!(tile_q6_k_avx512_narrow, q6_k_avx512, 210);
+tile_fn!(tile_q4_k_avx512_narrow, q45_k_avx512, [false], 144);
+tile_fn!(tile_q5_k_avx512_narrow, q45_k_avx512, [true], 176);
+tile_fn!(tile_q6_k_avx512_narrow, q6_k_avx512, [], 210);
 
 /// Sums the 16 i32 lanes of each of four vectors: `[sum v[0], .., sum v[3]]`.
 #[inline]
@@ -177,40 +177,22 @@ unsafe fn q6_k_decode(x: *const u8) -> K6Block {
 /// (k up to 8192; 2 rows take about 36 KiB of stack). Longer rows decode per 4 tokens.
 pub(super) const K_MAX_BLOCKS: usize = 32;
 
+/// The tile of Q4_K (`FIVE == false`) or Q5_K: [`q45_k_rows`] on superblocks decoded
+/// from the weights as it goes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn q4_k_avx512<const RR: usize, const NT: usize>(
+unsafe fn q45_k_avx512<const RR: usize, const NT: usize, const FIVE: bool>(
     w: Rows<RR>,
     nb: usize,
     a: [*const u8; NT],
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
+    let bb = if FIVE { 176 } else { 144 };
     // SAFETY: forwarded from the caller.
     unsafe {
         q45_k_rows::<RR, NT>(
             |r, b| {
-                prefetch_tile_ahead(&w, nb, 144, b, r);
-                q45_k_decode::<false>(w[r].add(b * 144))
-            },
-            nb,
-            a,
-            s,
-        )
-    }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn q5_k_avx512<const RR: usize, const NT: usize>(
-    w: Rows<RR>,
-    nb: usize,
-    a: [*const u8; NT],
-    s: [*const f32; NT],
-) -> [[f32; NT]; RR] {
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        q45_k_rows::<RR, NT>(
-            |r, b| {
-                prefetch_tile_ahead(&w, nb, 176, b, r);
-                q45_k_decode::<true>(w[r].add(b * 176))
+                prefetch_tile_ahead(&w, nb, bb, b, r);
+                q45_k_decode::<FIVE>(w[r].add(b * bb))
             },
             nb,
             a,

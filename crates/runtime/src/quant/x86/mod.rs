@@ -54,9 +54,9 @@ pub(crate) fn kernel_avx2(ty: GgmlType) -> Option<TileFn> {
         GgmlType::Q4_K => avx2::tile_q4_k_avx2,
         GgmlType::Q5_K => avx2::tile_q5_k_avx2,
         GgmlType::Q6_K => avx2::tile_q6_k_avx2,
-        GgmlType::F32 => avx2::tile_f32_avx2,
-        GgmlType::F16 => avx2::tile_f16_avx2,
-        GgmlType::BF16 => avx2::tile_bf16_avx2,
+        GgmlType::F32 => avx2::float_tile::<0>,
+        GgmlType::F16 => avx2::float_tile::<1>,
+        GgmlType::BF16 => avx2::float_tile::<2>,
         _ => return None,
     })
 }
@@ -105,9 +105,12 @@ fn act_ptrs<const NT: usize>(
     (a, s)
 }
 
-/// Expands a tile kernel generic over rows and tokens into a [`TileFn`].
+/// Expands a tile kernel generic over rows and tokens into a [`TileFn`]:
+/// `tile_fn!(name, kernel, [extra const arguments], block bytes)` calls
+/// `kernel::<RR, NT, extra..>` on each tile shape it has (a kernel generic over a format
+/// too, as `q41_like_avx2::<RR, NT, FIVE>`, gets one tile per format without a wrapper).
 macro_rules! tile_fn {
-    ($name:ident, $kern:ident, $bb:expr) => {
+    ($name:ident, $kern:ident, [$($extra:tt),*], $bb:expr) => {
         /// # Safety
         /// The CPU must support the kernel's features; `w` and `acts` must be validated.
         pub(super) unsafe fn $name(
@@ -134,7 +137,7 @@ macro_rules! tile_fn {
                 }
                 let (a, s) = $crate::quant::x86::act_ptrs::<NT>(acts, t0);
                 // SAFETY: forwarded from the caller.
-                let res = unsafe { $kern::<RR, NT>(wp, rb / $bb, a, s) };
+                let res = unsafe { $kern::<RR, NT $(, $extra)*>(wp, rb / $bb, a, s) };
                 for (i, row) in res.iter().enumerate() {
                     out[i * stride..i * stride + NT].copy_from_slice(row);
                 }
