@@ -11,9 +11,12 @@
 //! An f32 cache follows the same steps without the f16 roundings.
 //!
 //! [`attend_head_reference`] is the plain statement of it; [`attend_head`] picks an
-//! AVX-512, AVX2 or NEON version with the same results when the CPU has it (AVX2 keeps
-//! ggml's 16-lane accumulators as pairs of 8-lane ones, NEON as quadruples of 4-lane
-//! ones, so they add the same lanes in the same order).
+//! AVX2 or NEON version with the same results when the CPU has it (AVX2 keeps ggml's
+//! 16-lane accumulators as pairs of 8-lane ones, NEON as quadruples of 4-lane ones, so
+//! they add the same lanes in the same order). AVX-512 machines run the AVX2 version: a
+//! 16-lane one (removed) was slower on a Zen 4 EPYC, 18.8-19.5 ms of attention per
+//! SmolLM2 token at depth 2048 against 15.8-16.1 (`ballast bench -p 0 -n 32 -d 2048 -t
+//! 1`, alternated).
 
 use half::f16;
 
@@ -174,8 +177,8 @@ fn fits(q: &[f32], kv: &KvView<'_>, slot: HeadSlot, out: &[f32]) -> bool {
 }
 
 /// [`attend_head_reference`] at `level`, in its float order (same results, bit for
-/// bit): on AVX-512, AVX2 or NEON when the CPU has it and the head size is a multiple
-/// of 64 (at most 256), else the reference. A level the CPU lacks runs the reference.
+/// bit): the AVX2 version on AVX2 and AVX-512, NEON's on NEON, when the CPU has it
+/// and the head size is a multiple of 64 (at most 256), else the reference. A level the CPU lacks runs the reference.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_head_at(
     level: crate::quant::SimdLevel,
@@ -194,13 +197,7 @@ pub fn attend_head_at(
             && slot.head_dim <= x86::MAX_HEAD
             && level.is_supported()
             && fits(q, kv, slot, out);
-        if vector && level == SimdLevel::Avx512 {
-            // SAFETY: AVX-512 support was just checked, and `fits` that every row read
-            // and the head written are in bounds.
-            unsafe { x86::attend_head_avx512(q, q_pos, kv, slot, scale, out) };
-            return;
-        }
-        if vector && level == SimdLevel::Avx2 {
+        if vector && matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512) {
             // SAFETY: AVX2 (with FMA and F16C) support was just checked, and `fits`
             // that every row read and the head written are in bounds.
             unsafe { x86::attend_head_avx2(q, q_pos, kv, slot, scale, out) };
@@ -231,124 +228,13 @@ mod arm;
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{HeadSlot, STEP};
+    use super::HeadSlot;
     use crate::kv::{KvRows, KvView, Q8_BLOCK};
 
     /// Largest head size of the vector paths.
     pub(super) const MAX_HEAD: usize = 256;
-    /// Most 16-lane vectors a head holds on the AVX-512 path.
-    const MAX_VECS: usize = MAX_HEAD / 16;
     /// Most 8-lane vectors a head holds on the AVX2 path.
     const MAX_VECS8: usize = MAX_HEAD / 8;
-
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
-    unsafe fn load16(rows: &KvRows<'_>, at: usize) -> __m512 {
-        // SAFETY: the caller keeps `at + 16` within the rows.
-        unsafe {
-            match rows {
-                KvRows::F32(v) => _mm512_loadu_ps(v.as_ptr().add(at)),
-                KvRows::F16(v) => {
-                    _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at) as *const __m256i))
-                }
-                // Sixteen elements never straddle two scales: heads start on multiples
-                // of 64 on this path, and blocks are 32 long.
-                KvRows::Q8 { quants, scales } => {
-                    let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(
-                        quants.as_ptr().add(at) as *const __m128i
-                    ));
-                    let d = _mm512_set1_ps(scales[at / Q8_BLOCK].to_f32());
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(q), d)
-                }
-            }
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
-    fn round16(x: __m512, half: bool) -> __m512 {
-        if half {
-            _mm512_cvtph_ps(_mm512_cvtps_ph::<
-                { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
-            >(x))
-        } else {
-            x
-        }
-    }
-
-    /// gcc's `_mm512_reduce_add_ps`: halves, then quarters, then pairs.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
-    fn reduce_add(v: __m512) -> f32 {
-        let t8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
-        let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
-        let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-        _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)))
-    }
-
-    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
-    pub(super) unsafe fn attend_head_avx512(
-        q: &[f32],
-        q_pos: u32,
-        kv: &KvView<'_>,
-        slot: HeadSlot,
-        scale: f32,
-        out: &mut [f32],
-    ) {
-        let hd = slot.head_dim;
-        let nv = hd / 16;
-        debug_assert!(hd % STEP == 0 && nv <= MAX_VECS);
-        let half = matches!(kv.segments.first().map(|s| s.keys), Some(KvRows::F16(_)));
-        let zero = _mm512_setzero_ps();
-        let mut qv = [zero; MAX_VECS];
-        let mut acc = [zero; MAX_VECS];
-        for (j, v) in qv.iter_mut().enumerate().take(nv) {
-            // SAFETY: q holds hd values.
-            *v = round16(unsafe { _mm512_loadu_ps(q.as_ptr().add(16 * j)) }, half);
-        }
-        let mut max = f32::NEG_INFINITY;
-        let mut sum = 0f32;
-        for seg in &kv.segments {
-            for (i, &p) in seg.positions.iter().enumerate() {
-                if super::skipped(p, q_pos, slot.window) {
-                    continue;
-                }
-                let start = i * slot.row_len + slot.offset;
-                // Score: four accumulators per 64 elements, then ggml's reduction.
-                let mut s4 = [zero; 4];
-                for j in 0..nv {
-                    // SAFETY: the segment holds this row.
-                    let k = unsafe { load16(&seg.keys, start + 16 * j) };
-                    s4[j % 4] = _mm512_fmadd_ps(k, qv[j], s4[j % 4]);
-                }
-                let r = _mm512_add_ps(_mm512_add_ps(s4[0], s4[2]), _mm512_add_ps(s4[1], s4[3]));
-                let s = reduce_add(r) * scale;
-                let (mut ms, mut vs) = (1f32, 1f32);
-                if s > max {
-                    ms = (max - s).exp();
-                    max = s;
-                    let m = _mm512_set1_ps(ms);
-                    for a in acc.iter_mut().take(nv) {
-                        *a = round16(_mm512_mul_ps(*a, m), half);
-                    }
-                } else {
-                    vs = (s - max).exp();
-                }
-                let w = _mm512_set1_ps(vs);
-                for (j, a) in acc.iter_mut().enumerate().take(nv) {
-                    // SAFETY: the segment holds this row.
-                    let v = unsafe { load16(&seg.values, start + 16 * j) };
-                    *a = round16(_mm512_fmadd_ps(v, w, *a), half);
-                }
-                sum = sum.mul_add(ms, vs);
-            }
-        }
-        let inv = _mm512_set1_ps(if sum == 0.0 { 0.0 } else { 1.0 / sum });
-        for (j, a) in acc.iter().enumerate().take(nv) {
-            // SAFETY: out holds hd values.
-            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * j), _mm512_mul_ps(*a, inv)) };
-        }
-    }
 
     /// Rows of one element type, read eight elements at a time (one code path per type,
     /// so the kernel's loop holds no match).
@@ -472,7 +358,7 @@ mod x86 {
         }
     }
 
-    /// [`attend_head_avx512`] eight lanes at a time: ggml's four 16-lane accumulators
+    /// ggml's AVX-512 kernel eight lanes at a time: its four 16-lane accumulators
     /// are eight 8-lane ones (accumulator `j` of 16 lanes is the pair `2j`, `2j + 1`),
     /// so vector `j` of the head goes into accumulator `j % 8`, and the reduction adds
     /// the same lanes in the same order as `_mm512_reduce_add_ps`. One code path per

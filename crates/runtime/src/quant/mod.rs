@@ -12,7 +12,7 @@
 //!
 //! | level | types with their own kernels (others use the next lower level) | activation quantization | attention, SwiGLU (`backend`) |
 //! |---|---|---|---|
-//! | avx512 (F/BW/VL/DQ + VNNI) | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K | AVX2's | own |
+//! | avx512 (F/BW/VL/DQ + VNNI) | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K | AVX2's | AVX2's attention (measured faster), own SwiGLU |
 //! | avx2 (+ FMA, F16C) | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16 | own | own |
 //! | neon | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K | own | own |
 //! | scalar | all weight types | reference | reference |
