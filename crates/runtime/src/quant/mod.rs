@@ -664,6 +664,9 @@ fn scalar_tile(
 /// thread (+3-7% on two), SmolLM2's Q4_1 unchanged (`ballast bench -p 0 -n 64 -r 2`,
 /// alternated, a Zen 4 EPYC). Both give the scalar reference's bits.
 fn tile_kernel(level: SimdLevel, ty: GgmlType, n_tokens: usize) -> Option<TileFn> {
+    // Only the x86 levels tell decode from prefill.
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = n_tokens;
     match level {
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx512
