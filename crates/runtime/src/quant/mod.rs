@@ -929,7 +929,10 @@ pub unsafe fn matmul_token_major(
 /// registers 8 times, and 2 rows x 4 tokens in prefill for the Q8_0-like formats
 /// (`BALLAST_BENCH_TABLE=1 cargo bench --bench quant`, thread CPU time: Q8_0 decode
 /// 25 → 29 GB/s, prefill 69k → 89k tokens/s on SmolLM2's q_o; Q4_K decode 17 → 19 GB/s;
-/// Q4_1 decode 16.3 → 15.2 with 8 rows, so it keeps 4). Prefill reuses
+/// Q4_1 decode 16.3 → 15.2 with 8 rows, so it keeps 4). The AVX2 K-quants take 1 row x
+/// 8 tokens in prefill, a superblock unpacked once for 8 tokens: Qwen2.5-Coder-1.5B
+/// Q4_K_M's pp128 at 33.8-34.7 tokens/s instead of 28.0-29.3 on one thread, 62-65
+/// instead of 53-56 on two (`BALLAST_SIMD=avx2 ballast bench -p 128 -n 0`, alternated). Prefill reuses
 /// each decoded weight block for several tokens: on AVX-512 the 32-element formats take 4 rows x all
 /// whole groups of 8 tokens (two 512-bit row pairs, sixteen accumulators per group; the
 /// Q8_0-like kernels decode the 4 rows once for every group), the K-quants 2 rows x all
@@ -947,6 +950,9 @@ fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
         (_, SimdLevel::Avx512) => (2, n),
         (_, SimdLevel::Avx2) if matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0) => {
             (2, 4)
+        }
+        (_, SimdLevel::Avx2) if matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K) => {
+            (1, 8)
         }
         _ => (1, 4),
     }

@@ -148,6 +148,7 @@ macro_rules! tile_fn {
                 match (rr, nt) {
                     (8, 1) => run::<8, 1>(w, rb, acts, t0, out, stride),
                     (4, 1) => run::<4, 1>(w, rb, acts, t0, out, stride),
+                    (1, 8) => run::<1, 8>(w, rb, acts, t0, out, stride),
                     (2, 4) => run::<2, 4>(w, rb, acts, t0, out, stride),
                     (1, 4) => run::<1, 4>(w, rb, acts, t0, out, stride),
                     (1, 3) => run::<1, 3>(w, rb, acts, t0, out, stride),
