@@ -204,21 +204,29 @@ fn pair_of_bytes(i: usize) -> __m128i {
     )
 }
 
-/// The per-lane f32 inputs of a K-quant tile's final step, lane `r * NT + t` for row `r`
-/// and token `t`: the weight's scale (and minimum's scale) and the activation's.
+/// Per-row values spread over a K-quant tile's lanes (lane `r * NT + t` for row `r` and
+/// token `t`) for its final f32 step, as a vector.
 #[inline(always)]
-fn lane_scales<const RR: usize, const NT: usize>(
-    d: &[f32; K_LANES],
-    y: impl Fn(usize) -> f32,
-) -> ([f32; K_LANES], [f32; K_LANES]) {
-    let (mut dw, mut dy) = ([0f32; K_LANES], [0f32; K_LANES]);
+fn row_lanes<const RR: usize, const NT: usize>(per_row: &[f32; K_LANES]) -> __m256 {
+    let mut lanes = [0f32; K_LANES];
+    for r in 0..RR {
+        lanes[r * NT..(r + 1) * NT].fill(per_row[r]);
+    }
+    // SAFETY: `lanes` holds eight f32; the load is unaligned.
+    unsafe { _mm256_loadu_ps(lanes.as_ptr()) }
+}
+
+/// [`row_lanes`] for per-token values (`per_token(t)`, the activation's scale).
+#[inline(always)]
+fn token_lanes<const RR: usize, const NT: usize>(per_token: impl Fn(usize) -> f32) -> __m256 {
+    let mut lanes = [0f32; K_LANES];
     for r in 0..RR {
         for t in 0..NT {
-            dw[r * NT + t] = d[r];
-            dy[r * NT + t] = y(t);
+            lanes[r * NT + t] = per_token(t);
         }
     }
-    (dw, dy)
+    // SAFETY: `lanes` holds eight f32; the load is unaligned.
+    unsafe { _mm256_loadu_ps(lanes.as_ptr()) }
 }
 
 /// The f32 totals of a K-quant tile, lane `r * NT + t`, as rows x tokens.
@@ -317,11 +325,9 @@ unsafe fn q45_k_avx2<const RR: usize, const NT: usize, const FIVE: bool>(
             }
             let si = _mm256_cvtepi32_ps(lane_totals(&sums, RR * NT));
             let sm = _mm256_cvtepi32_ps(lane_totals128(&min_sums, RR * NT));
-            let (dw, dy) = lane_scales::<RR, NT>(&d, |t| *s[t].add(b));
-            let (dm, _) = lane_scales::<RR, NT>(&dmin, |_| 0.0);
-            let dy = _mm256_loadu_ps(dy.as_ptr());
-            let scaled = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(dw.as_ptr()), dy), si);
-            let mins = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(dm.as_ptr()), dy), sm);
+            let dy = token_lanes::<RR, NT>(|t| *s[t].add(b));
+            let scaled = _mm256_mul_ps(_mm256_mul_ps(row_lanes::<RR, NT>(&d), dy), si);
+            let mins = _mm256_mul_ps(_mm256_mul_ps(row_lanes::<RR, NT>(&dmin), dy), sm);
             acc = _mm256_add_ps(acc, _mm256_sub_ps(scaled, mins));
         }
     }
@@ -403,8 +409,8 @@ unsafe fn q6_k_avx2<const RR: usize, const NT: usize>(
                 }
             }
             let si = _mm256_cvtepi32_ps(lane_totals(&sums, RR * NT));
-            let (dw, dy) = lane_scales::<RR, NT>(&d, |t| *s[t].add(b));
-            let dwy = _mm256_mul_ps(_mm256_loadu_ps(dw.as_ptr()), _mm256_loadu_ps(dy.as_ptr()));
+            let dy = token_lanes::<RR, NT>(|t| *s[t].add(b));
+            let dwy = _mm256_mul_ps(row_lanes::<RR, NT>(&d), dy);
             acc = _mm256_add_ps(acc, _mm256_mul_ps(dwy, si));
         }
     }
