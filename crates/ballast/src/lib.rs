@@ -113,7 +113,7 @@ pub struct EngineBuilder {
     kv: Option<KvOptions>,
     sparse: Option<SparseOptions>,
     context: usize,
-    batch: usize,
+    batch: Option<usize>,
     sequences: usize,
     opened: Option<Opened>,
 }
@@ -196,9 +196,11 @@ impl EngineBuilder {
         self
     }
 
-    /// Prompt tokens per forward pass. Default 64.
-    pub fn batch(mut self, tokens: usize) -> Self {
-        self.batch = tokens;
+    /// Prompt tokens per forward pass. Default (`None`): 64 when the weights are
+    /// resident; when layers stream from disk, up to 512 ([`store::streamed_batch`]),
+    /// since every pass reads the streamed layers once whatever its tokens.
+    pub fn batch(mut self, tokens: impl Into<Option<usize>>) -> Self {
+        self.batch = tokens.into();
         self
     }
 
@@ -246,6 +248,7 @@ impl EngineBuilder {
         };
         let built = store::build(&source, backend, &self.store, reserve.bytes)?;
         let out_of_core = built.tiered.is_some();
+        let built_batch = built.batch;
         let (model, sparse) = match &self.sparse {
             Some(options) => {
                 let (model, counters) = sparse::apply(
@@ -281,7 +284,7 @@ impl EngineBuilder {
             model,
             kv: self.kv,
             context: self.context,
-            batch: self.batch,
+            batch: built_batch,
             report,
         })
     }
@@ -337,7 +340,7 @@ impl Engine {
             kv: None,
             sparse: None,
             context: 2048,
-            batch: ballast_runtime::session::DEFAULT_BATCH,
+            batch: None,
             sequences: 1,
             opened: None,
         }
@@ -401,7 +404,7 @@ impl Engine {
         self.context
     }
 
-    /// Prompt tokens per forward pass.
+    /// Prompt tokens per forward pass (the builder's, or the default it chose).
     pub fn batch(&self) -> usize {
         self.batch
     }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use ballast_runtime::gguf::{Array, GgufFile, Value};
 use ballast_runtime::model::load_weights;
+use ballast_runtime::session::DEFAULT_BATCH;
 use ballast_runtime::weights::{GlobalWeights, LayerWeights};
 use ballast_runtime::{Backend, Model, ModelConfig, ResidentStore};
 use ballast_tier_stream::io::{self, DirectFile};
@@ -327,6 +328,28 @@ pub(crate) struct Built {
     pub vram_budget: Option<u64>,
     /// The neuron cache's share of the RAM budget, when the MLP streams out of core.
     pub neuron_cache: Option<u64>,
+    /// Prompt tokens per pass: the caller's, or the default for this store.
+    pub batch: usize,
+}
+
+/// The default prompt tokens per pass when layers stream from disk: the largest of
+/// 512, 256 and 128 (at most the context) whose activations and scratch take at most
+/// an eighth of the RAM budget `ram`, else [`DEFAULT_BATCH`].
+///
+/// A pass reads every streamed layer once, whatever its tokens, so a prompt of 2,000
+/// tokens in chunks of 64 reads the streamed weights 32 times, in chunks of 512 four
+/// times. 512 is llama.cpp's micro-batch; an eighth keeps the chunk from taking the
+/// layers' room in a small budget (in a 64 MiB cgroup SmolLM2 stays at 64).
+pub fn streamed_batch(shape: &ModelShape, ctx: usize, ram: u64) -> usize {
+    let ctx = ctx.max(1);
+    [512usize, 256, 128]
+        .into_iter()
+        .map(|b| b.min(ctx))
+        .find(|&b| {
+            let r = Reserve::for_context(shape, ctx as u64, b as u64, ram);
+            r.activations.saturating_add(r.scratch) <= ram / 8
+        })
+        .unwrap_or(DEFAULT_BATCH.min(ctx))
 }
 
 /// What [`build`] works on: the model's file (and pack), where it lives, how it is
@@ -337,7 +360,9 @@ pub(crate) struct Source<'a> {
     pub path: &'a Path,
     pub mapped: bool,
     pub ctx: usize,
-    pub batch: usize,
+    /// Prompt tokens per pass; `None`: [`DEFAULT_BATCH`] resident, [`streamed_batch`]
+    /// when layers stream.
+    pub batch: Option<usize>,
 }
 
 /// Builds the model of `src` with the store `opts` ask for, sized for its context and
@@ -359,7 +384,7 @@ pub(crate) fn build(
         ..
     } = *src;
     // A pass never holds more tokens than the context.
-    let batch = src.batch.clamp(1, ctx.max(1));
+    let batch = src.batch.unwrap_or(DEFAULT_BATCH).clamp(1, ctx.max(1));
     // A backend with its own device (wgpu) gets a plan with a device tier.
     let separate_device = backend.device_forward().is_some();
     ensure!(
@@ -420,6 +445,7 @@ pub(crate) fn build(
                 ram_budget: None,
                 vram_budget: None,
                 neuron_cache: None,
+                batch,
             });
         }
         (None, StoreKind::Compressed) => {
@@ -464,6 +490,7 @@ pub(crate) fn build(
             ram_budget: sized,
             vram_budget: None,
             neuron_cache: None,
+            batch,
         });
     }
     let RamBudget { bytes: ram, source } = match sized {
@@ -497,6 +524,10 @@ pub(crate) fn build(
         _ => None,
     };
     let ram_for_weights = ram - neuron_cache.unwrap_or(0);
+    let batch = match src.batch {
+        Some(_) => batch,
+        None => streamed_batch(&shape, ctx, ram_for_weights),
+    };
     let device = if separate_device {
         let vram = opts.vram.ok_or_else(|| {
             Error::Invalid("tiered streaming on the GPU needs --vram (wgpu cannot tell how much memory the GPU has)".into())
@@ -600,6 +631,7 @@ pub(crate) fn build(
         ram_budget: Some(RamBudget { bytes: ram, source }),
         vram_budget: device,
         neuron_cache,
+        batch,
         store_name: if tiered_pack.is_some() {
             "tiered over a pack"
         } else {
@@ -685,5 +717,54 @@ pub fn on_wgpu_device(shape: &mut ModelShape, globals: Option<&GlobalWeights>) {
     shape.kv_on_device_only = true;
     if let Some(g) = globals.filter(|g| g.token_embd.name != g.output.name) {
         shape.head_bytes += g.token_embd.bytes.len() as u64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    /// Llama-3.1-8B's shape at about 4.8 bits per weight.
+    fn llama_8b() -> ModelShape {
+        ModelShape::from_dims(32, 4096, 32, 8, 14336, 128256, 4.8, 6.5)
+    }
+
+    /// SmolLM2-135M's shape.
+    fn smollm2() -> ModelShape {
+        ModelShape::from_dims(30, 576, 9, 3, 1536, 49152, 4.5, 8.5)
+    }
+
+    #[test]
+    fn streamed_batch_is_512_when_the_budget_has_room() {
+        assert_eq!(streamed_batch(&llama_8b(), 4096, 2048 * MIB), 512);
+        assert_eq!(streamed_batch(&llama_8b(), 4096, 1024 * MIB), 512);
+    }
+
+    #[test]
+    fn streamed_batch_shrinks_with_the_budget_and_the_context() {
+        // 512 tokens of an 8B's activations and scratch are about 120 MiB.
+        assert_eq!(streamed_batch(&llama_8b(), 4096, 768 * MIB), 256);
+        assert_eq!(streamed_batch(&llama_8b(), 4096, 200 * MIB), DEFAULT_BATCH);
+        // What a 64 MiB cgroup leaves SmolLM2 keeps the resident default.
+        assert_eq!(streamed_batch(&smollm2(), 196, 18 * MIB), DEFAULT_BATCH);
+        // Never more than the context.
+        assert_eq!(streamed_batch(&llama_8b(), 100, 2048 * MIB), 100);
+        assert_eq!(streamed_batch(&smollm2(), 40, 18 * MIB), 40);
+    }
+
+    #[test]
+    fn streamed_batch_keeps_its_share_of_the_budget() {
+        for ram_mib in [16u64, 64, 256, 1024, 4096] {
+            let shape = llama_8b();
+            let ram = ram_mib * MIB;
+            let b = streamed_batch(&shape, 8192, ram);
+            let r = Reserve::for_context(&shape, 8192, b as u64, ram);
+            assert!(
+                b == DEFAULT_BATCH || r.activations + r.scratch <= ram / 8,
+                "{b} tokens at {ram_mib} MiB"
+            );
+        }
     }
 }

@@ -35,7 +35,7 @@ pub struct ChatArgs {
 pub fn run(mut args: ChatArgs) -> Result<()> {
     // A resident draft model shares the RAM budget with the model.
     args.model.store.beside = args.draft.resident_bytes(args.ctx)?;
-    let engine = common::load(args.model.builder(args.ctx, 64)?)?;
+    let engine = common::load(args.model.builder(args.ctx, None)?)?;
     let file = engine.file().clone();
     let source = file
         .get_str("tokenizer.chat_template")

@@ -101,8 +101,8 @@ pub struct SparsityArgs {
 impl ModelArgs {
     /// The engine these flags describe, for the model they name (fetched first if it
     /// is a known model not cached yet), planned for a context of `ctx` tokens and
-    /// prompt chunks of `batch`.
-    pub fn builder(&self, ctx: usize, batch: usize) -> Result<EngineBuilder> {
+    /// prompt chunks of `batch` (`None`: the engine's default for its store).
+    pub fn builder(&self, ctx: usize, batch: impl Into<Option<usize>>) -> Result<EngineBuilder> {
         let path = resolve_model(self.model.as_deref())?;
         Ok(Engine::builder(path)
             .device(self.device)

@@ -299,8 +299,15 @@ pub fn run(args: PlanArgs) -> Result<()> {
         (Some(r), _) => probe::parse_rate(r)?,
         (None, Some((_, path))) => {
             notes.push("disk measured".into());
-            // As many readers as tiered streaming's default (--io-threads).
-            tiered::measure_disk(path, 2)?
+            // As tiered streaming reads: its default readers (--io-threads), a
+            // streamed layer per read.
+            let read = if shape.stored_bytes.is_empty() {
+                &shape.layer_bytes
+            } else {
+                &shape.stored_bytes
+            };
+            let layer = read.iter().copied().max().unwrap_or(0);
+            tiered::measure_disk(path, 2, layer)?
         }
         (None, None) => {
             notes.push("disk assumed".into());

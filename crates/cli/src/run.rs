@@ -28,9 +28,11 @@ pub struct RunArgs {
     /// Context size in tokens (prompt plus generation).
     #[arg(short = 'c', long = "ctx", default_value_t = 2048)]
     pub ctx: usize,
-    /// Prompt tokens per forward pass.
-    #[arg(short = 'b', long = "batch", default_value_t = 64)]
-    pub batch: usize,
+    /// Prompt tokens per forward pass. Default: 64 when the weights are resident; when
+    /// layers stream from disk up to 512, as the RAM budget allows, since every pass
+    /// reads the streamed layers once.
+    #[arg(short = 'b', long = "batch")]
+    pub batch: Option<usize>,
     /// Keep generating past end-of-generation tokens.
     #[arg(long)]
     pub ignore_eos: bool,
@@ -101,6 +103,7 @@ pub fn run(mut args: RunArgs) -> Result<()> {
         mode: args.kv.mode,
     };
     let backend_name = engine.model().backend().name();
+    let batch = engine.batch();
     let mut session = engine.session()?;
     if let Some(path) = args.session.as_deref().filter(|p| p.exists()) {
         let saved = load_session(path, meta, session.kv_mut())
@@ -140,7 +143,7 @@ pub fn run(mut args: RunArgs) -> Result<()> {
     let generator = Generator::new(session, tokenizer.clone(), options)?;
     let mut generator = args
         .draft
-        .apply(generator, backend.clone(), args.ctx, args.batch)?;
+        .apply(generator, backend.clone(), args.ctx, batch)?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     if !args.json && !args.no_echo {
