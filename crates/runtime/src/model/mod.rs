@@ -132,11 +132,16 @@ pub fn load_weights(
     } else {
         token_embd.clone()
     };
-    let globals = GlobalWeights {
-        output_norm: vector(file, blocks::OUTPUT_NORM, d)?,
-        token_embd,
-        output,
-    };
+    let globals = GlobalWeights::new(
+        vec![
+            (blocks::TOKEN_EMBD.to_string(), token_embd),
+            (blocks::OUTPUT.to_string(), output),
+        ],
+        vec![(
+            blocks::OUTPUT_NORM.to_string(),
+            vector(file, blocks::OUTPUT_NORM, d)?,
+        )],
+    )?;
     let mut layers = Vec::with_capacity(config.n_layers);
     for index in 0..config.n_layers {
         let mut layer = LayerWeights::new(index, Vec::new(), Vec::new());
@@ -221,9 +226,9 @@ impl Drop for Shared {
     fn drop(&mut self) {
         if let Some(memory) = self.backend.device_memory() {
             let globals = self.store.globals();
-            memory.release_file(globals.token_embd.id.file);
-            if globals.output.id.file != globals.token_embd.id.file {
-                memory.release_file(globals.output.id.file);
+            memory.release_file(globals.token_embd().id.file);
+            if globals.output().id.file != globals.token_embd().id.file {
+                memory.release_file(globals.output().id.file);
             }
         }
     }
