@@ -1,9 +1,10 @@
-//! The llama builder (Llama 2/3, SmolLM2, TinyLlama, Mistral; qwen2 is the same graph
-//! with Q/K/V biases, which [`blocks::attention`] adds when a layer has them; qwen3 is
-//! the same graph with the per-head Q/K norm its attention spec asks for, and no
-//! biases; Mixtral and qwen3moe are llama and qwen3 with a mixture of experts for the
-//! MLP, which the model's MLP lever, `ffn::for_config`, emits): the layer table it reads
-//! and the pass it emits.
+//! llama (Llama 2/3, SmolLM2, TinyLlama, Mistral; with experts, Mixtral): RMSNorm,
+//! RoPE with normal pairing, GQA, SwiGLU. Its layer table and builder are the ones the
+//! qwen architectures share: qwen2 is this graph with Q/K/V biases, which
+//! [`blocks::attention`] adds when a layer has them; qwen3 the same graph with the
+//! per-head Q/K norm its attention spec asks for, and no biases; Mixtral, qwen3moe and
+//! qwen2moe have a mixture of experts for the MLP, which the model's MLP lever
+//! (`ffn::for_config`) emits.
 //!
 //! ```text
 //! embed
@@ -12,14 +13,47 @@
 //! logits = output(rms_norm(x))
 //! ```
 
-use super::blocks::{self, *};
-use super::{HeadRows, ModelConfig, TensorSpec};
+use super::{Arch, ExpertLayout, Pass, TensorSpec};
+use crate::backend::RopeStyle;
+use crate::blocks::{self, *};
+use crate::config::ModelConfig;
 use crate::ffn::FeedForward;
 use crate::graph::{Graph, Op, WeightRef};
 
-/// The tensors of layer `layer`: role, shape in ggml order, whether the file must have
-/// it.
-pub(super) fn layer_tensors(c: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
+/// Llama 2/3, SmolLM2, Mistral, and Mixtral when the file has experts.
+pub(super) struct Llama;
+
+impl Arch for Llama {
+    fn name(&self) -> &'static str {
+        "llama"
+    }
+
+    fn rope_style(&self) -> RopeStyle {
+        RopeStyle::Normal
+    }
+
+    fn experts(&self) -> Option<ExpertLayout> {
+        Some(ExpertLayout {
+            required: false,
+            own_width: false,
+            shared_expert: false,
+            renormalize: true,
+        })
+    }
+
+    fn layer_tensors(&self, config: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
+        layer_tensors(config, layer, false)
+    }
+
+    fn build(&self, config: &ModelConfig, pass: &Pass<'_>, ffn: &dyn FeedForward) -> Graph {
+        build(config, pass, ffn)
+    }
+}
+
+/// The tensors of layer `layer`: the Q/K norms when the layer's attention has them,
+/// else the Q/K/V biases (required when `biases`, else read if the file has them, as
+/// llama.cpp reads a llama file's); the experts when the model has them.
+pub(super) fn layer_tensors(c: &ModelConfig, layer: usize, biases: bool) -> Vec<TensorSpec> {
     let spec = &c.layer_attention[layer];
     let s = spec.shape;
     let (d, ff) = (c.d_model, c.n_ff);
@@ -35,9 +69,13 @@ pub(super) fn layer_tensors(c: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
         table.push(TensorSpec::required(ATTN_Q_NORM, &[s.head_dim]));
         table.push(TensorSpec::required(ATTN_K_NORM, &[s.head_dim]));
     } else {
-        table.push(TensorSpec::optional(ATTN_Q_BIAS, &[q]));
-        table.push(TensorSpec::optional(ATTN_K_BIAS, &[kv]));
-        table.push(TensorSpec::optional(ATTN_V_BIAS, &[kv]));
+        let bias = match biases {
+            true => TensorSpec::required,
+            false => TensorSpec::optional,
+        };
+        table.push(bias(ATTN_Q_BIAS, &[q]));
+        table.push(bias(ATTN_K_BIAS, &[kv]));
+        table.push(bias(ATTN_V_BIAS, &[kv]));
     }
     table.extend([
         TensorSpec::required(ATTN_OUTPUT, &[q, d]),
@@ -71,15 +109,9 @@ pub(super) fn layer_tensors(c: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
     table
 }
 
-/// The pass over `n` tokens.
-pub(super) fn build(
-    c: &ModelConfig,
-    n: usize,
-    head: Option<&HeadRows>,
-    greedy: bool,
-    policy_between_layers: bool,
-    ffn: &dyn FeedForward,
-) -> Graph {
+/// The pass.
+pub(super) fn build(c: &ModelConfig, pass: &Pass<'_>, ffn: &dyn FeedForward) -> Graph {
+    let n = pass.tokens;
     let mut g = Graph::new(n);
     let x = g.tensor("x", n, c.d_model);
     g.push(Op::Embed {
@@ -98,7 +130,7 @@ pub(super) fn build(
         if ffn.needs_prepare() {
             g.push(Op::FfnPrepare { layer, x: h });
         }
-        let attn = blocks::attention(&mut g, layer, h, spec, policy_between_layers);
+        let attn = blocks::attention(&mut g, layer, h, spec, pass.policy_between_layers);
         g.push(Op::Add { x, y: attn });
         let h = blocks::rms_norm(&mut g, x, WeightRef::layer(FFN_NORM), c.rms_eps, "ffn_norm");
         let out = g.scratch("ffn_out", n, c.d_model);
@@ -106,9 +138,9 @@ pub(super) fn build(
         g.push(Op::Add { x, y: out });
         g.push(Op::EndLayer);
     }
-    if let Some(rows) = head {
+    if let Some(rows) = pass.head {
         let out = blocks::head(&mut g, x, rows, c.rms_eps, c.vocab_size);
-        g.set_output(out, greedy);
+        g.set_output(out, pass.greedy);
     }
     g
 }
