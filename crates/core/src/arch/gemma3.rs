@@ -114,54 +114,22 @@ impl Arch for Gemma3 {
     }
 
     fn build(&self, c: &ModelConfig, pass: &Pass<'_>, ffn: &dyn FeedForward) -> Graph {
-        let n = pass.tokens;
-        let mut g = Graph::new(n);
-        let x = g.tensor("x", n, c.d_model);
-        g.push(Op::Embed {
-            table: WeightRef::global(TOKEN_EMBD),
-            out: x,
-        });
-        if let Some(factor) = c.embed_scale {
-            g.push(Op::Scale { x, factor });
-        }
+        let eps = c.rms_eps;
+        let mut g = Graph::new(pass.tokens);
+        let x = blocks::embed(&mut g, pass.tokens, c.d_model, c.embed_scale);
         for (layer, spec) in c.layer_attention.iter().enumerate() {
-            g.push(Op::BeginLayer { layer });
-            let h = blocks::rms_norm(
-                &mut g,
-                x,
-                WeightRef::layer(ATTN_NORM),
-                c.rms_eps,
-                "attn_norm",
-            );
-            if ffn.needs_prepare() {
-                g.push(Op::FfnPrepare { layer, x: h });
-            }
+            let h = blocks::layer_input(&mut g, layer, x, eps, ffn);
             let attn = blocks::attention(&mut g, layer, h, spec, pass.policy_between_layers);
-            let attn = blocks::rms_norm(
-                &mut g,
-                attn,
-                WeightRef::layer(ATTN_POST_NORM),
-                c.rms_eps,
-                "attn_post_norm",
-            );
+            let post = WeightRef::layer(ATTN_POST_NORM);
+            let attn = blocks::rms_norm(&mut g, attn, post, eps, "attn_post_norm");
             g.push(Op::Add { x, y: attn });
-            let h = blocks::rms_norm(&mut g, x, WeightRef::layer(FFN_NORM), c.rms_eps, "ffn_norm");
-            let out = g.scratch("ffn_out", n, c.d_model);
-            ffn.emit_ops(&mut g, layer, h, c.n_ff, out);
-            let out = blocks::rms_norm(
-                &mut g,
-                out,
-                WeightRef::layer(FFN_POST_NORM),
-                c.rms_eps,
-                "ffn_post_norm",
-            );
+            let out = blocks::mlp(&mut g, layer, x, eps, c.n_ff, ffn);
+            let post = WeightRef::layer(FFN_POST_NORM);
+            let out = blocks::rms_norm(&mut g, out, post, eps, "ffn_post_norm");
             g.push(Op::Add { x, y: out });
             g.push(Op::EndLayer);
         }
-        if let Some(rows) = pass.head {
-            let out = blocks::head(&mut g, x, rows, c.rms_eps, c.vocab_size);
-            g.set_output(out, pass.greedy);
-        }
+        blocks::output(&mut g, x, pass.head, pass.greedy, eps, c.vocab_size);
         g
     }
 }

@@ -18,7 +18,7 @@ use crate::backend::RopeStyle;
 use crate::blocks::{self, *};
 use crate::config::ModelConfig;
 use crate::ffn::FeedForward;
-use crate::graph::{Graph, Op, WeightRef};
+use crate::graph::{Graph, Op};
 
 /// Llama 2/3, SmolLM2, Mistral, and Mixtral when the file has experts.
 pub(super) struct Llama;
@@ -111,36 +111,16 @@ pub(super) fn layer_tensors(c: &ModelConfig, layer: usize, biases: bool) -> Vec<
 
 /// The pass.
 pub(super) fn build(c: &ModelConfig, pass: &Pass<'_>, ffn: &dyn FeedForward) -> Graph {
-    let n = pass.tokens;
-    let mut g = Graph::new(n);
-    let x = g.tensor("x", n, c.d_model);
-    g.push(Op::Embed {
-        table: WeightRef::global(TOKEN_EMBD),
-        out: x,
-    });
+    let mut g = Graph::new(pass.tokens);
+    let x = blocks::embed(&mut g, pass.tokens, c.d_model, None);
     for (layer, spec) in c.layer_attention.iter().enumerate() {
-        g.push(Op::BeginLayer { layer });
-        let h = blocks::rms_norm(
-            &mut g,
-            x,
-            WeightRef::layer(ATTN_NORM),
-            c.rms_eps,
-            "attn_norm",
-        );
-        if ffn.needs_prepare() {
-            g.push(Op::FfnPrepare { layer, x: h });
-        }
+        let h = blocks::layer_input(&mut g, layer, x, c.rms_eps, ffn);
         let attn = blocks::attention(&mut g, layer, h, spec, pass.policy_between_layers);
         g.push(Op::Add { x, y: attn });
-        let h = blocks::rms_norm(&mut g, x, WeightRef::layer(FFN_NORM), c.rms_eps, "ffn_norm");
-        let out = g.scratch("ffn_out", n, c.d_model);
-        ffn.emit_ops(&mut g, layer, h, c.n_ff, out);
+        let out = blocks::mlp(&mut g, layer, x, c.rms_eps, c.n_ff, ffn);
         g.push(Op::Add { x, y: out });
         g.push(Op::EndLayer);
     }
-    if let Some(rows) = pass.head {
-        let out = blocks::head(&mut g, x, rows, c.rms_eps, c.vocab_size);
-        g.set_output(out, pass.greedy);
-    }
+    blocks::output(&mut g, x, pass.head, pass.greedy, c.rms_eps, c.vocab_size);
     g
 }
