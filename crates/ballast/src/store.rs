@@ -715,8 +715,8 @@ pub fn planned_shape(path: &Path, on_gpu: bool) -> Result<(ModelShape, Opened)> 
 pub fn on_wgpu_device(shape: &mut ModelShape, globals: Option<&GlobalWeights>) {
     shape.kv_value_bytes = 4;
     shape.kv_on_device_only = true;
-    if let Some(g) = globals.filter(|g| g.token_embd.name != g.output.name) {
-        shape.head_bytes += g.token_embd.bytes.len() as u64;
+    if let Some(g) = globals.filter(|g| !g.tied()) {
+        shape.head_bytes += g.token_embd().bytes.len() as u64;
     }
 }
 

@@ -3,6 +3,7 @@
 //! to a [`Graph`] and names the tensors it reads by their GGUF role.
 
 use crate::backend::{AttentionShape, Rope};
+use crate::ffn::FeedForward;
 use crate::graph::{Graph, Op, TensorId, WeightRef};
 
 /// `attn_norm.weight`: RMSNorm scale before attention.
@@ -89,6 +90,55 @@ pub enum Activation {
     Silu,
     /// GELU, tanh approximation (GeGLU: gemma).
     GeluTanh,
+}
+
+/// The residual stream of a pass over `n` tokens (`x`, `n × d_model`): their rows of
+/// the embedding table, times `scale` when the architecture scales them (gemma3).
+pub fn embed(g: &mut Graph, n: usize, d_model: usize, scale: Option<f32>) -> TensorId {
+    let x = g.tensor("x", n, d_model);
+    g.push(Op::Embed {
+        table: WeightRef::global(TOKEN_EMBD),
+        out: x,
+    });
+    if let Some(factor) = scale {
+        g.push(Op::Scale { x, factor });
+    }
+    x
+}
+
+/// The start of layer `layer`: its weights fetched (`BeginLayer`), the residual `x`
+/// normed with `attn_norm`, and on that the MLP lever's prepare point, where a lever
+/// that predicts from the attention's input starts its work. Returns the normed input.
+pub fn layer_input(
+    g: &mut Graph,
+    layer: usize,
+    x: TensorId,
+    eps: f32,
+    ffn: &dyn FeedForward,
+) -> TensorId {
+    g.push(Op::BeginLayer { layer });
+    let h = rms_norm(g, x, WeightRef::layer(ATTN_NORM), eps, "attn_norm");
+    if ffn.needs_prepare() {
+        g.push(Op::FfnPrepare { layer, x: h });
+    }
+    h
+}
+
+/// The MLP of layer `layer` on the residual `x` normed with `ffn_norm`, as the lever
+/// `ffn` emits it (`n_ff` hidden values per token). Returns its output (`ffn_out`).
+pub fn mlp(
+    g: &mut Graph,
+    layer: usize,
+    x: TensorId,
+    eps: f32,
+    n_ff: usize,
+    ffn: &dyn FeedForward,
+) -> TensorId {
+    let d = g.desc(x).clone();
+    let h = rms_norm(g, x, WeightRef::layer(FFN_NORM), eps, "ffn_norm");
+    let out = g.scratch("ffn_out", d.rows, d.width);
+    ffn.emit_ops(g, layer, h, n_ff, out);
+    out
 }
 
 /// RMSNorm of `x` with the scale `scale`, into the scratch tensor `name`.
@@ -261,6 +311,23 @@ pub enum HeadRows {
     },
     /// These rows, in this order (the last row of each sequence of a batched pass).
     Pick(Vec<usize>),
+}
+
+/// The end of a pass: the logits of the rows `which` of the residual stream `x`
+/// ([`head`]) as the pass's output (only their argmax when `greedy`); nothing when
+/// `which` is `None`.
+pub fn output(
+    g: &mut Graph,
+    x: TensorId,
+    which: Option<&HeadRows>,
+    greedy: bool,
+    eps: f32,
+    vocab: usize,
+) {
+    if let Some(rows) = which {
+        let logits = head(g, x, rows, eps, vocab);
+        g.set_output(logits, greedy);
+    }
 }
 
 /// The final norm and the output head over the rows `which` of the residual stream

@@ -1,64 +1,16 @@
 //! Model hyper-parameters, read from the GGUF metadata (never from constants).
 
-use crate::backend::{AttentionShape, Rope, RopeStyle};
-use crate::blocks::{Activation, AttentionSpec};
+use crate::arch::{self, Arch};
+use crate::backend::{AttentionShape, Rope};
+use crate::blocks::{Activation, AttentionSpec, TOKEN_EMBD};
 use crate::error::{Error, Result};
-use crate::gguf::{Array, GgufFile, Value};
-
-/// The architectures the forward pass implements.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Architecture {
-    /// Llama 2/3, SmolLM2, Mistral: RMSNorm, RoPE (normal pairing), GQA, SwiGLU.
-    Llama,
-    /// Qwen2: as llama, plus Q/K/V biases and NeoX-style RoPE.
-    Qwen2,
-    /// Qwen3: as qwen2 without the biases, with an RMSNorm of each query and key head
-    /// before RoPE and the head size from `attention.key_length`.
-    Qwen3,
-    /// Gemma 3: embeddings scaled by `sqrt(d_model)`, per-head Q/K norm, norms after
-    /// attention and after the MLP as well as before, a GELU-gated MLP, queries scaled
-    /// before attention, sliding-window layers interleaved with global ones (each kind
-    /// with its RoPE base), NeoX RoPE, tied output.
-    Gemma3,
-    /// Qwen3-MoE: qwen3's attention, and a mixture-of-experts MLP in every layer.
-    Qwen3Moe,
-    /// Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): qwen2's attention, and a mixture of
-    /// experts whose weights are not renormalized, plus a shared expert gated by a
-    /// sigmoid.
-    Qwen2Moe,
-}
-
-impl Architecture {
-    /// The `general.architecture` string.
-    pub fn name(self) -> &'static str {
-        match self {
-            Architecture::Llama => "llama",
-            Architecture::Qwen2 => "qwen2",
-            Architecture::Qwen3 => "qwen3",
-            Architecture::Gemma3 => "gemma3",
-            Architecture::Qwen3Moe => "qwen3moe",
-            Architecture::Qwen2Moe => "qwen2moe",
-        }
-    }
-
-    /// The RoPE pairing llama.cpp's rope-type table gives this architecture.
-    pub fn rope_style(self) -> RopeStyle {
-        match self {
-            Architecture::Llama => RopeStyle::Normal,
-            Architecture::Qwen2
-            | Architecture::Qwen3
-            | Architecture::Gemma3
-            | Architecture::Qwen3Moe
-            | Architecture::Qwen2Moe => RopeStyle::Neox,
-        }
-    }
-}
+use crate::gguf::{GgufFile, Value};
 
 /// The shape and constants of a model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
-    /// Architecture.
-    pub arch: Architecture,
+    /// The architecture ([`crate::arch::ARCHITECTURES`]): its tensor tables and builder.
+    pub arch: &'static dyn Arch,
     /// Transformer blocks (`{arch}.block_count`).
     pub n_layers: usize,
     /// Width of the residual stream (`{arch}.embedding_length`).
@@ -124,45 +76,50 @@ impl ModelConfig {
     /// Reads the hyper-parameters of `file`. Unknown architectures and inconsistent
     /// values give an error naming the key.
     pub fn from_gguf(file: &GgufFile) -> Result<ModelConfig> {
+        ModelConfig::read(file, TensorsIn::File)
+    }
+
+    /// Reads the hyper-parameters of `file`, a file of metadata alone, for a model of
+    /// `vocab_size` tokens: what a writer derives a model's tensors from before it has
+    /// written them. What only tensors say (`rope_freqs.weight`) is absent.
+    pub fn from_metadata(file: &GgufFile, vocab_size: usize) -> Result<ModelConfig> {
+        ModelConfig::read(file, TensorsIn::None { vocab_size })
+    }
+
+    /// The keys every transformer has, then what the architecture reads beyond them
+    /// ([`Arch::configure`]) and its mixture of experts.
+    fn read(file: &GgufFile, tensors: TensorsIn) -> Result<ModelConfig> {
         let arch_name = file.get_str("general.architecture")?;
-        let arch = match arch_name {
-            "llama" => Architecture::Llama,
-            "qwen2" => Architecture::Qwen2,
-            "qwen3" => Architecture::Qwen3,
-            "gemma3" => Architecture::Gemma3,
-            "qwen3moe" => Architecture::Qwen3Moe,
-            "qwen2moe" => Architecture::Qwen2Moe,
-            other => {
-                return Err(Error::UnsupportedArchitecture {
-                    arch: other.to_string(),
-                })
-            }
+        let arch = arch::by_name(arch_name).ok_or_else(|| Error::UnsupportedArchitecture {
+            arch: arch_name.to_string(),
+            supported: arch::names(),
+        })?;
+        let keys = ArchKeys {
+            file,
+            prefix: arch.name(),
         };
-        let key = |k: &str| format!("{arch_name}.{k}");
-        let get = |k: &str| -> Result<usize> { Ok(file.get_u32(&key(k))? as usize) };
-        let get_opt = |k: &str| -> Result<Option<usize>> {
-            Ok(file.get_u32_opt(&key(k))?.map(|v| v as usize))
-        };
+        let get = |k: &str| -> Result<usize> { Ok(file.get_u32(&keys.key(k))? as usize) };
         let n_layers = get("block_count")?;
         let d_model = get("embedding_length")?;
         let n_ff = get("feed_forward_length")?;
         let n_heads = get("attention.head_count")?;
-        let n_kv_heads = get_opt("attention.head_count_kv")?.unwrap_or(n_heads);
-        let invalid = |k: &str, why: String| Error::InvalidHyperParameter { key: key(k), why };
+        let n_kv_heads = keys
+            .usize_opt("attention.head_count_kv")?
+            .unwrap_or(n_heads);
         if n_heads == 0 || d_model == 0 || n_layers == 0 || n_ff == 0 {
-            return Err(invalid("attention.head_count", "zero-sized model".into()));
+            return Err(keys.invalid("attention.head_count", "zero-sized model".into()));
         }
         if n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
-            return Err(invalid(
+            return Err(keys.invalid(
                 "attention.head_count_kv",
                 format!("{n_kv_heads} does not divide head_count {n_heads}"),
             ));
         }
-        let head_dim = match get_opt("attention.key_length")? {
+        let head_dim = match keys.usize_opt("attention.key_length")? {
             Some(v) => v,
             None => {
                 if d_model % n_heads != 0 {
-                    return Err(invalid(
+                    return Err(keys.invalid(
                         "embedding_length",
                         format!("{d_model} is not a multiple of head_count {n_heads}"),
                     ));
@@ -172,107 +129,51 @@ impl ModelConfig {
         };
         // Keys and values share one head size in every architecture here; a file that
         // says otherwise would attend with the wrong value width.
-        if let Some(v) = get_opt("attention.value_length")?.filter(|&v| v != head_dim) {
-            return Err(invalid(
+        if let Some(v) = keys
+            .usize_opt("attention.value_length")?
+            .filter(|&v| v != head_dim)
+        {
+            return Err(keys.invalid(
                 "attention.value_length",
                 format!("{v} differs from the key head size {head_dim}"),
             ));
         }
-        let n_rot = get_opt("rope.dimension_count")?.unwrap_or(head_dim);
+        let n_rot = keys.usize_opt("rope.dimension_count")?.unwrap_or(head_dim);
         if n_rot > head_dim || n_rot % 2 != 0 || head_dim == 0 {
-            return Err(invalid(
+            return Err(keys.invalid(
                 "rope.dimension_count",
                 format!("{n_rot} must be even and at most the head size {head_dim}"),
             ));
         }
-        let freq_base = file.get_f32_opt(&key("rope.freq_base"))?.unwrap_or(10000.0);
-        let rms_eps = file
-            .get_f32_opt(&key("attention.layer_norm_rms_epsilon"))?
+        let freq_base = keys.f32_opt("rope.freq_base")?.unwrap_or(10000.0);
+        let rms_eps = keys
+            .f32_opt("attention.layer_norm_rms_epsilon")?
             .unwrap_or(1e-5);
-        let context_length = get_opt("context_length")?.unwrap_or(2048);
-        let embd = file.tensor("token_embd.weight")?;
-        let vocab_size = embd.dims.get(1).copied().unwrap_or(0) as usize;
+        let context_length = keys.usize_opt("context_length")?.unwrap_or(2048);
+        let vocab_size = match tensors {
+            TensorsIn::File => {
+                let embd = file.tensor(TOKEN_EMBD)?;
+                embd.dims.get(1).copied().unwrap_or(0) as usize
+            }
+            TensorsIn::None { vocab_size } => vocab_size,
+        };
         let rope = Rope {
             style: arch.rope_style(),
             n_dims: n_rot,
             freq_base,
-            freq_scale: rope_freq_scale(file, &key)?,
-            freq_factors: rope_freq_factors(file, n_rot)?,
-        };
-        let gemma = arch == Architecture::Gemma3;
-        let shape = AttentionShape::new(n_heads, n_kv_heads, head_dim);
-        let spec = AttentionSpec {
-            shape: if gemma {
-                // llama.cpp scales the queries (below) and then the scores by 1.
-                AttentionShape {
-                    scale: 1.0,
-                    ..shape
-                }
-            } else {
-                shape
+            freq_scale: rope_freq_scale(&keys)?,
+            freq_factors: match tensors {
+                TensorsIn::File => rope_freq_factors(file, n_rot)?,
+                TensorsIn::None { .. } => None,
             },
+        };
+        let spec = AttentionSpec {
+            shape: AttentionShape::new(n_heads, n_kv_heads, head_dim),
             rope,
-            qk_norm: matches!(
-                arch,
-                Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Qwen3Moe
-            )
-            .then_some(rms_eps),
+            qk_norm: arch.qk_norm().then_some(rms_eps),
             q_scale: None,
         };
-        let mut layer_attention = vec![spec; n_layers];
-        let mut sliding_window = None;
-        if gemma {
-            let q_scale = gemma3_query_scale(n_layers, d_model, n_heads, head_dim);
-            for spec in &mut layer_attention {
-                spec.q_scale = Some(q_scale);
-            }
-            // Features of other gemma3 files that this pass does not compute: refused,
-            // never run wrong.
-            if let Some(cap) = file
-                .get_f32_opt(&key("final_logit_softcapping"))?
-                .filter(|&c| c != 0.0)
-            {
-                return Err(invalid(
-                    "final_logit_softcapping",
-                    format!("{cap}: logit soft-capping is not implemented"),
-                ));
-            }
-            let window = get_opt("attention.sliding_window")?.filter(|&w| w > 0);
-            if let Some(w) = window {
-                if w > context_length {
-                    return Err(invalid(
-                        "attention.sliding_window",
-                        format!("{w} is larger than the context length {context_length}"),
-                    ));
-                }
-                let swa = swa_layers(file, &key("attention.sliding_window_pattern"), n_layers)?;
-                let local_base = file
-                    .get_f32_opt(&key("rope.freq_base_swa"))?
-                    .unwrap_or(10000.0);
-                if !(local_base.is_finite() && local_base > 0.0) {
-                    return Err(invalid(
-                        "rope.freq_base_swa",
-                        format!("{local_base} is not a positive base"),
-                    ));
-                }
-                for (spec, _) in layer_attention.iter_mut().zip(swa).filter(|(_, s)| *s) {
-                    spec.shape.window = Some(w);
-                    spec.rope.freq_base = local_base;
-                    // llama.cpp scales only the global layers (its freq_scale for
-                    // sliding layers is 1 in gemma3).
-                    spec.rope.freq_scale = 1.0;
-                }
-                sliding_window = Some(w);
-            }
-        }
-        let moe = moe_spec(file, arch, &key, n_ff)?;
-        if !(freq_base.is_finite() && freq_base > 0.0) {
-            return Err(invalid(
-                "rope.freq_base",
-                format!("{freq_base} is not a positive base"),
-            ));
-        }
-        Ok(ModelConfig {
+        let mut config = ModelConfig {
             arch,
             n_layers,
             d_model,
@@ -283,16 +184,21 @@ impl ModelConfig {
             rms_eps,
             context_length,
             vocab_size,
-            layer_attention,
-            ffn_act: if gemma {
-                Activation::GeluTanh
-            } else {
-                Activation::Silu
-            },
-            embed_scale: gemma.then(|| (d_model as f32).sqrt()),
-            sliding_window,
-            moe,
-        })
+            layer_attention: vec![spec; n_layers],
+            ffn_act: Activation::Silu,
+            embed_scale: None,
+            sliding_window: None,
+            moe: None,
+        };
+        arch.configure(&keys, &mut config)?;
+        config.moe = moe_spec(&keys, arch, n_ff)?;
+        if !(freq_base.is_finite() && freq_base > 0.0) {
+            return Err(keys.invalid(
+                "rope.freq_base",
+                format!("{freq_base} is not a positive base"),
+            ));
+        }
+        Ok(config)
     }
 
     /// Query width: `n_heads * head_dim`.
@@ -319,9 +225,9 @@ impl ModelConfig {
 /// (default linear; `none` never scales) and `rope.scaling.factor` (or the older
 /// `rope.scale_linear`; 0 or absent: 1). YaRN and other types that change more than the
 /// angle are refused by name.
-fn rope_freq_scale(file: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<f32> {
-    let invalid = |k: &str, why: String| Error::InvalidHyperParameter { key: key(k), why };
-    let kind = match file.get(&key("rope.scaling.type")) {
+fn rope_freq_scale(keys: &ArchKeys<'_>) -> Result<f32> {
+    let invalid = |k: &str, why: String| keys.invalid(k, why);
+    let kind = match keys.get("rope.scaling.type") {
         None => "linear",
         Some(Value::String(s)) => s.as_str(),
         Some(other) => {
@@ -331,9 +237,9 @@ fn rope_freq_scale(file: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<f32>
             ))
         }
     };
-    let factor = match file.get_f32_opt(&key("rope.scaling.factor"))? {
+    let factor = match keys.f32_opt("rope.scaling.factor")? {
         Some(f) => f,
-        None => file.get_f32_opt(&key("rope.scale_linear"))?.unwrap_or(0.0),
+        None => keys.f32_opt("rope.scale_linear")?.unwrap_or(0.0),
     };
     match kind {
         "none" => Ok(1.0),
@@ -382,50 +288,54 @@ fn rope_freq_factors(file: &GgufFile, n_rot: usize) -> Result<Option<std::sync::
     Ok(Some(factors.into()))
 }
 
-/// The mixture of experts of `file`, read from `{arch}.expert_*` (`key` makes the
-/// names): required for qwen3moe, present in a llama file that has experts (Mixtral),
-/// refused elsewhere and for the variants this pass does not compute (shared experts,
-/// a gating function other than softmax).
-fn moe_spec(
-    file: &GgufFile,
-    arch: Architecture,
-    key: &dyn Fn(&str) -> String,
-    n_ff: usize,
-) -> Result<Option<MoeSpec>> {
-    let invalid = |k: &str, why: String| Error::InvalidHyperParameter { key: key(k), why };
-    let n_expert = file.get_u32_opt(&key("expert_count"))?.unwrap_or(0) as usize;
-    match (arch, n_expert) {
-        (Architecture::Qwen3Moe | Architecture::Qwen2Moe, 0) => {
+/// The mixture of experts of the file `keys` reads, from `{arch}.expert_*`, as the
+/// architecture's [`Arch::experts`] lays it out: required (qwen3moe), allowed (a llama
+/// file with experts: Mixtral), or refused; the variants this pass does not compute
+/// (shared experts where the layout has none, a gating function other than softmax)
+/// are refused too.
+fn moe_spec(keys: &ArchKeys<'_>, arch: &dyn Arch, n_ff: usize) -> Result<Option<MoeSpec>> {
+    let invalid = |k: &str, why: String| keys.invalid(k, why);
+    let n_expert = keys.usize_opt("expert_count")?.unwrap_or(0);
+    let layout = match (arch.experts(), n_expert) {
+        (Some(layout), 0) if layout.required => {
             return Err(invalid(
                 "expert_count",
                 format!("{} needs experts (missing or 0)", arch.name()),
             ))
         }
-        (Architecture::Llama | Architecture::Qwen3Moe | Architecture::Qwen2Moe, _)
-            if n_expert > 0 => {}
         (_, 0) => return Ok(None),
-        (other, n) => {
+        (Some(layout), _) => layout,
+        (None, n) => {
+            let with: Vec<&str> = arch::ARCHITECTURES
+                .iter()
+                .filter(|a| a.experts().is_some())
+                .map(|a| a.name())
+                .collect();
             return Err(invalid(
                 "expert_count",
                 format!(
-                "{n} experts: a mixture of experts is implemented for llama and qwen3moe, not {}",
-                other.name()
-            ),
-            ))
+                    "{n} experts: a mixture of experts is implemented for {}, not {}",
+                    with.join(", "),
+                    arch.name()
+                ),
+            ));
         }
-    }
-    let n_expert_used = file.get_u32_opt(&key("expert_used_count"))?.unwrap_or(0) as usize;
+    };
+    let n_expert_used = keys.usize_opt("expert_used_count")?.unwrap_or(0);
     if n_expert_used == 0 || n_expert_used > n_expert {
         return Err(invalid(
             "expert_used_count",
             format!("{n_expert_used} is not between 1 and expert_count {n_expert}"),
         ));
     }
-    let n_ff_expert = match (arch, file.get_u32_opt(&key("expert_feed_forward_length"))?) {
-        (Architecture::Qwen3Moe | Architecture::Qwen2Moe, Some(n)) => n as usize,
+    let n_ff_expert = match (
+        layout.own_width,
+        keys.usize_opt("expert_feed_forward_length")?,
+    ) {
+        (true, Some(n)) => n,
         // llama.cpp's fallback when the key is absent.
-        (Architecture::Qwen3Moe | Architecture::Qwen2Moe, None) => n_ff / n_expert_used,
-        (_, _) => n_ff,
+        (true, None) => n_ff / n_expert_used,
+        (false, _) => n_ff,
     };
     if n_ff_expert == 0 {
         return Err(invalid(
@@ -433,31 +343,25 @@ fn moe_spec(
             "zero-sized experts".into(),
         ));
     }
-    if let Some(n) = file
-        .get_u32_opt(&key("expert_shared_count"))?
-        .filter(|&n| n > 0)
-    {
+    if let Some(n) = keys.usize_opt("expert_shared_count")?.filter(|&n| n > 0) {
         return Err(invalid(
             "expert_shared_count",
             format!("{n}: shared experts are not implemented"),
         ));
     }
     // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE: 1 softmax (the default), 2 sigmoid.
-    if let Some(g) = file
-        .get_u32_opt(&key("expert_gating_func"))?
-        .filter(|&g| g != 1)
-    {
+    if let Some(g) = keys.usize_opt("expert_gating_func")?.filter(|&g| g != 1) {
         return Err(invalid(
             "expert_gating_func",
             format!("{g}: only softmax gating (1) is implemented"),
         ));
     }
-    let shared_ff = match arch {
-        Architecture::Qwen2Moe => Some(
-            file.get_u32_opt(&key("expert_shared_feed_forward_length"))?
-                .map_or(n_ff, |n| n as usize),
+    let shared_ff = match layout.shared_expert {
+        true => Some(
+            keys.usize_opt("expert_shared_feed_forward_length")?
+                .unwrap_or(n_ff),
         ),
-        _ => None,
+        false => None,
     };
     if shared_ff == Some(0) {
         return Err(invalid(
@@ -465,9 +369,9 @@ fn moe_spec(
             "a zero-sized shared expert".into(),
         ));
     }
-    let norm_weights = match file.get(&key("expert_weights_norm")) {
+    let norm_weights = match keys.get("expert_weights_norm") {
         // llama.cpp renormalizes Mixtral's and qwen3moe's weights, not qwen2moe's.
-        None => arch != Architecture::Qwen2Moe,
+        None => layout.renormalize,
         Some(Value::Bool(b)) => *b,
         Some(other) => {
             return Err(invalid(
@@ -476,8 +380,8 @@ fn moe_spec(
             ))
         }
     };
-    let weights_scale = file
-        .get_f32_opt(&key("expert_weights_scale"))?
+    let weights_scale = keys
+        .f32_opt("expert_weights_scale")?
         .filter(|&s| s != 0.0 && s != 1.0);
     if let Some(s) = weights_scale.filter(|s| !s.is_finite()) {
         return Err(invalid(
@@ -495,35 +399,48 @@ fn moe_spec(
     }))
 }
 
-/// The query scale of gemma3, as llama.cpp derives it (no GGUF key holds it):
-/// `1/sqrt(head_dim)`, except for the 27B model (62 layers), whose
-/// `query_pre_attn_scalar` is `d_model / n_heads`.
-fn gemma3_query_scale(n_layers: usize, d_model: usize, n_heads: usize, head_dim: usize) -> f32 {
-    if n_layers == 62 {
-        1.0 / ((d_model / n_heads) as f32).sqrt()
-    } else {
-        1.0 / (head_dim as f32).sqrt()
-    }
+/// Where the hyper-parameters that only tensors carry come from.
+#[derive(Clone, Copy)]
+enum TensorsIn {
+    /// The file's tensors (the vocabulary from the embedding table's rows).
+    File,
+    /// None: a file of metadata alone, for a model of `vocab_size` tokens.
+    None { vocab_size: usize },
 }
 
-/// Which layers use the sliding window, as llama.cpp reads `key`
-/// (`{arch}.attention.sliding_window_pattern`): an array of one bool per layer, or a
-/// period `n` (default 6) where layer `i` slides unless `i % n == n - 1` (`n = 0`: all
-/// slide).
-fn swa_layers(file: &GgufFile, key: &str, n_layers: usize) -> Result<Vec<bool>> {
-    let invalid = |why: String| Error::InvalidHyperParameter {
-        key: key.to_string(),
-        why,
-    };
-    if let Some(Value::Array(Array::Bool(v))) = file.get(key) {
-        if v.len() != n_layers {
-            return Err(invalid(format!(
-                "{} entries for {n_layers} layers",
-                v.len()
-            )));
-        }
-        return Ok(v.clone());
+/// A file's metadata as an architecture reads it ([`Arch::configure`]): keys under the
+/// architecture's prefix (`{arch}.{key}`), and errors that name them.
+pub struct ArchKeys<'a> {
+    file: &'a GgufFile,
+    prefix: &'a str,
+}
+
+impl ArchKeys<'_> {
+    /// The full name of `key`: `{arch}.{key}`.
+    pub fn key(&self, key: &str) -> String {
+        format!("{}.{key}", self.prefix)
     }
-    let n = file.get_u32_opt(key)?.unwrap_or(6) as usize;
-    Ok((0..n_layers).map(|i| n == 0 || i % n < n - 1).collect())
+
+    /// The value of `key`, if present.
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.file.get(&self.key(key))
+    }
+
+    /// `key` as an integer that fits a u32, if present.
+    pub fn usize_opt(&self, key: &str) -> Result<Option<usize>> {
+        Ok(self.file.get_u32_opt(&self.key(key))?.map(|v| v as usize))
+    }
+
+    /// `key` as an f32, if present.
+    pub fn f32_opt(&self, key: &str) -> Result<Option<f32>> {
+        self.file.get_f32_opt(&self.key(key))
+    }
+
+    /// The error for a value of `key` this model cannot run with, and why.
+    pub fn invalid(&self, key: &str, why: String) -> Error {
+        Error::InvalidHyperParameter {
+            key: self.key(key),
+            why,
+        }
+    }
 }

@@ -444,10 +444,12 @@ pub enum Error {
     },
     // ---- model -------------------------------------------------------------------
     /// `general.architecture` names an architecture the forward pass does not have.
-    #[error("unsupported architecture '{arch}' (supported: llama, qwen2)")]
+    #[error("unsupported architecture '{arch}' (supported: {supported})")]
     UnsupportedArchitecture {
         /// The architecture string.
         arch: String,
+        /// The architectures there are, comma-separated.
+        supported: String,
     },
     /// A hyper-parameter is missing its consistency.
     #[error("invalid hyper-parameter {key}: {why}")]

@@ -15,6 +15,8 @@
 //!   [`blocks`]: the shared blocks builders compose a pass from, and the tensor roles.
 //! - [`gguf`]: the GGUF reader (every length checked before use) and writer;
 //!   [`ggml_type`]: the tensor types; [`config`]: hyper-parameters from the metadata.
+//! - [`arch`]: the architectures, one file each, listed once: what each reads from the
+//!   metadata, its tensor tables and its builder.
 //! - [`Error`]: the one error type, shared with the runtime.
 //!
 //! # Example
@@ -50,6 +52,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod arch;
 pub mod backend;
 pub mod blocks;
 pub mod config;

@@ -136,11 +136,7 @@ impl WeightStore for ResidentStore {
     }
 
     fn held_bytes(&self) -> TierBytes {
-        let mut bytes =
-            (self.globals.token_embd.bytes.len() + self.globals.output_norm.len() * 4) as u64;
-        if self.globals.output.name != self.globals.token_embd.name {
-            bytes += self.globals.output.bytes.len() as u64;
-        }
+        let mut bytes = self.globals.byte_size() as u64;
         bytes += self
             .layers
             .iter()

@@ -3,6 +3,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use crate::blocks;
 use crate::error::{Error, Result};
 use crate::ggml_type::GgmlType;
 use crate::gguf::GgufFile;
@@ -403,37 +404,113 @@ impl LayerWeights {
     }
 }
 
-/// The weights outside the transformer blocks.
+/// The weights outside the transformer blocks, a table of named tensors like
+/// [`LayerWeights`]': the roles the architecture's global table lists
+/// (`token_embd.weight`, `output.weight`, `output_norm.weight`, ...), the output head
+/// being the embedding table itself when the model ties them.
+///
+/// Every architecture ends in the same head ([`crate::blocks::head`]), so
+/// [`GlobalWeights::new`] checks that its three roles are there, and stores and
+/// planners reach them without a lookup that could fail.
 #[derive(Clone, Debug)]
 pub struct GlobalWeights {
-    /// Token embedding table (`token_embd.weight`), one row per token.
-    pub token_embd: Weight,
-    /// Final RMSNorm scale.
-    pub output_norm: Arc<[f32]>,
-    /// Output head; the embedding table itself when the model ties them.
-    pub output: Weight,
+    matrices: Vec<(String, Weight)>,
+    vectors: Vec<(String, Arc<[f32]>)>,
+    /// Where the head's roles sit in the tables.
+    token_embd: usize,
+    output: usize,
+    output_norm: usize,
 }
 
 impl GlobalWeights {
-    /// The matrix of `role` (`token_embd.weight` or `output.weight`; the latter is the
-    /// embedding table when the model ties them).
-    pub fn matrix(&self, role: &str) -> Result<&Weight> {
-        match role {
-            "token_embd.weight" => Ok(&self.token_embd),
-            "output.weight" => Ok(&self.output),
-            _ => Err(Error::GlobalTensorMissing {
-                role: role.to_string(),
-            }),
+    /// The table of `matrices` and `vectors` by role; an error naming the first of
+    /// `token_embd.weight`, `output.weight` and `output_norm.weight` it lacks.
+    pub fn new(
+        matrices: Vec<(String, Weight)>,
+        vectors: Vec<(String, Arc<[f32]>)>,
+    ) -> Result<GlobalWeights> {
+        fn at<T>(table: &[(String, T)], role: &str) -> Result<usize> {
+            table
+                .iter()
+                .position(|(r, _)| r == role)
+                .ok_or_else(|| Error::GlobalTensorMissing {
+                    role: role.to_string(),
+                })
         }
+        Ok(GlobalWeights {
+            token_embd: at(&matrices, blocks::TOKEN_EMBD)?,
+            output: at(&matrices, blocks::OUTPUT)?,
+            output_norm: at(&vectors, blocks::OUTPUT_NORM)?,
+            matrices,
+            vectors,
+        })
     }
 
-    /// The vector of `role` (`output_norm.weight`).
-    pub fn vector(&self, role: &str) -> Result<&Arc<[f32]>> {
-        match role {
-            "output_norm.weight" => Ok(&self.output_norm),
-            _ => Err(Error::GlobalTensorMissing {
+    /// The matrix of `role`, or an error naming it.
+    pub fn matrix(&self, role: &str) -> Result<&Weight> {
+        self.matrices
+            .iter()
+            .find(|(r, _)| r == role)
+            .map(|(_, w)| w)
+            .ok_or_else(|| Error::GlobalTensorMissing {
                 role: role.to_string(),
-            }),
-        }
+            })
+    }
+
+    /// The vector of `role`, or an error naming it.
+    pub fn vector(&self, role: &str) -> Result<&Arc<[f32]>> {
+        self.vectors
+            .iter()
+            .find(|(r, _)| r == role)
+            .map(|(_, v)| v)
+            .ok_or_else(|| Error::GlobalTensorMissing {
+                role: role.to_string(),
+            })
+    }
+
+    /// The embedding table (`token_embd.weight`), one row per token.
+    pub fn token_embd(&self) -> &Weight {
+        &self.matrices[self.token_embd].1
+    }
+
+    /// The output head (`output.weight`; the embedding table when tied).
+    pub fn output(&self) -> &Weight {
+        &self.matrices[self.output].1
+    }
+
+    /// The final RMSNorm scale (`output_norm.weight`).
+    pub fn output_norm(&self) -> &Arc<[f32]> {
+        &self.vectors[self.output_norm].1
+    }
+
+    /// The embedding table, to point its bytes elsewhere (a store reading it into RAM).
+    pub fn token_embd_mut(&mut self) -> &mut Weight {
+        &mut self.matrices[self.token_embd].1
+    }
+
+    /// The output head, to point its bytes elsewhere.
+    pub fn output_mut(&mut self) -> &mut Weight {
+        &mut self.matrices[self.output].1
+    }
+
+    /// Whether the output head is the embedding table (one tensor, held once).
+    pub fn tied(&self) -> bool {
+        self.output().name == self.token_embd().name
+    }
+
+    /// The matrices, each tensor once (a tied head is the embedding table).
+    pub fn weights(&self) -> impl Iterator<Item = &Weight> {
+        let tied = self.tied().then_some(self.output);
+        self.matrices
+            .iter()
+            .enumerate()
+            .filter(move |(i, _)| Some(*i) != tied)
+            .map(|(_, (_, w))| w)
+    }
+
+    /// Bytes of all the tensors, each once.
+    pub fn byte_size(&self) -> usize {
+        let vectors = self.vectors.iter().map(|(_, v)| v.len() * 4).sum::<usize>();
+        vectors + self.weights().map(|w| w.bytes.len()).sum::<usize>()
     }
 }

@@ -82,7 +82,7 @@ pub mod tokenizer;
 // The traits, the types they exchange, GGUF and the error type live in `ballast-core`
 // (which the lever crates build on without this crate); they keep their paths here.
 pub use ballast_core::{
-    blocks, error, ffn, ggml_type, gguf, graph, kv, kv_payload, moe, neurons, store, weights,
+    arch, blocks, error, ffn, ggml_type, gguf, graph, kv, kv_payload, moe, neurons, store, weights,
 };
 
 pub use backend::{Backend, CpuBackend};

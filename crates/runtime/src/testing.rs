@@ -10,10 +10,45 @@
 //! assert_eq!(file.get_str("general.architecture").unwrap(), "llama");
 //! ```
 
+use crate::arch::TensorSpec;
+use crate::blocks::*;
 use crate::error::Result;
 use crate::ggml_type::GgmlType;
 use crate::gguf::{Array, GgufWriter, Value};
+use crate::model::ModelConfig;
 use crate::quant;
+
+/// The order in which tiny models have always had their layers' tensors, by role: kept
+/// so that each file, and the llama.cpp logits recorded from some
+/// (`tests/data/llama_cpp_logits.json`), stay the same byte for byte (each kind of
+/// value draws from its own stream, in file order). A role not listed follows these,
+/// in the architecture's table order.
+const WRITE_ORDER: &[&str] = &[
+    ATTN_NORM,
+    FFN_NORM,
+    ATTN_Q,
+    ATTN_K,
+    ATTN_V,
+    ATTN_OUTPUT,
+    FFN_GATE,
+    FFN_UP,
+    FFN_DOWN,
+    FFN_GATE_INP,
+    FFN_GATE_EXPS,
+    FFN_UP_EXPS,
+    FFN_DOWN_EXPS,
+    ATTN_Q_NORM,
+    ATTN_K_NORM,
+    ATTN_POST_NORM,
+    FFN_POST_NORM,
+    FFN_GATE_INP_SHEXP,
+    FFN_GATE_SHEXP,
+    FFN_UP_SHEXP,
+    FFN_DOWN_SHEXP,
+    ATTN_Q_BIAS,
+    ATTN_K_BIAS,
+    ATTN_V_BIAS,
+];
 
 /// The vocabulary of a tiny model.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -41,10 +76,9 @@ pub type TypeOf<'a> = dyn Fn(&str, GgmlType, &[u64]) -> GgmlType + 'a;
 /// The shape and types of a tiny model.
 #[derive(Clone, Debug)]
 pub struct TinyModelSpec {
-    /// `"llama"`, `"qwen2"` (which adds Q/K/V biases), `"qwen3"` (which adds the
-    /// per-head Q/K norms and writes `attention.key_length`) or `"gemma3"` (per-head Q/K
-    /// norms, post-attention and post-MLP norms, and the sliding window below); anything
-    /// else makes a file the model loader will refuse.
+    /// An architecture of [`crate::arch::ARCHITECTURES`] (`"llama"`, `"qwen2"`,
+    /// `"qwen3"`, `"gemma3"`, ...): the file has the tensors its tables list for the
+    /// shape below. The writer refuses any other name, as the loader would.
     pub arch: String,
     /// Transformer blocks.
     pub n_layers: usize,
@@ -290,12 +324,6 @@ impl TinyModelSpec {
         let mut w = GgufWriter::new();
         let a = self.arch.as_str();
         let hd = self.head_dim();
-        let (d, q, kv, ff) = (
-            self.d_model as u64,
-            (self.n_heads * hd) as u64,
-            (self.n_kv_heads * hd) as u64,
-            self.n_ff as u64,
-        );
         w.add_metadata("general.architecture", Value::String(a.into()))?;
         w.add_metadata("general.name", Value::String("tiny random model".into()))?;
         w.add_metadata(format!("{a}.block_count"), Value::U32(self.n_layers as u32))?;
@@ -351,7 +379,10 @@ impl TinyModelSpec {
         if let Some((n_expert, n_used, n_ff_expert)) = self.experts {
             w.add_metadata(format!("{a}.expert_count"), Value::U32(n_expert as u32))?;
             w.add_metadata(format!("{a}.expert_used_count"), Value::U32(n_used as u32))?;
-            if a == "qwen3moe" || a == "qwen2moe" {
+            let own_width = crate::arch::by_name(a)
+                .and_then(|arch| arch.experts())
+                .is_some_and(|layout| layout.own_width);
+            if own_width {
                 w.add_metadata(
                     format!("{a}.expert_feed_forward_length"),
                     Value::U32(n_ff_expert as u32),
@@ -401,88 +432,57 @@ impl TinyModelSpec {
             }
         }
 
+        // The tensors are the architecture's, for the shape the metadata above gives.
+        let config = ModelConfig::from_metadata(
+            &crate::gguf::GgufFile::from_bytes(w.to_bytes())?,
+            self.vocab_size(),
+        )?;
         let mut rng = Rng(self.seed);
-        let vocab = self.vocab_size() as u64;
-        // A matrix, or (`stack` > 1) that many matrices stacked as experts are.
-        let mut matrix = |w: &mut GgufWriter,
-                          name: &str,
-                          ty: GgmlType,
-                          cols: u64,
-                          rows: u64,
-                          stack: u64|
-         -> Result<()> {
-            let dims: &[u64] = if stack > 1 {
-                &[cols, rows, stack]
-            } else {
-                &[cols, rows]
+        let mut vectors = Rng(self.seed ^ 0x5555);
+        let mut biases = Rng(self.seed ^ 0xaaaa);
+        let mut add = |w: &mut GgufWriter, name: &str, spec: &TensorSpec| -> Result<()> {
+            let dims: Vec<u64> = spec.dims.iter().map(|&d| d as u64).collect();
+            if let &[n] = &dims[..] {
+                let v: Vec<f32> = if spec.role.ends_with(".bias") {
+                    biases.values(n as usize, 0.1)
+                } else if spec.role.contains("norm") {
+                    (0..n).map(|_| 1.0 + 0.1 * vectors.uniform()).collect()
+                } else {
+                    // A gate vector (qwen2moe's shared expert's).
+                    biases.values(n as usize, 1.0 / (n as f32).sqrt())
+                };
+                return w.add_tensor_f32(name, &dims, &v);
+            }
+            let ty = match spec.role {
+                TOKEN_EMBD => self.embd_type,
+                // The router in f32, as converted files have it.
+                FFN_GATE_INP => GgmlType::F32,
+                _ => self.weight_type,
             };
             if let Some(type_of) = deferred {
-                return w.add_tensor_deferred(name, type_of(name, ty, dims), dims);
+                return w.add_tensor_deferred(name, type_of(name, ty, &dims), &dims);
             }
-            let values = rng.values((cols * rows * stack) as usize, 1.0 / (cols as f32).sqrt());
-            w.add_tensor(name, ty, dims, quant::quantize(ty, &values)?)
+            let n = dims.iter().product::<u64>() as usize;
+            let values = rng.values(n, 1.0 / (dims[0] as f32).sqrt());
+            w.add_tensor(name, ty, &dims, quant::quantize(ty, &values)?)
         };
-        matrix(&mut w, "token_embd.weight", self.embd_type, d, vocab, 1)?;
-        if !self.tied {
-            matrix(&mut w, "output.weight", self.weight_type, d, vocab, 1)?;
+        // The file has what the architecture requires, and an output head unless tied.
+        let written = |spec: &TensorSpec| spec.required || (spec.role == OUTPUT && !self.tied);
+        for spec in config.arch.global_tensors(&config) {
+            if written(&spec) {
+                add(&mut w, spec.role, &spec)?;
+            }
         }
-        let mut vectors = Rng(self.seed ^ 0x5555);
-        let mut norm = |w: &mut GgufWriter, name: &str, n: u64| -> Result<()> {
-            let v: Vec<f32> = (0..n).map(|_| 1.0 + 0.1 * vectors.uniform()).collect();
-            w.add_tensor_f32(name, &[n], &v)
-        };
-        norm(&mut w, "output_norm.weight", d)?;
-        let mut biases = Rng(self.seed ^ 0xaaaa);
         for l in 0..self.n_layers {
-            let n = |s: &str| format!("blk.{l}.{s}");
-            norm(&mut w, &n("attn_norm.weight"), d)?;
-            norm(&mut w, &n("ffn_norm.weight"), d)?;
-            let t = self.weight_type;
-            matrix(&mut w, &n("attn_q.weight"), t, d, q, 1)?;
-            matrix(&mut w, &n("attn_k.weight"), t, d, kv, 1)?;
-            matrix(&mut w, &n("attn_v.weight"), t, d, kv, 1)?;
-            matrix(&mut w, &n("attn_output.weight"), t, q, d, 1)?;
-            match self.experts {
-                None => {
-                    matrix(&mut w, &n("ffn_gate.weight"), t, d, ff, 1)?;
-                    matrix(&mut w, &n("ffn_up.weight"), t, d, ff, 1)?;
-                    matrix(&mut w, &n("ffn_down.weight"), t, ff, d, 1)?;
-                }
-                Some((n_expert, _, n_ff_expert)) => {
-                    // The router in f32, as converted files have it; the experts'
-                    // matrices stacked, one matrix per expert.
-                    let (ne, fe) = (n_expert as u64, n_ff_expert as u64);
-                    matrix(&mut w, &n("ffn_gate_inp.weight"), GgmlType::F32, d, ne, 1)?;
-                    for (name, cols, rows) in [
-                        ("ffn_gate_exps.weight", d, fe),
-                        ("ffn_up_exps.weight", d, fe),
-                        ("ffn_down_exps.weight", fe, d),
-                    ] {
-                        matrix(&mut w, &n(name), t, cols, rows, ne)?;
-                    }
-                }
-            }
-            if matches!(self.arch.as_str(), "qwen3" | "gemma3" | "qwen3moe") {
-                norm(&mut w, &n("attn_q_norm.weight"), hd as u64)?;
-                norm(&mut w, &n("attn_k_norm.weight"), hd as u64)?;
-            }
-            if self.arch == "gemma3" {
-                norm(&mut w, &n("post_attention_norm.weight"), d)?;
-                norm(&mut w, &n("post_ffw_norm.weight"), d)?;
-            }
-            if let Some(sf) = self.shared_expert {
-                let sf = sf as u64;
-                let gate = biases.values(d as usize, 1.0 / (d as f32).sqrt());
-                w.add_tensor_f32(n("ffn_gate_inp_shexp.weight"), &[d], &gate)?;
-                matrix(&mut w, &n("ffn_gate_shexp.weight"), t, d, sf, 1)?;
-                matrix(&mut w, &n("ffn_up_shexp.weight"), t, d, sf, 1)?;
-                matrix(&mut w, &n("ffn_down_shexp.weight"), t, sf, d, 1)?;
-            }
-            if self.arch == "qwen2" || self.arch == "qwen2moe" {
-                for (name, len) in [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)] {
-                    let v = biases.values(len as usize, 0.1);
-                    w.add_tensor_f32(n(name), &[len], &v)?;
-                }
+            let mut table = config.arch.layer_tensors(&config, l);
+            table.sort_by_key(|s| {
+                WRITE_ORDER
+                    .iter()
+                    .position(|r| *r == s.role)
+                    .unwrap_or(WRITE_ORDER.len())
+            });
+            for spec in table.iter().filter(|s| written(s)) {
+                add(&mut w, &format!("blk.{l}.{}", spec.role), spec)?;
             }
         }
         if self.rope_freqs {

@@ -553,8 +553,8 @@ pub fn model_shape(
 ) -> ModelShape {
     ModelShape {
         layer_bytes: layers.iter().map(|l| l.byte_size() as u64).collect(),
-        head_bytes: globals.output.bytes.len() as u64 + globals.output_norm.len() as u64 * 4,
-        embd_row_bytes: globals.token_embd.row_bytes() as u64,
+        head_bytes: globals.output().bytes.len() as u64 + globals.output_norm().len() as u64 * 4,
+        embd_row_bytes: globals.token_embd().row_bytes() as u64,
         d_model: config.d_model as u64,
         q_dim: config.q_dim() as u64,
         kv_dim: config.kv_dim() as u64,
@@ -703,8 +703,8 @@ impl TieredStore {
             // The head is read whole by every token: read it once into RAM. A tied
             // embedding is the same tensor; an untied one stays memory-mapped (a token
             // reads one row of it). A head the plan leaves on disk stays mapped too.
-            let head_info = file.tensor(&globals.output.name)?.clone();
-            let tied = globals.output.name == globals.token_embd.name;
+            let head_info = file.tensor(&globals.output().name)?.clone();
+            let tied = globals.tied();
             let mut head_buf = AlignedBuf::new((head_info.n_bytes + 2 * IO_ALIGN) as usize);
             let head_layout = Extent {
                 file_offset: head_info.offset / IO_ALIGN * IO_ALIGN,
@@ -719,13 +719,13 @@ impl TieredStore {
                 on_device: true,
             });
             let at = (head_info.offset % IO_ALIGN) as usize;
-            globals.output.bytes =
+            globals.output_mut().bytes =
                 WeightBytes::new(head_source, at..at + head_info.n_bytes as usize)?;
             if tied {
-                globals.token_embd.bytes = globals.output.bytes.clone();
+                globals.token_embd_mut().bytes = globals.output().bytes.clone();
             }
         } else if plan.head_on_disk {
-            crate::io::advise_sequential(globals.output.bytes.as_slice()?);
+            crate::io::advise_sequential(globals.output().bytes.as_slice()?);
         }
         TieredStore::start(globals, layouts, plan, Beneath::File(reader), options)
     }
@@ -819,18 +819,18 @@ impl TieredStore {
         let (resident, resident_bytes, ram_bytes) = place_layers(&layouts, plan, &beneath)?;
         let mut head_bytes = if plan.head_on_disk {
             // Held by the page cache, as much of it as the kernel keeps.
-            globals.output_norm.len() as u64 * 4
+            globals.output_norm().len() as u64 * 4
         } else {
-            globals.output.bytes.len() as u64 + globals.output_norm.len() as u64 * 4
+            globals.output().bytes.len() as u64 + globals.output_norm().len() as u64 * 4
         };
         let head_disk_bytes = if plan.head_on_disk {
-            globals.output.bytes.len() as u64
+            globals.output().bytes.len() as u64
         } else {
             0
         };
-        if !plan.unified && globals.token_embd.name != globals.output.name {
+        if !plan.unified && !globals.tied() {
             // A device backend uploads an untied embedding table beside the head.
-            head_bytes += globals.token_embd.bytes.len() as u64;
+            head_bytes += globals.token_embd().bytes.len() as u64;
         }
         let beneath = Arc::new(beneath);
         let layouts = Arc::new(layouts);

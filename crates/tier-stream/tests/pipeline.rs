@@ -587,10 +587,10 @@ fn a_separate_device_holds_the_device_tier_the_head_and_an_untied_embedding() {
         let (g, _) = load_weights(&fx.file, &fx.config).unwrap();
         let mut want = p.layer_bytes[0]
             + p.layer_bytes[3]
-            + g.output.bytes.len() as u64
-            + g.output_norm.len() as u64 * 4;
+            + g.output().bytes.len() as u64
+            + g.output_norm().len() as u64 * 4;
         if !tied {
-            want += g.token_embd.bytes.len() as u64;
+            want += g.token_embd().bytes.len() as u64;
         }
         assert_eq!(s.held_bytes().device, want, "tied {tied}");
     }

@@ -791,10 +791,7 @@ impl WeightStore for CompressedStore {
 
     fn held_bytes(&self) -> TierBytes {
         let g = &self.inner.globals;
-        let mut globals = (g.token_embd.bytes.len() + g.output_norm.len() * 4) as u64;
-        if g.output.name != g.token_embd.name {
-            globals += g.output.bytes.len() as u64;
-        }
+        let globals = g.byte_size() as u64;
         let vectors: u64 = self
             .inner
             .layers

@@ -4,13 +4,13 @@
 
 pub mod blocks;
 mod config;
-mod gemma3;
-mod llama;
 
 use std::sync::Arc;
 
-pub use config::{Architecture, ModelConfig, MoeSpec};
+pub use crate::arch::TensorSpec;
+pub use config::{ModelConfig, MoeSpec};
 
+use crate::arch::Pass;
 use crate::backend::{Backend, DeviceForwardInput};
 use crate::error::{Error, Result};
 use crate::ffn::FeedForward;
@@ -78,45 +78,9 @@ fn vector(file: &Arc<GgufFile>, name: &str, len: usize) -> Result<Arc<[f32]>> {
     Ok(out.into())
 }
 
-/// One tensor of an architecture's layer table: its role (the GGUF name without the
-/// `blk.N.` prefix), its shape in ggml order, and whether the file must have it.
-#[derive(Clone, Debug)]
-pub struct TensorSpec {
-    /// `attn_q.weight`, `attn_q.bias`, ...
-    pub role: &'static str,
-    /// Shape in ggml order; one dimension means a vector (dequantized to f32).
-    pub dims: Vec<usize>,
-    /// False for tensors an architecture may lack (qwen2's biases in a llama file).
-    pub required: bool,
-}
-
-impl TensorSpec {
-    fn required(role: &'static str, dims: &[usize]) -> TensorSpec {
-        TensorSpec {
-            role,
-            dims: dims.to_vec(),
-            required: true,
-        }
-    }
-
-    fn optional(role: &'static str, dims: &[usize]) -> TensorSpec {
-        TensorSpec {
-            required: false,
-            ..TensorSpec::required(role, dims)
-        }
-    }
-}
-
 /// The layer table `config`'s architecture reads for layer `layer`.
 pub fn layer_tensors(config: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
-    match config.arch {
-        Architecture::Llama
-        | Architecture::Qwen2
-        | Architecture::Qwen3
-        | Architecture::Qwen3Moe
-        | Architecture::Qwen2Moe => llama::layer_tensors(config, layer),
-        Architecture::Gemma3 => gemma3::layer_tensors(config, layer),
-    }
+    config.arch.layer_tensors(config, layer)
 }
 
 /// Reads the weights of every layer of `file` for `config`, checking each shape: the
@@ -125,39 +89,47 @@ pub fn load_weights(
     file: &Arc<GgufFile>,
     config: &ModelConfig,
 ) -> Result<(GlobalWeights, Vec<LayerWeights>)> {
-    let (d, vocab) = (config.d_model, config.vocab_size);
-    let token_embd = weight(file, blocks::TOKEN_EMBD, &[d, vocab])?;
-    let output = if file.tensors().iter().any(|t| t.name == blocks::OUTPUT) {
-        weight(file, blocks::OUTPUT, &[d, vocab])?
-    } else {
-        token_embd.clone()
-    };
-    let globals = GlobalWeights {
-        output_norm: vector(file, blocks::OUTPUT_NORM, d)?,
-        token_embd,
-        output,
-    };
+    let (mut matrices, vectors) =
+        read_table(file, config.arch.global_tensors(config), |r| r.to_string())?;
+    // A model without an output head ties it to the embedding table.
+    if !matrices.iter().any(|(r, _)| r == blocks::OUTPUT) {
+        if let Some((_, embd)) = matrices.iter().find(|(r, _)| r == blocks::TOKEN_EMBD) {
+            matrices.push((blocks::OUTPUT.to_string(), embd.clone()));
+        }
+    }
+    let globals = GlobalWeights::new(matrices, vectors)?;
     let mut layers = Vec::with_capacity(config.n_layers);
     for index in 0..config.n_layers {
-        let mut layer = LayerWeights::new(index, Vec::new(), Vec::new());
-        for spec in layer_tensors(config, index) {
-            let name = format!("blk.{index}.{}", spec.role);
-            if !spec.required && !file.tensors().iter().any(|t| t.name == name) {
-                continue;
-            }
-            if let [len] = spec.dims[..] {
-                layer
-                    .vectors
-                    .push((spec.role.to_string(), vector(file, &name, len)?));
-            } else {
-                layer
-                    .matrices
-                    .push((spec.role.to_string(), weight(file, &name, &spec.dims)?));
-            }
-        }
-        layers.push(layer);
+        let table = layer_tensors(config, index);
+        let (matrices, vectors) = read_table(file, table, |r| format!("blk.{index}.{r}"))?;
+        layers.push(LayerWeights::new(index, matrices, vectors));
     }
     Ok((globals, layers))
+}
+
+/// Matrices and vectors by role.
+type Table = (Vec<(String, Weight)>, Vec<(String, Arc<[f32]>)>);
+
+/// Reads the tensors `table` lists from `file` (each named `name(role)`), checking each
+/// shape; an optional one the file lacks is left out.
+fn read_table(
+    file: &Arc<GgufFile>,
+    table: Vec<TensorSpec>,
+    name: impl Fn(&str) -> String,
+) -> Result<Table> {
+    let (mut matrices, mut vectors) = (Vec::new(), Vec::new());
+    for spec in table {
+        let name = name(spec.role);
+        if !spec.required && !file.tensors().iter().any(|t| t.name == name) {
+            continue;
+        }
+        if let [len] = spec.dims[..] {
+            vectors.push((spec.role.to_string(), vector(file, &name, len)?));
+        } else {
+            matrices.push((spec.role.to_string(), weight(file, &name, &spec.dims)?));
+        }
+    }
+    Ok((matrices, vectors))
 }
 
 /// Activation buffers of one forward pass on the host, one per tensor of the pass,
@@ -221,9 +193,9 @@ impl Drop for Shared {
     fn drop(&mut self) {
         if let Some(memory) = self.backend.device_memory() {
             let globals = self.store.globals();
-            memory.release_file(globals.token_embd.id.file);
-            if globals.output.id.file != globals.token_embd.id.file {
-                memory.release_file(globals.output.id.file);
+            memory.release_file(globals.token_embd().id.file);
+            if globals.output().id.file != globals.token_embd().id.file {
+                memory.release_file(globals.output().id.file);
             }
         }
     }
@@ -528,28 +500,13 @@ impl Model {
     /// The pass `key` describes, as the architecture's builder emits it.
     fn build(&self, key: &GraphKey) -> Graph {
         let config = &self.shared.config;
-        match config.arch {
-            Architecture::Llama
-            | Architecture::Qwen2
-            | Architecture::Qwen3
-            | Architecture::Qwen3Moe
-            | Architecture::Qwen2Moe => llama::build(
-                config,
-                key.tokens,
-                key.head.as_ref(),
-                key.greedy,
-                key.policy_between_layers,
-                self.ffn.as_ref(),
-            ),
-            Architecture::Gemma3 => gemma3::build(
-                config,
-                key.tokens,
-                key.head.as_ref(),
-                key.greedy,
-                key.policy_between_layers,
-                self.ffn.as_ref(),
-            ),
-        }
+        let pass = Pass {
+            tokens: key.tokens,
+            head: key.head.as_ref(),
+            greedy: key.greedy,
+            policy_between_layers: key.policy_between_layers,
+        };
+        config.arch.build(config, &pass, self.ffn.as_ref())
     }
 
     /// Runs the pass: on the backend's device as one recording when it has one (the MLP
