@@ -427,7 +427,7 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
                     // the backend's busy time per token, disk from the readers' time.
                     let busy_s =
                         (busy.matmul + busy.attention + busy.other).as_secs_f64() / n as f64;
-                    let weights = info.shape.total_layer_bytes() + info.shape.head_bytes;
+                    let weights = info.shape.total_computed_bytes() + info.shape.head_bytes;
                     let bound = (info.plan.unified && busy_s > 0.0).then(|| {
                         let compute = weights as f64 / busy_s;
                         let speeds = ballast_tier_stream::Speeds {

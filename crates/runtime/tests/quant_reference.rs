@@ -837,14 +837,19 @@ fn model_shapes_agree_across_levels() {
 }
 
 /// A batch longer than the block of tokens the kernels keep in L2 (256 KiB of
-/// activations: 897 tokens of a 256-wide Q8_K row, 963 of Q8_0) is computed block by
-/// block: every output is still there, right to the f64 reference, and each level's
-/// bits still equal the scalar kernels'.
+/// activations: 896 tokens of a 256-wide Q8_K row, 960 of Q8_0, 904 of Q8_1, 256 of
+/// f32) is computed block by block: every output is still there, right to the f64
+/// reference, and each level's bits still equal the scalar kernels'. The lengths give
+/// each activation type a last block of one token (which once got the decode tile) and
+/// one of many.
 #[test]
 fn batches_longer_than_a_block_of_tokens() {
-    for ty in WEIGHT_TYPES {
-        let mut r = Rng(0x5eed ^ ty.id() as u64);
-        let (k, rows, n_tokens) = (256, 3, 1100);
+    for (ty, n_tokens) in WEIGHT_TYPES
+        .into_iter()
+        .flat_map(|ty| [257, 897, 905, 961, 1100].map(|n| (ty, n)))
+    {
+        let mut r = Rng(0x5eed ^ ty.id() as u64 ^ n_tokens as u64);
+        let (k, rows) = (256, 9);
         let w = rand_blocks(ty, rows * k / ty.block_len(), &mut r);
         let x: Vec<f32> = (0..n_tokens * k).map(|_| r.unit()).collect();
         let mut acts = QuantizedActivations::new();
@@ -871,6 +876,23 @@ fn batches_longer_than_a_block_of_tokens() {
             if same_order {
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&got), bits(&scalar), "{ty:?} {level:?}");
+            }
+        }
+        // The backend's token-major product (its tiles go through a buffer) gives the
+        // same bits as the row-major one at the level in use.
+        let row_major = run(&c, quant::current_simd_level());
+        let mut token_major = vec![f32::NAN; rows * n_tokens];
+        // SAFETY: `token_major` holds rows x n_tokens values at stride `rows`, and no
+        // other thread sees it.
+        unsafe { quant::matmul_token_major(ty, &c.w, k, &c.acts, token_major.as_mut_ptr(), rows) }
+            .unwrap();
+        for r in 0..rows {
+            for t in 0..n_tokens {
+                assert_eq!(
+                    token_major[t * rows + r].to_bits(),
+                    row_major[r * n_tokens + t].to_bits(),
+                    "{ty:?} row {r} token {t} of {n_tokens}"
+                );
             }
         }
     }

@@ -137,6 +137,20 @@ impl ModelShape {
         self.layer_bytes.len()
     }
 
+    /// Bytes of layer `i` a token's compute reads: all of a dense layer; of a mixture of
+    /// experts, the layer less the experts the router does not choose.
+    pub fn computed_layer_bytes(&self, i: usize) -> u64 {
+        let whole = self.layer_bytes.get(i).copied().unwrap_or(0);
+        let experts = self.expert_bytes.get(i).copied().unwrap_or(0).min(whole);
+        let share = self.expert_share.clamp(0.0, 1.0);
+        whole - (experts as f64 * (1.0 - share)).floor() as u64
+    }
+
+    /// Sum of [`ModelShape::computed_layer_bytes`] over the layers.
+    pub fn total_computed_bytes(&self) -> u64 {
+        (0..self.n_layers()).fold(0u64, |a, i| a.saturating_add(self.computed_layer_bytes(i)))
+    }
+
     /// Sum of the layers' bytes.
     pub fn total_layer_bytes(&self) -> u64 {
         self.layer_bytes
@@ -362,6 +376,8 @@ pub struct Plan {
     pub requested_depth: usize,
     /// Real byte size of each layer.
     pub layer_bytes: Vec<u64>,
+    /// Bytes of each layer a token's compute reads ([`ModelShape::computed_layer_bytes`]).
+    pub computed_bytes: Vec<u64>,
     /// Bytes of keys and values per cached token per layer (for the attention cost).
     pub kv_bytes_per_token_layer: u64,
     /// Each layer's sliding window when its cache keeps only that (attention then
@@ -645,6 +661,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
         staging_slot_bytes,
         requested_depth: req.depth,
         layer_bytes: sizes.clone(),
+        computed_bytes: (0..n).map(|i| shape.computed_layer_bytes(i)).collect(),
         kv_bytes_per_token_layer: shape.kv_bytes_per_token_layer(),
         kv_windows: shape.kv_windows.clone(),
         embd_row_bytes: shape.embd_row_bytes,
@@ -892,7 +909,7 @@ impl Plan {
             self.kv_bytes_per_token_layer.saturating_mul(tokens)
         };
         let compute: Vec<f64> = self
-            .layer_bytes
+            .computed_bytes
             .iter()
             .enumerate()
             .map(|(l, &b)| rate(b.saturating_add(kv(l)), speeds.compute_bytes_per_s))
@@ -1049,5 +1066,46 @@ mod tests {
         .unwrap();
         assert_eq!(p.counts(), (4, 0, 0));
         assert_eq!(p.device_slots, 0);
+    }
+
+    /// A mixture of experts computes the experts its router chooses, not all of them:
+    /// the predicted compute of a resident model counts the chosen share.
+    #[test]
+    fn a_mixture_of_experts_computes_the_chosen_experts() {
+        let mut shape = ModelShape::from_dims(4, 64, 4, 2, 128, 257, 8.5, 8.5);
+        let dense = shape.total_layer_bytes();
+        let per_layer = shape.layer_bytes[0];
+        shape.expert_bytes = vec![per_layer / 2; 4];
+        shape.expert_share = 0.25;
+        assert_eq!(
+            shape.computed_layer_bytes(0),
+            per_layer - (per_layer / 2) * 3 / 4
+        );
+        let computed = shape.total_computed_bytes();
+        assert!(computed < dense);
+        let p = plan(&PlanRequest {
+            shape: shape.clone(),
+            budgets: Budgets {
+                device: None,
+                ram: 1 << 30,
+            },
+            ctx: 256,
+            batch: 8,
+            depth: 2,
+            ram_tier: RamTier::Raw,
+        })
+        .unwrap();
+        let speeds = Speeds {
+            compute_bytes_per_s: 1e6,
+            h2d_bytes_per_s: 1e9,
+            disk_bytes_per_s: 1e9,
+        };
+        let pr = p.predict(&speeds, 0);
+        let want = (computed + shape.head_bytes) as f64 / 1e6;
+        assert!(
+            (pr.compute_s - want).abs() < 1e-9,
+            "{} vs {want}",
+            pr.compute_s
+        );
     }
 }

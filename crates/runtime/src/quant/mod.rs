@@ -873,9 +873,10 @@ fn for_each_blocked_tile(
     let block = if n == 1 { 1 } else { token_block(acts) };
     for b0 in (0..n).step_by(block) {
         let len = (n - b0).min(block);
-        for_each_tile(rows, len, tile_shape(level, ty, len), |r, rr, t, nt| {
-            tile(r, rr, b0 + t, nt)
-        });
+        // A last block of one token is still prefill: the kernel was chosen for `n`
+        // tokens, and the decode shape's rows would not fit the caller's buffer.
+        let shape = tile_shape(level, ty, if n == 1 { 1 } else { len.max(2) });
+        for_each_tile(rows, len, shape, |r, rr, t, nt| tile(r, rr, b0 + t, nt));
     }
 }
 
@@ -929,9 +930,10 @@ pub unsafe fn matmul_token_major(
         if let Some(f) = wide.filter(|_| {
             rr == 4 && nt >= PACK_TOKENS && nt % PACK_TOKENS == 0 && t0 % PACK_TOKENS == 0
         }) {
+            // The kernel writes its tokens from the first: token t0 of row r.
             let out = TileOut {
-                // SAFETY: row r of token 0 is in the caller's region.
-                ptr: unsafe { out.add(r) },
+                // SAFETY: row r of token t0 is in the caller's region.
+                ptr: unsafe { out.add(t0 * ld + r) },
                 rs: 1,
                 ts: ld,
             };
