@@ -146,6 +146,16 @@ impl ModelShape {
         whole - (experts as f64 * (1.0 - share)).floor() as u64
     }
 
+    /// Bytes of experts a streamed layer holds while a pass of `batch` tokens computes
+    /// it: those its tokens choose, read when the router has run (`batch` tokens choose
+    /// at most `batch` x the share each; a prompt chunk of 512 tokens chooses nearly
+    /// all of a layer's 128). The largest layer's; nothing for a dense model.
+    pub fn expert_working_set(&self, batch: u64) -> u64 {
+        let largest = self.expert_bytes.iter().copied().max().unwrap_or(0);
+        let share = (batch.max(1) as f64 * self.expert_share.clamp(0.0, 1.0)).min(1.0);
+        (largest as f64 * share).ceil() as u64
+    }
+
     /// Sum of [`ModelShape::computed_layer_bytes`] over the layers.
     pub fn total_computed_bytes(&self) -> u64 {
         (0..self.n_layers()).fold(0u64, |a, i| a.saturating_add(self.computed_layer_bytes(i)))
@@ -196,7 +206,8 @@ pub struct Reserve {
     /// Activations of one forward pass of `batch` tokens (residual, q, k, v,
     /// attention output, the MLP's gate and up, f32) and one row of logits.
     pub activations: u64,
-    /// Quantized copies of the activations and the sampler's candidate list.
+    /// Quantized copies of the activations, the sampler's candidate list, and the
+    /// experts a streamed layer's tokens chose ([`ModelShape::expert_working_set`]).
     pub scratch: u64,
     /// Safety margin: 8 MiB plus 2% of the pool's budget (allocator slack,
     /// fragmentation).
@@ -221,7 +232,8 @@ impl Reserve {
         let scratch = 2u64
             .saturating_mul(batch.max(1))
             .saturating_mul(shape.d_model.saturating_add(shape.n_ff))
-            .saturating_add(12u64.saturating_mul(shape.vocab));
+            .saturating_add(12u64.saturating_mul(shape.vocab))
+            .saturating_add(shape.expert_working_set(batch));
         Reserve {
             kv,
             activations,
@@ -1083,6 +1095,21 @@ mod tests {
         );
         let computed = shape.total_computed_bytes();
         assert!(computed < dense);
+        // One token holds its share of a layer's experts; a prompt chunk nearly all.
+        let experts = per_layer / 2;
+        assert_eq!(
+            shape.expert_working_set(1),
+            (experts as f64 * 0.25).ceil() as u64
+        );
+        assert_eq!(shape.expert_working_set(512), experts);
+        let chunk = Reserve::for_context(&shape, 256, 512, 1 << 30);
+        let dense_chunk = Reserve::for_context(
+            &ModelShape::from_dims(4, 64, 4, 2, 128, 257, 8.5, 8.5),
+            256,
+            512,
+            1 << 30,
+        );
+        assert_eq!(chunk.scratch, dense_chunk.scratch + experts);
         let p = plan(&PlanRequest {
             shape: shape.clone(),
             budgets: Budgets {
