@@ -302,6 +302,23 @@ fn reference(c: &Case) -> Vec<(f64, f64)> {
     out
 }
 
+/// A case of `rows` random weight rows of `k` values against `n_tokens` random
+/// activations in [-1, 1).
+fn random_case(ty: GgmlType, rows: usize, k: usize, n_tokens: usize, r: &mut Rng) -> Case {
+    let w = rand_blocks(ty, rows * k / ty.block_len(), r);
+    let x: Vec<f32> = (0..n_tokens * k).map(|_| r.unit()).collect();
+    let mut acts = QuantizedActivations::new();
+    quant::quantize_activations(ty, &x, n_tokens, k, &mut acts).unwrap();
+    Case {
+        ty,
+        k,
+        rows,
+        n_tokens,
+        w,
+        acts,
+    }
+}
+
 fn run(c: &Case, level: SimdLevel) -> Vec<f32> {
     let mut out = vec![f32::NAN; c.rows * c.n_tokens];
     quant::matmul_at(level, c.ty, &c.w, c.k, &c.acts, &mut out).unwrap();
@@ -803,18 +820,7 @@ fn model_shapes_agree_across_levels() {
             if k % ty.block_len() != 0 {
                 continue;
             }
-            let w = rand_blocks(ty, rows * k / ty.block_len(), &mut r);
-            let x: Vec<f32> = (0..n * k).map(|_| r.unit()).collect();
-            let mut acts = QuantizedActivations::new();
-            quant::quantize_activations(ty, &x, n, k, &mut acts).unwrap();
-            let c = Case {
-                ty,
-                k,
-                rows,
-                n_tokens: n,
-                w,
-                acts,
-            };
+            let c = random_case(ty, rows, k, n, &mut r);
             let want = reference(&c);
             let scalar = run(&c, SimdLevel::Scalar);
             for level in quant::available_simd_levels() {
@@ -850,18 +856,7 @@ fn batches_longer_than_a_block_of_tokens() {
     {
         let mut r = Rng(0x5eed ^ ty.id() as u64 ^ n_tokens as u64);
         let (k, rows) = (256, 9);
-        let w = rand_blocks(ty, rows * k / ty.block_len(), &mut r);
-        let x: Vec<f32> = (0..n_tokens * k).map(|_| r.unit()).collect();
-        let mut acts = QuantizedActivations::new();
-        quant::quantize_activations(ty, &x, n_tokens, k, &mut acts).unwrap();
-        let c = Case {
-            ty,
-            k,
-            rows,
-            n_tokens,
-            w,
-            acts,
-        };
+        let c = random_case(ty, rows, k, n_tokens, &mut r);
         let want = reference(&c);
         let scalar = run(&c, SimdLevel::Scalar);
         let same_order = !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);

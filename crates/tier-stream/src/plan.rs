@@ -1061,10 +1061,9 @@ mod tests {
         assert_eq!(spread(5, 0), Vec::<usize>::new());
     }
 
-    #[test]
-    fn all_resident_when_it_fits() {
-        let shape = ModelShape::from_dims(4, 64, 4, 2, 128, 257, 8.5, 8.5);
-        let p = plan(&PlanRequest {
+    /// The CPU plan of `shape` in 1 GiB of RAM, 256 tokens of context.
+    fn plan_in_a_gib(shape: ModelShape) -> Plan {
+        plan(&PlanRequest {
             shape,
             budgets: Budgets {
                 device: None,
@@ -1075,7 +1074,12 @@ mod tests {
             depth: 2,
             ram_tier: RamTier::Raw,
         })
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn all_resident_when_it_fits() {
+        let p = plan_in_a_gib(ModelShape::from_dims(4, 64, 4, 2, 128, 257, 8.5, 8.5));
         assert_eq!(p.counts(), (4, 0, 0));
         assert_eq!(p.device_slots, 0);
     }
@@ -1110,18 +1114,7 @@ mod tests {
             1 << 30,
         );
         assert_eq!(chunk.scratch, dense_chunk.scratch + experts);
-        let p = plan(&PlanRequest {
-            shape: shape.clone(),
-            budgets: Budgets {
-                device: None,
-                ram: 1 << 30,
-            },
-            ctx: 256,
-            batch: 8,
-            depth: 2,
-            ram_tier: RamTier::Raw,
-        })
-        .unwrap();
+        let p = plan_in_a_gib(shape.clone());
         let speeds = Speeds {
             compute_bytes_per_s: 1e6,
             h2d_bytes_per_s: 1e9,
