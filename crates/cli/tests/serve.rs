@@ -634,7 +634,12 @@ fn a_full_queue_is_503_and_an_aborted_stream_frees_its_sequence() {
     let mut buf = [0u8; 4096];
     while seen.windows(6).filter(|w| w == b"data: ").count() < 2 {
         let n = stream.read(&mut buf).unwrap();
-        assert!(n > 0, "the stream ended early");
+        // What came before the end says why (seen once, under load, in a fresh clone).
+        assert!(
+            n > 0,
+            "the stream ended early after: {}",
+            String::from_utf8_lossy(&seen)
+        );
         seen.extend_from_slice(&buf[..n]);
     }
     assert_eq!(s.metric("ballast_requests_running"), 1.0);
