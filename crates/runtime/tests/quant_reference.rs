@@ -229,19 +229,8 @@ fn make_case(ty: GgmlType, seed: u64) -> Case {
     // and tokens not divisible by the tile.
     let rows = 1 + r.below(19);
     let n_tokens = 1 + r.below(27);
-    let w = rand_blocks(ty, rows * k / ty.block_len(), &mut r);
     let scale = [0.0, 1e-3, 1.0, 100.0][r.below(4)];
-    let x: Vec<f32> = (0..n_tokens * k).map(|_| r.unit() * scale).collect();
-    let mut acts = QuantizedActivations::new();
-    quant::quantize_activations(ty, &x, n_tokens, k, &mut acts).unwrap();
-    Case {
-        ty,
-        k,
-        rows,
-        n_tokens,
-        w,
-        acts,
-    }
+    random_case(ty, rows, k, n_tokens, scale, &mut r)
 }
 
 /// f64 reference dot products of the dequantized weights and dequantized activations, with
@@ -303,10 +292,17 @@ fn reference(c: &Case) -> Vec<(f64, f64)> {
 }
 
 /// A case of `rows` random weight rows of `k` values against `n_tokens` random
-/// activations in [-1, 1).
-fn random_case(ty: GgmlType, rows: usize, k: usize, n_tokens: usize, r: &mut Rng) -> Case {
+/// activations in [-scale, scale).
+fn random_case(
+    ty: GgmlType,
+    rows: usize,
+    k: usize,
+    n_tokens: usize,
+    scale: f32,
+    r: &mut Rng,
+) -> Case {
     let w = rand_blocks(ty, rows * k / ty.block_len(), r);
-    let x: Vec<f32> = (0..n_tokens * k).map(|_| r.unit()).collect();
+    let x: Vec<f32> = (0..n_tokens * k).map(|_| r.unit() * scale).collect();
     let mut acts = QuantizedActivations::new();
     quant::quantize_activations(ty, &x, n_tokens, k, &mut acts).unwrap();
     Case {
@@ -820,7 +816,7 @@ fn model_shapes_agree_across_levels() {
             if k % ty.block_len() != 0 {
                 continue;
             }
-            let c = random_case(ty, rows, k, n, &mut r);
+            let c = random_case(ty, rows, k, n, 1.0, &mut r);
             let want = reference(&c);
             let scalar = run(&c, SimdLevel::Scalar);
             for level in quant::available_simd_levels() {
@@ -856,7 +852,7 @@ fn batches_longer_than_a_block_of_tokens() {
     {
         let mut r = Rng(0x5eed ^ ty.id() as u64 ^ n_tokens as u64);
         let (k, rows) = (256, 9);
-        let c = random_case(ty, rows, k, n_tokens, &mut r);
+        let c = random_case(ty, rows, k, n_tokens, 1.0, &mut r);
         let want = reference(&c);
         let scalar = run(&c, SimdLevel::Scalar);
         let same_order = !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
