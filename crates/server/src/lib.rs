@@ -290,6 +290,8 @@ fn make_ready(engine: Engine, state: &http::AppState) -> Result<Scheduled, Error
         template,
         context,
     };
+    // Slots first: a handler that sees `ready` may queue at once.
+    state.shared.set_slots(engine.sessions.len());
     let _ = state.ready.set(ready);
     Ok(Scheduled {
         model: engine.model,
@@ -354,4 +356,51 @@ pub fn router(config: ServerConfig, engine: Engine) -> Result<axum::Router, Erro
         .name("ballast-scheduler".into())
         .spawn(move || ready.run(batch))?;
     Ok(http::router(state))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ballast_runtime::gguf::GgufFile;
+    use ballast_runtime::testing::TinyModelSpec;
+    use ballast_runtime::CpuBackend;
+
+    /// A handler may queue as soon as the engine is ready, before the scheduler thread
+    /// has run at all: the slots must already be counted, or a server with no queue
+    /// refuses its first request as "busy" (seen once in CI).
+    #[test]
+    fn a_ready_engine_takes_a_request_before_the_scheduler_runs() {
+        let file = Arc::new(
+            GgufFile::from_bytes(TinyModelSpec::default().to_gguf_bytes().unwrap()).unwrap(),
+        );
+        let tokenizer = Tokenizer::from_gguf(&file).unwrap();
+        let model = Model::load(file, Arc::new(CpuBackend::new(1)), false).unwrap();
+        let engine = Engine {
+            sessions: vec![Session::new(model.share(), 64).unwrap()],
+            model,
+            tokenizer,
+            chat_template: None,
+            speculation: None,
+        };
+        let mut config = ServerConfig::new("tiny");
+        config.max_queue = 0;
+        let shared = Arc::new(scheduler::Shared::new(config.max_queue));
+        let state = http::AppState::new(config, shared.clone());
+        let _scheduled = make_ready(engine, &state).unwrap();
+        let generation = api::parse_request(
+            br#"{"prompt": [1, 2], "max_tokens": 1}"#,
+            api::Endpoint::Completion,
+            "tiny",
+        )
+        .unwrap();
+        let job = |events| scheduler::Job {
+            prompt: vec![1, 2],
+            generation: generation.clone(),
+            events,
+        };
+        let (events, _rx) = tokio::sync::mpsc::unbounded_channel();
+        assert!(shared.submit(job(events.clone())).is_ok());
+        // One slot, no queue: the second is the one refused.
+        assert_eq!(shared.submit(job(events)).unwrap_err().status, 503);
+    }
 }

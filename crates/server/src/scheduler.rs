@@ -123,6 +123,12 @@ impl Shared {
         Ok(())
     }
 
+    /// Sets the number of slots. Called before the handlers may queue anything: a
+    /// request that came before it would find no slot and a zero-length queue full.
+    pub(crate) fn set_slots(&self, slots: usize) {
+        self.parallel.store(slots, Relaxed);
+    }
+
     /// Asks the scheduler thread to stop.
     pub fn shutdown(&self) {
         self.lock().shutdown = true;
@@ -172,7 +178,6 @@ pub fn run(
 ) {
     let capacity: usize = sessions.iter().map(|s| s.kv().capacity()).sum();
     shared.metrics.kv_capacity.store(capacity as u64, Relaxed);
-    shared.parallel.store(sessions.len(), Relaxed);
     let (mut drafters, draft) = match speculation {
         Some(s) => (s.drafters, s.options),
         None => (Vec::new(), DraftOptions::default()),
