@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use ballast_runtime::backend::DeviceMemory;
+use ballast_runtime::backend::Telemetry;
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::gpu::GpuContext;

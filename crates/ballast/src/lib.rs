@@ -245,6 +245,7 @@ impl EngineBuilder {
             mapped,
             ctx: planned_context,
             batch: self.batch,
+            threads,
         };
         let built = store::build(&source, backend, &self.store, reserve.bytes)?;
         let out_of_core = built.tiered.is_some();

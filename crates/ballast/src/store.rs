@@ -363,6 +363,8 @@ pub(crate) struct Source<'a> {
     /// Prompt tokens per pass; `None`: [`DEFAULT_BATCH`] resident, [`streamed_batch`]
     /// when layers stream.
     pub batch: Option<usize>,
+    /// Threads the process computes with (each holds scratch the budget reserves).
+    pub threads: usize,
 }
 
 /// Builds the model of `src` with the store `opts` ask for, sized for its context and
@@ -381,12 +383,13 @@ pub(crate) fn build(
         path,
         mapped,
         ctx,
+        threads,
         ..
     } = *src;
     // A pass never holds more tokens than the context.
     let batch = src.batch.unwrap_or(DEFAULT_BATCH).clamp(1, ctx.max(1));
     // A backend with its own device (wgpu) gets a plan with a device tier.
-    let separate_device = backend.device_forward().is_some();
+    let separate_device = backend.executor().is_some();
     ensure!(
         opts.vram.is_none() || separate_device,
         "--vram is GPU memory, and this run computes on the CPU, from RAM: use --ram, or --device gpu"
@@ -432,7 +435,7 @@ pub(crate) fn build(
                 .at("loading", path)?;
             if separate_device {
                 // Decoded layers are lent per pass: the device uploads them into slots.
-                if let Some(memory) = backend.device_memory() {
+                if let Some(memory) = backend.residency() {
                     memory.set_stream_slots(2);
                 }
             }
@@ -456,7 +459,7 @@ pub(crate) fn build(
         }
         _ => {}
     }
-    let own = process_reserve(Some(file), backend.n_threads());
+    let own = process_reserve(Some(file), threads);
     // Sized once: the choice of a store and the plan see the same budget.
     let mut sized = None;
     let kind = match opts.kind {
@@ -630,7 +633,7 @@ pub(crate) fn build(
     };
     if !p.unified {
         // Tiers B and C are uploaded per use into the device slots the plan sized.
-        if let Some(memory) = backend.device_memory() {
+        if let Some(memory) = backend.residency() {
             memory.set_stream_slots(p.device_slots.max(1));
         }
     }

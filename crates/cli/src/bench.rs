@@ -261,7 +261,7 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
         let tokenizer = engine.tokenizer().clone();
         let (model, sparse) = (engine.into_model(), report.sparse);
         let backend = model.backend().clone();
-        let on_device = backend.device_forward().is_some();
+        let on_device = backend.executor().is_some();
         // Dense MLP weight bytes a decoded token reads, for the sparse MLP's figures.
         let dense_mlp_bytes: u64 = file
             .tensors()
@@ -341,7 +341,7 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
                 .map(|s| *s.lock().unwrap_or_else(|p| p.into_inner()));
             for _ in 0..args.repetitions {
                 generator.session_mut().rewind(depth);
-                backend.op_times().reset();
+                backend.telemetry().op_times().reset();
                 let start = Instant::now();
                 // On a device, greedy decoding reads back one id per token.
                 generator.prompt(&first)?;
@@ -355,7 +355,7 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
                 wall += elapsed;
                 let kv = generator.session().kv();
                 kv_held = Some((kv.len(), kv.held_bytes().total()));
-                let s = backend.op_times().snapshot();
+                let s = backend.telemetry().op_times().snapshot();
                 busy.matmul += s.matmul;
                 busy.attention += s.attention;
                 busy.other += s.other;
@@ -490,19 +490,15 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
             }
             let at = session.tokens().len();
             session.feed_greedy(&tokens[tokens.len() - 1..])?;
-            let memory = backend.device_memory();
-            let last = || memory.and_then(|m| m.last_pass()).unwrap_or_default();
+            let telemetry = backend.telemetry();
+            let last = || telemetry.last_pass().unwrap_or_default();
             let plain = last();
             session.rewind(at);
-            if let Some(m) = memory {
-                m.set_profiling(true);
-            }
+            telemetry.set_profiling(true);
             session.feed_greedy(&tokens[tokens.len() - 1..])?;
-            if let Some(m) = memory {
-                m.set_profiling(false);
-            }
+            telemetry.set_profiling(false);
             let profiled = last();
-            let peak = memory.map_or(0, |m| m.bytes().1);
+            let peak = backend.residency().map_or(0, |m| m.bytes().1);
             // The device's KV cache per element type: one short pass on a cache of
             // each (same context), reading what the pass says it attended over.
             let shape = session.model().kv_shape();

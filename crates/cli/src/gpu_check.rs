@@ -145,7 +145,7 @@ pub fn run(args: GpuCheckArgs) -> Result<()> {
             let mut bytes = 0u64;
             for _ in 0..args.n_gen {
                 next = session.feed_greedy(&[next])?;
-                if let Some(r) = gpu.device_memory().and_then(|m| m.last_pass()) {
+                if let Some(r) = gpu.telemetry().last_pass() {
                     bytes += r.weight_bytes_read + r.kv_bytes_read + r.activation_bytes_read;
                 }
             }

@@ -202,12 +202,7 @@ pub fn run(mut args: RunArgs) -> Result<()> {
         let m = crate::tiered::measured(before, t.stats.get(), generated.saturating_sub(1));
         // With a separate device, the last decode pass's uploads (tiers B and C).
         let uploaded = (!t.plan.unified)
-            .then(|| {
-                backend
-                    .device_memory()
-                    .and_then(|m| m.last_pass())
-                    .map(|r| r.bytes_uploaded)
-            })
+            .then(|| backend.telemetry().last_pass().map(|r| r.bytes_uploaded))
             .flatten();
         (
             m,
@@ -219,7 +214,7 @@ pub fn run(mut args: RunArgs) -> Result<()> {
     // The last decode step on a device: its submissions and what came back (the KV
     // rows stay on the device).
     let last_pass = (generated > 1)
-        .then(|| backend.device_memory().and_then(|m| m.last_pass()))
+        .then(|| backend.telemetry().last_pass())
         .flatten();
     if args.json {
         writeln!(
@@ -250,7 +245,7 @@ pub fn run(mut args: RunArgs) -> Result<()> {
                     "stall_ms_per_token": m.stall_per_token.as_secs_f64() * 1e3,
                     "read_ms_per_token": m.read_time_per_token.as_secs_f64() * 1e3,
                 })),
-                "peak_device_bytes": backend.device_memory().map(|m| m.bytes().1),
+                "peak_device_bytes": backend.residency().map(|m| m.bytes().1),
                 "compressed": compressed.as_ref().map(|h| {
                     let c = h.get();
                     json!({
@@ -331,7 +326,7 @@ pub fn run(mut args: RunArgs) -> Result<()> {
                 );
             }
         }
-        if let Some((_, device_peak)) = backend.device_memory().map(|m| m.bytes()) {
+        if let Some((_, device_peak)) = backend.residency().map(|m| m.bytes()) {
             eprintln!("peak device memory: {}", common::human_bytes(device_peak));
         }
         if let Some(r) = &last_pass {

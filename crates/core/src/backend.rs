@@ -2,7 +2,7 @@
 //!
 //! The model is written once against this trait. `ballast-runtime` implements it: its
 //! CPU backend is the numerical reference that every other backend is tested against,
-//! and its wgpu backend runs whole passes on a GPU ([`DeviceForward`]). Weights arrive
+//! and its wgpu backend runs whole passes on a GPU ([`DeviceExecutor`]). Weights arrive
 //! quantized, exactly as packed in the GGUF file; a backend dequantizes inside its
 //! kernels and never keeps an f32 copy of a weight.
 
@@ -324,29 +324,40 @@ pub trait ElementwiseOps {
 }
 
 /// A compute backend: the op families of the forward pass on token-major f32 rows
-/// (`n_tokens × width`) in host memory, plus, for a backend with a device of its own, a
-/// whole-pass executor ([`Backend::device_forward`]) and its memory
-/// ([`Backend::device_memory`]).
+/// (`n_tokens × width`) in host memory, and the optional capabilities a caller asks
+/// for by name, each a trait of its own so a caller sees only what it needs:
+///
+/// - [`Backend::telemetry`]: where the time went (op times; a device's pass reports);
+/// - [`Backend::executor`]: whole forward passes on the backend's own device, and the
+///   KV caches whose rows live there (a GPU; `None` on the CPU, where the model runs
+///   the pass op by op on host memory);
+/// - [`Backend::residency`]: the device memory weights are held in (stream slots,
+///   bytes, release);
+/// - [`Backend::neurons`]: stores of neuron records and the MLP over them, for the
+///   sparse-MLP lever.
 ///
 /// Bring the families into scope to call them on a `&dyn Backend`:
 /// `use ballast_core::backend::ops::*;`.
 pub trait Backend:
-    LinearOps + NormOps + RopeOps + AttentionOps + ElementwiseOps + NeuronOps + Send + Sync
+    LinearOps + NormOps + RopeOps + AttentionOps + ElementwiseOps + Send + Sync
 {
     /// A human-readable name: the device, and the SIMD level or adapter.
     fn name(&self) -> String;
-    /// Threads the backend computes with.
-    fn n_threads(&self) -> usize;
-    /// Time spent per op family.
-    fn op_times(&self) -> &OpTimes;
+    /// Where the backend's time goes.
+    fn telemetry(&self) -> &dyn Telemetry;
     /// A way to run whole forward passes on the backend's own device, keeping
-    /// activations and a mirror of the KV cache there. `None` (the CPU backend): the
+    /// activations and a mirror of the KV cache there. `None` (the default): the
     /// model runs the pass op by op on host memory.
-    fn device_forward(&self) -> Option<&dyn DeviceForward> {
+    fn executor(&self) -> Option<&dyn DeviceExecutor> {
         None
     }
     /// The backend's own memory, if it computes from memory other than the host's.
-    fn device_memory(&self) -> Option<&dyn DeviceMemory> {
+    fn residency(&self) -> Option<&dyn Residency> {
+        None
+    }
+    /// Neuron stores and the neuron MLP, if the backend has them (the sparse-MLP
+    /// lever's fast path; without them it uses row-selected products).
+    fn neurons(&self) -> Option<&dyn NeuronOps> {
         None
     }
 }
@@ -354,54 +365,45 @@ pub trait Backend:
 /// The op families, to bring into scope at once: `use ballast_core::backend::ops::*;`.
 pub mod ops {
     pub use super::{AttentionOps, ElementwiseOps, LinearOps, NormOps, RopeOps};
-    pub use crate::neurons::NeuronOps;
 }
 
-/// The memory of a backend that computes from a device of its own (a GPU): stream
-/// slots, byte accounting, and the figures of its passes.
-pub trait DeviceMemory: Send + Sync {
+/// Where a backend's time goes: op times by family, and on a device the figures of
+/// its last pass.
+pub trait Telemetry: Send + Sync {
+    /// Time spent per op family.
+    fn op_times(&self) -> &OpTimes;
+    /// Asks for per-kernel timings in [`Telemetry::last_pass`] (where the device has
+    /// timestamp queries). Nothing by default.
+    fn set_profiling(&self, on: bool) {
+        let _ = on;
+    }
+    /// Figures of the last device pass: traffic, dispatches, kernel timings. `None`
+    /// where nothing runs as a device pass.
+    fn last_pass(&self) -> Option<PassReport> {
+        None
+    }
+}
+
+/// Op times are a host backend's whole telemetry.
+impl Telemetry for OpTimes {
+    fn op_times(&self) -> &OpTimes {
+        self
+    }
+}
+
+/// The memory of a backend that computes from a device of its own (a GPU): the
+/// stream slots streamed layers are uploaded into, and the bytes it holds.
+pub trait Residency: Send + Sync {
     /// Sets how many streamed layers the device holds at once: the slots that layers
     /// whose bytes may not be cached on the device are uploaded into (a tiered store's
     /// plan sizes them).
     fn set_stream_slots(&self, n: usize);
     /// Device bytes held now and at the peak.
     fn bytes(&self) -> (u64, u64);
-    /// Asks for per-kernel timings in [`DeviceMemory::last_pass`] (where the device has
-    /// timestamp queries).
-    fn set_profiling(&self, on: bool);
-    /// Figures of the last device pass: traffic, dispatches, kernel timings.
-    fn last_pass(&self) -> Option<PassReport>;
     /// Drops the device copies of the weights read from file `file`
     /// ([`crate::weights::WeightId::file`]): a model going away gives its weights' device
     /// memory back.
     fn release_file(&self, file: u64);
-    /// A KV cache whose rows live on this device, in `element`, for `capacity` tokens
-    /// of `shape`: device passes write and attend over it in place and read back no
-    /// keys or values. `None` (the default) where the device keeps no rows of its own;
-    /// the caller then uses a host cache.
-    fn new_kv_cache(
-        &self,
-        shape: KvShape,
-        capacity: usize,
-        element: KvElement,
-    ) -> Result<Option<Box<dyn KvCache>>> {
-        let _ = (shape, capacity, element);
-        Ok(None)
-    }
-    /// [`DeviceMemory::new_kv_cache`] whose layer `l` keeps only the last `windows[l]`
-    /// tokens when that is `Some` (a sliding-window layer: room for the window plus
-    /// one pass of at most `chunk` tokens). The default keeps every token.
-    fn new_windowed_kv_cache(
-        &self,
-        shape: KvShape,
-        capacity: usize,
-        element: KvElement,
-        windows: &[Option<usize>],
-        chunk: usize,
-    ) -> Result<Option<Box<dyn KvCache>>> {
-        let _ = (windows, chunk);
-        self.new_kv_cache(shape, capacity, element)
-    }
 }
 
 /// Hands a device pass layer `i`'s weights for this pass (the model asks its
@@ -420,14 +422,15 @@ pub struct DeviceForwardInput<'a> {
     pub positions: &'a [u32],
 }
 
-/// A whole forward pass recorded and submitted at once on a device.
-pub trait DeviceForward: Send + Sync {
+/// Whole forward passes recorded and submitted at once on a device, over KV caches
+/// whose rows live there.
+pub trait DeviceExecutor: Send + Sync {
     /// Records the ops of `graph` over `sequences` (consecutive rows of the pass, each
     /// with its own cache; one for a single session, several for a batched step),
     /// taking layers from `layers` as [`crate::graph::Op::BeginLayer`] asks: each
     /// layer's weights are read (or uploaded) once for every sequence, and each
     /// sequence's new keys and values are appended to its cache (in place when it is
-    /// the backend's own device cache, see [`DeviceMemory::new_kv_cache`]). Puts the
+    /// the backend's own device cache, see [`DeviceExecutor::new_kv_cache`]). Puts the
     /// graph's logits in `out` (or returns the greedy id when the graph wants only
     /// that). The sequences' policies are not run here. The MLP lever's host sync points ([`crate::graph::Op::FfnPrepare`],
     /// [`crate::graph::Op::FeedForward`]) cost one read-back each, and `ffn`'s output is
@@ -444,6 +447,33 @@ pub trait DeviceForward: Send + Sync {
         ffn: &mut dyn FeedForward,
         out: &mut Vec<f32>,
     ) -> Result<Option<u32>>;
+    /// A KV cache whose rows live on this device, in `element`, for `capacity` tokens
+    /// of `shape`: device passes write and attend over it in place and read back no
+    /// keys or values. `None` (the default) where the device keeps no rows of its own;
+    /// the caller then uses a host cache.
+    fn new_kv_cache(
+        &self,
+        shape: KvShape,
+        capacity: usize,
+        element: KvElement,
+    ) -> Result<Option<Box<dyn KvCache>>> {
+        let _ = (shape, capacity, element);
+        Ok(None)
+    }
+    /// [`DeviceExecutor::new_kv_cache`] whose layer `l` keeps only the last `windows[l]`
+    /// tokens when that is `Some` (a sliding-window layer: room for the window plus
+    /// one pass of at most `chunk` tokens). The default keeps every token.
+    fn new_windowed_kv_cache(
+        &self,
+        shape: KvShape,
+        capacity: usize,
+        element: KvElement,
+        windows: &[Option<usize>],
+        chunk: usize,
+    ) -> Result<Option<Box<dyn KvCache>>> {
+        let _ = (windows, chunk);
+        self.new_kv_cache(shape, capacity, element)
+    }
 }
 
 /// Time of one kernel over a pass, from timestamp queries.

@@ -11,7 +11,7 @@
 //!
 //! Two executors exist: [`run_on_host`] runs the list eagerly through the [`Backend`]
 //! ops on host memory (the CPU backend, and any backend when the pass has host sync
-//! points); a device backend records it whole ([`crate::backend::DeviceForward`]).
+//! points); a device backend records it whole ([`crate::backend::DeviceExecutor`]).
 //! Ops that must look at host data (a lever's MLP, a KV policy acting between layers)
 //! are host sync points ([`Op::is_host_sync`]).
 //!

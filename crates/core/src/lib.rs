@@ -4,8 +4,10 @@
 //! built on it stays small. `ballast-runtime` implements the backends and the model on
 //! top of it and re-exports every module here at the same path.
 //!
-//! - [`Backend`]: the ops of the forward pass ([`backend`]); [`DeviceForward`] for whole
-//!   passes on a device.
+//! - [`Backend`]: the ops of the forward pass ([`backend`]), and what a backend may
+//!   also offer: [`DeviceExecutor`] for whole passes on a device, [`Residency`] for its
+//!   memory, [`Telemetry`] for where the time went, [`neurons::NeuronOps`] for the
+//!   sparse MLP's neuron stores.
 //! - [`WeightStore`]: hands each layer's weights ([`weights`]) to one forward pass
 //!   ([`store`]); [`ResidentStore`] keeps them all resident.
 //! - [`KvCache`] and [`KvPolicy`]: keys and values of the tokens seen, and what to evict
@@ -70,7 +72,7 @@ pub mod neurons;
 pub mod store;
 pub mod weights;
 
-pub use backend::{Backend, DeviceForward};
+pub use backend::{Backend, DeviceExecutor, Residency, Telemetry};
 pub use config::ModelConfig;
 pub use error::{Error, Result};
 pub use ffn::{DenseFfn, FeedForward};

@@ -138,42 +138,22 @@ pub fn check_slots(slots: &[u32], capacity: usize) -> Result<()> {
 }
 
 /// A backend's neuron stores: numbered sets of slots holding neuron records, and the
-/// SwiGLU MLP over some of them. The defaults refuse: a backend that has no such store
-/// says so, and the sparse-MLP lever falls back to its row-selected products.
-pub trait NeuronOps {
+/// SwiGLU MLP over some of them. A backend that has them offers them through
+/// [`crate::Backend::neurons`]; where it says `None`, the sparse-MLP lever uses its
+/// row-selected products instead.
+pub trait NeuronOps: Send + Sync {
     /// Creates store `store` (replacing one of that number) with `capacity` slots for
     /// records of `layout`, their content undefined until written.
-    fn neuron_slots_create(
-        &self,
-        store: u64,
-        capacity: usize,
-        layout: &NeuronLayout,
-    ) -> Result<()> {
-        let _ = (store, capacity, layout);
-        Err(unsupported("neuron stores"))
-    }
+    fn neuron_slots_create(&self, store: u64, capacity: usize, layout: &NeuronLayout)
+        -> Result<()>;
     /// Writes `records` (`slots.len()` records, one after another) into `slots` of
     /// `store`. On a device this is the upload a cache miss costs, and it is counted as
     /// uploaded bytes.
-    fn neuron_slots_write(&self, store: u64, slots: &[u32], records: &[u8]) -> Result<()> {
-        let _ = (store, slots, records);
-        Err(unsupported("neuron stores"))
-    }
+    fn neuron_slots_write(&self, store: u64, slots: &[u32], records: &[u8]) -> Result<()>;
     /// Frees store `store` (nothing if there is none).
-    fn neuron_slots_free(&self, store: u64) {
-        let _ = store;
-    }
+    fn neuron_slots_free(&self, store: u64);
     /// The SwiGLU MLP over the neurons in `job.slots` ([`NeuronMlpJob`]).
-    fn neuron_mlp(&self, job: NeuronMlpJob<'_>) -> Result<()> {
-        let _ = job;
-        Err(unsupported("the neuron MLP"))
-    }
-}
-
-fn unsupported(what: &str) -> crate::Error {
-    crate::Error::InvalidArgument {
-        what: format!("this backend has no {what}"),
-    }
+    fn neuron_mlp(&self, job: NeuronMlpJob<'_>) -> Result<()>;
 }
 
 /// `values` (a multiple of 32) quantized to Q8_0 as ggml's reference quantizer does:

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use ballast_kv_cache::{new_cache, Precision, StreamingLlm, UpdateMode};
-use ballast_runtime::backend::DeviceMemory;
+use ballast_runtime::backend::{DeviceExecutor, Telemetry};
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::testing::TinyModelSpec;
 use ballast_runtime::{

@@ -880,13 +880,13 @@ fn parallel_regions_are_counted_with_their_barrier_wait() {
             )
             .unwrap();
         }
-        let s = be.op_times().snapshot();
+        let s = be.telemetry().op_times().snapshot();
         assert_eq!(s.regions, regions, "{threads} threads");
         assert!(
             s.thread_wait <= s.matmul,
             "the wait is part of the products' time"
         );
-        be.op_times().reset();
-        assert_eq!(be.op_times().snapshot().regions, 0);
+        be.telemetry().op_times().reset();
+        assert_eq!(be.telemetry().op_times().snapshot().regions, 0);
     }
 }

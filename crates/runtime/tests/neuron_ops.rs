@@ -6,7 +6,7 @@
 use ballast_runtime::backend::ops::*;
 use ballast_runtime::backend::MatmulJob;
 use ballast_runtime::ggml_type::GgmlType;
-use ballast_runtime::neurons::{axpy_row, quantize_q8_0, NeuronLayout, NeuronMlpJob};
+use ballast_runtime::neurons::{axpy_row, quantize_q8_0, NeuronLayout, NeuronMlpJob, NeuronOps};
 use ballast_runtime::quant::{self, SimdLevel};
 use ballast_runtime::weights::Weight;
 use ballast_runtime::CpuBackend;

@@ -491,7 +491,7 @@ fn greedy_speculative_decoding_equals_plain_decoding_on_wgpu() {
     let mut verified = session(&spec, wgpu.clone(), 64);
     verified.feed(&[1, 2, 3]).unwrap();
     verified.feed_scored(&[4, 5, 6, 7, 8]).unwrap();
-    let report = wgpu.device_memory().unwrap().last_pass().unwrap();
+    let report = wgpu.telemetry().last_pass().unwrap();
     assert_eq!((report.submissions, report.tokens), (1, 5));
     assert!(verified.keep_scored(2));
     let kept = verified.logits().to_vec();

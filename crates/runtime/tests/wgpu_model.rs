@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use common::tiny::{all_logits, load, max_rel_diff, IDS};
 
-use ballast_runtime::backend::DeviceMemory;
+use ballast_runtime::backend::{Residency, Telemetry};
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::gpu::GpuContext;

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use common::tiny::{all_logits, load, max_rel_diff, IDS};
 
-use ballast_runtime::backend::{DeviceMemory, MatmulJob};
+use ballast_runtime::backend::{MatmulJob, Telemetry};
 use ballast_runtime::blocks::FFN_GATE_INP;
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::gguf::GgufFile;

@@ -20,7 +20,7 @@
 use std::sync::{Arc, OnceLock};
 
 use ballast_runtime::backend::ops::*;
-use ballast_runtime::backend::DeviceMemory;
+use ballast_runtime::backend::Residency;
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::neurons::{axpy_row, quantize_q8_0, NeuronLayout, NeuronMlpJob, NeuronOps};
 use ballast_runtime::quant;

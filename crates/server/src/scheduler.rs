@@ -419,12 +419,7 @@ impl Scheduler {
         m.steps.fetch_add(1, Relaxed);
         m.step_sequences.fetch_add(inputs.len() as u64, Relaxed);
         if result.is_ok() {
-            if let Some(pass) = self
-                .model
-                .backend()
-                .device_memory()
-                .and_then(|d| d.last_pass())
-            {
+            if let Some(pass) = self.model.backend().telemetry().last_pass() {
                 m.device_bytes_uploaded
                     .fetch_add(pass.bytes_uploaded, Relaxed);
             }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use ballast_core::backend::{Backend, MatmulJob};
 use ballast_core::blocks::{FFN_DOWN, FFN_GATE, FFN_UP};
-use ballast_core::neurons::NeuronMlpJob;
+use ballast_core::neurons::{NeuronMlpJob, NeuronOps};
 use ballast_core::weights::LayerWeights;
 use ballast_core::FeedForward;
 
@@ -463,7 +463,11 @@ impl NeuronMode {
     fn ensure_store(&mut self, backend: &dyn Backend, layer: usize) -> ballast_core::Result<u64> {
         let store = self.store_base + layer as u64;
         if !self.created[layer] {
-            backend.neuron_slots_create(store, self.cache.capacity(), &self.source.layout())?;
+            neuron_ops(backend)?.neuron_slots_create(
+                store,
+                self.cache.capacity(),
+                &self.source.layout(),
+            )?;
             self.created[layer] = true;
         }
         Ok(store)
@@ -492,8 +496,8 @@ impl NeuronMode {
         let written = match pending.read.join() {
             Ok(Ok((records, read))) => {
                 let slots: Vec<u32> = pending.fills.iter().map(|&(_, s)| s).collect();
-                let written = backend
-                    .neuron_slots_write(store, &slots, &records)
+                let written = neuron_ops(backend)
+                    .and_then(|ops| ops.neuron_slots_write(store, &slots, &records))
                     .map(|()| if read > 0 { read } else { records.len() as u64 });
                 if let Some(pf) = self.prefetch.as_mut() {
                     pf.spare = records;
@@ -532,12 +536,21 @@ impl Drop for NeuronMode {
         // The stores are the cache's memory (`slots` records per layer, on a device
         // its buffers): without this they would stay on the backend, unreachable, for
         // as long as it lives.
-        if let Some(backend) = self.backend.upgrade() {
+        if let Some(ops) = self.backend.upgrade().as_deref().and_then(|b| b.neurons()) {
             for (layer, _) in self.created.iter().enumerate().filter(|(_, &c)| c) {
-                backend.neuron_slots_free(self.store_base + layer as u64);
+                ops.neuron_slots_free(self.store_base + layer as u64);
             }
         }
     }
+}
+
+/// The backend's neuron stores, or an error saying it has none.
+fn neuron_ops(backend: &dyn Backend) -> ballast_core::Result<&dyn NeuronOps> {
+    backend
+        .neurons()
+        .ok_or_else(|| ballast_core::Error::InvalidArgument {
+            what: format!("the backend {} has no neuron stores", backend.name()),
+        })
 }
 
 /// Store numbers of the neuron stores of all sparse MLPs made by this process: 2^16
@@ -1022,7 +1035,7 @@ impl SparseFfn {
                 )
                 .map_err(to_core)
                 .and_then(|read| {
-                    backend.neuron_slots_write(store, &nm.fill_slots, &nm.records)?;
+                    neuron_ops(backend)?.neuron_slots_write(store, &nm.fill_slots, &nm.records)?;
                     Ok(read)
                 });
                 match written {
@@ -1057,7 +1070,7 @@ impl SparseFfn {
                 nm.part.resize(n_tokens * d, 0.0);
                 &mut nm.part
             };
-            backend.neuron_mlp(NeuronMlpJob {
+            neuron_ops(backend)?.neuron_mlp(NeuronMlpJob {
                 store,
                 x,
                 n_tokens,

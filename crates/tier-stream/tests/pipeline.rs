@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ballast_runtime::backend::DeviceMemory;
+use ballast_runtime::backend::Telemetry;
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::gpu::GpuContext;
 use ballast_runtime::kv::DenseKv;

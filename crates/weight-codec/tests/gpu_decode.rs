@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use ballast_core::ggml_type::GgmlType;
 use ballast_core::weights::{ChunkCoding, CodedChunk};
-use ballast_runtime::backend::DeviceMemory;
+use ballast_runtime::backend::Telemetry;
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::model::load_weights;
 use ballast_runtime::testing::{gpu_for_tests, TinyModelSpec};

@@ -9,7 +9,7 @@ use std::time::Instant;
 use super::attention::{attend_head, HeadSlot};
 use super::elementwise;
 use super::ops::*;
-use super::{AttentionShape, Backend, MatmulJob, OpKind, OpTimes, Rope};
+use super::{AttentionShape, Backend, MatmulJob, OpKind, OpTimes, Rope, Telemetry};
 use crate::error::{Error, Result};
 use crate::ggml_type::GgmlType;
 use crate::kv::KvView;
@@ -152,6 +152,11 @@ impl CpuBackend {
         }
     }
 
+    /// Threads the backend computes with.
+    pub fn n_threads(&self) -> usize {
+        self.pool.n_threads()
+    }
+
     fn timed<T>(&self, kind: OpKind, f: impl FnOnce() -> T) -> T {
         let start = Instant::now();
         let out = f();
@@ -169,12 +174,12 @@ impl Backend for CpuBackend {
         )
     }
 
-    fn n_threads(&self) -> usize {
-        self.pool.n_threads()
+    fn telemetry(&self) -> &dyn Telemetry {
+        &self.times
     }
 
-    fn op_times(&self) -> &OpTimes {
-        &self.times
+    fn neurons(&self) -> Option<&dyn NeuronOps> {
+        Some(self)
     }
 }
 

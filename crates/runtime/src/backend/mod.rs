@@ -13,9 +13,9 @@ mod elementwise;
 mod wgpu;
 
 pub use ballast_core::backend::{
-    ops, AttentionOps, AttentionShape, Backend, DeviceForward, DeviceForwardInput, DeviceMemory,
-    ElementwiseOps, KernelTime, LayerSource, LinearOps, MatmulJob, NormOps, OpKind, OpTimes,
-    OpTimesSnapshot, PassReport, Rope, RopeOps, RopeStyle,
+    ops, AttentionOps, AttentionShape, Backend, DeviceExecutor, DeviceForwardInput, ElementwiseOps,
+    KernelTime, LayerSource, LinearOps, MatmulJob, NormOps, OpKind, OpTimes, OpTimesSnapshot,
+    PassReport, Residency, Rope, RopeOps, RopeStyle, Telemetry,
 };
 
 #[cfg(feature = "gpu")]

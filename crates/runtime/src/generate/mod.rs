@@ -721,7 +721,7 @@ impl Generator {
     fn greedy_on_device(&self) -> bool {
         !self.options.keep_logits
             && self.state.is_plain_greedy()
-            && self.session.model().backend().device_forward().is_some()
+            && self.session.model().backend().executor().is_some()
     }
 
     /// Tokens the cache can still take; `None` when a policy evicts to make room.

@@ -191,7 +191,7 @@ impl Drop for Shared {
     /// The last handle gone, a device backend gives back the memory of this model's
     /// weights (all read from the file of its embedding table).
     fn drop(&mut self) {
-        if let Some(memory) = self.backend.device_memory() {
+        if let Some(memory) = self.backend.residency() {
             let globals = self.store.globals();
             memory.release_file(globals.token_embd().id.file);
             if globals.output().id.file != globals.token_embd().id.file {
@@ -291,9 +291,9 @@ impl Model {
         element: KvElement,
     ) -> Result<Option<Box<dyn KvCache>>> {
         let backend = &self.shared.backend;
-        match (backend.device_forward(), backend.device_memory()) {
-            (Some(_), Some(memory)) => memory.new_kv_cache(self.kv_shape(), capacity, element),
-            _ => Ok(None),
+        match backend.executor() {
+            Some(device) => device.new_kv_cache(self.kv_shape(), capacity, element),
+            None => Ok(None),
         }
     }
 
@@ -307,15 +307,15 @@ impl Model {
         chunk: usize,
     ) -> Result<Option<Box<dyn KvCache>>> {
         let backend = &self.shared.backend;
-        match (backend.device_forward(), backend.device_memory()) {
-            (Some(_), Some(memory)) => memory.new_windowed_kv_cache(
+        match backend.executor() {
+            Some(device) => device.new_windowed_kv_cache(
                 self.kv_shape(),
                 capacity,
                 element,
                 &self.kv_windows(),
                 chunk,
             ),
-            _ => Ok(None),
+            None => Ok(None),
         }
     }
 
@@ -362,10 +362,9 @@ impl Model {
     /// matches every id up to the first near-tie, so the default keeps it. f16 and q8
     /// stay on the device as asked.
     pub fn default_kv_element(&self) -> KvElement {
-        let backend = &self.shared.backend;
-        match (backend.device_forward(), backend.device_memory()) {
-            (Some(_), Some(_)) => KvElement::F32,
-            _ => KvElement::F16,
+        match self.shared.backend.executor() {
+            Some(_) => KvElement::F32,
+            None => KvElement::F16,
         }
     }
 
@@ -546,7 +545,7 @@ impl Model {
             .ops()
             .iter()
             .any(|op| matches!(op, Op::KvPolicy { .. }));
-        if let Some(device) = shared.backend.device_forward() {
+        if let Some(device) = shared.backend.executor() {
             if !policy_sync {
                 let input = DeviceForwardInput {
                     globals,

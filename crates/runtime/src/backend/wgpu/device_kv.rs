@@ -90,7 +90,7 @@ pub(super) struct DeviceLayerKv<'a> {
 /// A [`KvCache`] whose keys and values live in device buffers of the cache's element
 /// type (f32, f16 or q8 as [`KvElement`] says; a q8 cache holds 34 bytes per 32
 /// values on the device too). Made by the wgpu backend
-/// ([`crate::backend::DeviceMemory::new_kv_cache`]); its device passes write new rows
+/// ([`crate::backend::DeviceExecutor::new_kv_cache`]); its device passes write new rows
 /// in place and read back none. Host reads ([`KvCache::view`], [`KvCache::read`],
 /// [`KvCache::save`]) read the rows back on demand; host writes
 /// ([`KvCache::append`], [`KvCache::rewrite_keys`], [`KvCache::load`]) upload and

@@ -3,6 +3,7 @@
 //! lever that calls the trait works on the GPU.
 
 use super::*;
+use ballast_core::neurons::NeuronOps;
 
 impl WgpuBackend {
     pub(super) fn timed<T>(&self, kind: OpKind, f: impl FnOnce() -> Result<T>) -> Result<T> {
@@ -44,19 +45,19 @@ impl Backend for WgpuBackend {
         format!("wgpu ({})", self.ctx.adapter())
     }
 
-    fn n_threads(&self) -> usize {
-        1
+    fn telemetry(&self) -> &dyn Telemetry {
+        self
     }
 
-    fn op_times(&self) -> &OpTimes {
-        &self.times
-    }
-
-    fn device_forward(&self) -> Option<&dyn DeviceForward> {
+    fn executor(&self) -> Option<&dyn DeviceExecutor> {
         Some(self)
     }
 
-    fn device_memory(&self) -> Option<&dyn DeviceMemory> {
+    fn residency(&self) -> Option<&dyn Residency> {
+        Some(self)
+    }
+
+    fn neurons(&self) -> Option<&dyn NeuronOps> {
         Some(self)
     }
 }
@@ -383,7 +384,11 @@ impl ElementwiseOps for WgpuBackend {
     }
 }
 
-impl DeviceMemory for WgpuBackend {
+impl Telemetry for WgpuBackend {
+    fn op_times(&self) -> &OpTimes {
+        &self.times
+    }
+
     fn set_profiling(&self, on: bool) {
         self.profile.store(on, std::sync::atomic::Ordering::Relaxed);
     }
@@ -396,7 +401,9 @@ impl DeviceMemory for WgpuBackend {
                 .clone(),
         )
     }
+}
 
+impl Residency for WgpuBackend {
     fn bytes(&self) -> (u64, u64) {
         (self.ctx.memory().current(), self.ctx.memory().peak())
     }
@@ -407,27 +414,5 @@ impl DeviceMemory for WgpuBackend {
 
     fn release_file(&self, file: u64) {
         self.release_weights_of(file);
-    }
-
-    fn new_kv_cache(
-        &self,
-        shape: crate::kv::KvShape,
-        capacity: usize,
-        element: crate::kv::KvElement,
-    ) -> Result<Option<Box<dyn KvCache>>> {
-        let cache = DeviceKv::new(self.ctx.clone(), shape, capacity, element)?;
-        Ok(Some(Box::new(cache)))
-    }
-
-    fn new_windowed_kv_cache(
-        &self,
-        shape: crate::kv::KvShape,
-        capacity: usize,
-        element: crate::kv::KvElement,
-        windows: &[Option<usize>],
-        chunk: usize,
-    ) -> Result<Option<Box<dyn KvCache>>> {
-        let cache = DeviceKv::windowed(self.ctx.clone(), shape, capacity, element, windows, chunk)?;
-        Ok(Some(Box::new(cache)))
     }
 }

@@ -6,7 +6,7 @@
 //! - The [`Backend`] ops, one submission and one read-back each, on host slices. They
 //!   exist so the backend test suite (`tests/backend_ops.rs`) holds every kernel to the
 //!   CPU reference, and so any lever that calls the trait works on the GPU.
-//! - [`DeviceForward`]: a whole forward pass recorded into one command encoder, with
+//! - [`DeviceExecutor`]: a whole forward pass recorded into one command encoder, with
 //!   activations, weights and the KV rows on the device. With a [`DeviceKv`] (the cache
 //!   sessions get on this backend) the rows live only there, in the cache's element
 //!   type, and decode of one token is one submission reading back the logits or only
@@ -52,8 +52,8 @@ use std::time::Instant;
 use super::cpu::{check_len, check_rows};
 use super::ops::*;
 use super::{
-    AttentionShape, Backend, DeviceForward, DeviceMemory, MatmulJob, OpKind, OpTimes, PassReport,
-    Rope, RopeStyle,
+    AttentionShape, Backend, DeviceExecutor, MatmulJob, OpKind, OpTimes, PassReport, Residency,
+    Rope, RopeStyle, Telemetry,
 };
 use crate::error::{Error, Result};
 use crate::ggml_type::GgmlType;

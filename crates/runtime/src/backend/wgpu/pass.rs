@@ -14,7 +14,7 @@ use super::kv::KvMirror;
 use super::ops::{record_kv_write, DeviceKvLayout, KvBinding};
 use super::record::{Params, Recorder};
 use super::{rope_table, DeviceKv, DeviceWeight, WgpuBackend, ARGMAX};
-use crate::backend::{DeviceForward, DeviceForwardInput, LayerSource, PassReport, Rope};
+use crate::backend::{DeviceExecutor, DeviceForwardInput, LayerSource, PassReport, Rope};
 use crate::error::{Error, Result};
 use crate::ffn::FeedForward;
 use crate::graph::{self, Graph, Op, PassSequence, TensorId, WeightRef};
@@ -131,7 +131,7 @@ impl WgpuBackend {
     }
 }
 
-impl DeviceForward for WgpuBackend {
+impl DeviceExecutor for WgpuBackend {
     fn forward(
         &self,
         graph: &Graph,
@@ -283,6 +283,28 @@ impl DeviceForward for WgpuBackend {
         report.tokens = n;
         *self.report.lock().unwrap_or_else(|p| p.into_inner()) = report;
         Ok(id)
+    }
+
+    fn new_kv_cache(
+        &self,
+        shape: crate::kv::KvShape,
+        capacity: usize,
+        element: crate::kv::KvElement,
+    ) -> Result<Option<Box<dyn KvCache>>> {
+        let cache = DeviceKv::new(self.ctx.clone(), shape, capacity, element)?;
+        Ok(Some(Box::new(cache)))
+    }
+
+    fn new_windowed_kv_cache(
+        &self,
+        shape: crate::kv::KvShape,
+        capacity: usize,
+        element: crate::kv::KvElement,
+        windows: &[Option<usize>],
+        chunk: usize,
+    ) -> Result<Option<Box<dyn KvCache>>> {
+        let cache = DeviceKv::windowed(self.ctx.clone(), shape, capacity, element, windows, chunk)?;
+        Ok(Some(Box::new(cache)))
     }
 }
 

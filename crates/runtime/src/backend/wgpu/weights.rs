@@ -1,7 +1,7 @@
 //! Weights on the device: uploaded as the file packs them, split by rows where one
 //! binding would exceed the device's limit, kept by their stable id (file, offset) when
 //! the store's bytes allow ([`crate::weights::WeightBytes::cache_on_device`]) until the file is released
-//! ([`crate::backend::DeviceMemory::release_file`]); small f32 vectors (norm scales,
+//! ([`crate::backend::Residency::release_file`]); small f32 vectors (norm scales,
 //! biases) uploaded once.
 
 use super::*;
