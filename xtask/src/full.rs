@@ -375,7 +375,7 @@ fn speed_table(
 /// memmoves over the threads, attention its heads). Prints medians and the KV bytes
 /// moved per step.
 fn bench_kv() -> Result<()> {
-    use ballast_kv_cache::{new_cache, set_update_threads, Precision, UpdateMode};
+    use ballast_kv_cache::{new_cache, set_update_threads, KvElement, UpdateMode};
     use ballast_runtime::backend::AttentionShape;
     use ballast_runtime::{CpuBackend, KvShape};
     use std::time::Instant;
@@ -404,7 +404,7 @@ fn bench_kv() -> Result<()> {
             for threads in [1usize, 2] {
                 set_update_threads(threads);
                 let backend = CpuBackend::new(threads);
-                let mut cache = new_cache(mode, shape, n, Precision::F16)?;
+                let mut cache = new_cache(mode, shape, n, KvElement::F16)?;
                 let fill: Vec<f32> = row.iter().cycle().take(n * dim).copied().collect();
                 let positions: Vec<u32> = (0..n as u32).collect();
                 for l in 0..shape.n_layers {

@@ -3,7 +3,7 @@
 
 use std::str::FromStr;
 
-use ballast_kv_cache::{new_cache, PolicyKind, Precision, StreamingLlm, UpdateMode};
+use ballast_kv_cache::{new_cache, KvElement, PolicyKind, StreamingLlm, UpdateMode};
 use ballast_runtime::{KvCache, KvPolicy, Model};
 
 use crate::error::{Error, Result};
@@ -58,7 +58,7 @@ pub struct KvOptions {
     pub mode: UpdateMode,
     /// Element type of cached keys and values (approximate below f32). `None`: the
     /// model's default for its backend (f16 on the CPU, f32 on a GPU).
-    pub dtype: Option<Precision>,
+    pub dtype: Option<KvElement>,
     /// What to evict. Default: nothing.
     pub policy: Eviction,
     /// Attention sinks kept by [`Eviction::Streaming`]. Default 4.
@@ -82,9 +82,8 @@ impl Default for KvOptions {
 
 impl KvOptions {
     /// The element type asked for, else the model's default for its backend.
-    pub fn precision(&self, model: &Model) -> Precision {
-        self.dtype
-            .unwrap_or_else(|| Precision::of(model.default_kv_element()))
+    pub fn element(&self, model: &Model) -> KvElement {
+        self.dtype.unwrap_or_else(|| model.default_kv_element())
     }
 
     /// The policy these options describe, for a context of `ctx` tokens.
@@ -107,8 +106,7 @@ impl KvOptions {
     /// host memory in the update mode asked for; either way its sliding-window layers
     /// (gemma3's local ones) keep only their window when no policy evicts.
     pub fn cache(&self, model: &Model, capacity: usize, chunk: usize) -> Result<Box<dyn KvCache>> {
-        let precision = self.precision(model);
-        let element = precision.element();
+        let element = self.element(model);
         // A policy evicts by cache index across every layer: its caches keep every
         // token of a windowed layer (masked past the window).
         let windowed = self.policy == Eviction::None;
@@ -121,7 +119,7 @@ impl KvOptions {
             return Ok(cache);
         }
         let mode = self.mode;
-        let make = |shape, capacity| new_cache(mode, shape, capacity, precision);
+        let make = |shape, capacity| new_cache(mode, shape, capacity, element);
         Ok(if windowed {
             model.host_kv_cache(capacity, chunk, make)?
         } else {

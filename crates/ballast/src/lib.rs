@@ -73,7 +73,7 @@ use ballast_runtime::gpu::GpuContext;
 use ballast_runtime::{Backend, CpuBackend, WgpuBackend};
 use ballast_weight_codec::PackFile;
 
-pub use ballast_kv_cache::{Precision, UpdateMode};
+pub use ballast_kv_cache::{KvElement, UpdateMode};
 pub use ballast_runtime::gpu::DeviceChoice;
 pub use ballast_runtime::{
     FinishReason, GenerateOptions, Generator, Model, SamplerConfig, Session, Step, Token, Tokenizer,

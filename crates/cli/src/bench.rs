@@ -15,7 +15,7 @@ use serde_json::json;
 use crate::common::{self, human_bytes};
 use crate::draft::DraftArgs;
 use crate::tiered::{self, StoreArgs, StoreKind};
-use ballast_kv_cache::{Precision, UpdateMode};
+use ballast_kv_cache::{KvElement, UpdateMode};
 use ballast_runtime::blocks::{FFN_DOWN, FFN_GATE, FFN_UP};
 
 /// Flags of `ballast bench` (as llama-bench's).
@@ -503,9 +503,9 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
             // each (same context), reading what the pass says it attended over.
             let shape = session.model().kv_shape();
             let mut kv_device = Vec::new();
-            for p in [Precision::F32, Precision::F16, Precision::Q8] {
+            for p in [KvElement::F32, KvElement::F16, KvElement::Q8] {
                 let model = session.model();
-                let cache = match model.device_kv_cache(ctx, p.element())? {
+                let cache = match model.device_kv_cache(ctx, p)? {
                     Some(cache) => cache,
                     None => ballast_kv_cache::new_cache(UpdateMode::PointerShift, shape, ctx, p)?,
                 };
@@ -567,7 +567,7 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
         .filter_map(|a| a.shape.window)
         .collect();
     let growing = config.n_layers - windows.len();
-    let kv_per_token: Vec<(&str, usize)> = [Precision::F32, Precision::F16, Precision::Q8]
+    let kv_per_token: Vec<(&str, usize)> = [KvElement::F32, KvElement::F16, KvElement::Q8]
         .into_iter()
         .map(|p| (p.name(), 2 * growing * p.row_bytes(kv_dim)))
         .collect();

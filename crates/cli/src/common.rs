@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use ballast::{Engine, EngineBuilder, Eviction, KvOptions, SparseMode, SparseOptions};
-use ballast_kv_cache::{Precision, UpdateMode};
+use ballast_kv_cache::{KvElement, UpdateMode};
 use ballast_runtime::gpu::DeviceChoice;
 use ballast_runtime::{model_cache, SamplerConfig};
 use clap::Args;
@@ -282,7 +282,7 @@ pub struct KvArgs {
     /// off llama.cpp's on the golden prompts. On a GPU the rows live on the device in
     /// this type (q8: 34 bytes per 32 values there too).
     #[arg(long = "kv-dtype")]
-    pub dtype: Option<Precision>,
+    pub dtype: Option<KvElement>,
     /// What to evict: `none` (the cache grows to the context, then an error),
     /// `window` (the most recent --window tokens), `streaming` (StreamingLLM: --sink
     /// first tokens plus the most recent --window).

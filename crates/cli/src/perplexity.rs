@@ -100,7 +100,7 @@ fn run_stream(args: &PerplexityArgs, engine: &mut Engine, text: &str) -> Result<
             "{} policy, {} cache, {} keys and values, capacity {}",
             args.kv.policy.name(),
             args.kv.mode.name(),
-            kv.precision(engine.model()).name(),
+            kv.element(engine.model()).name(),
             cache.capacity()
         );
         let report = stream_eval::stream_perplexity(

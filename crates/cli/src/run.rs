@@ -99,7 +99,7 @@ pub fn run(mut args: RunArgs) -> Result<()> {
     let tokenizer = engine.tokenizer().clone();
     let meta = SessionMeta {
         fingerprint: model_fingerprint(engine.file()),
-        precision: kv.precision(engine.model()),
+        precision: kv.element(engine.model()),
         mode: args.kv.mode,
     };
     let backend_name = engine.model().backend().name();

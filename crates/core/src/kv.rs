@@ -28,35 +28,19 @@ impl KvShape {
     }
 }
 
-/// The element type cached keys and values are stored in.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum KvDtype {
+/// The element type a cache stores keys and values in, as [`KvRows`] shows them: the
+/// one such type of the workspace, what every host cache, a device cache and a saved
+/// session name (`--kv-dtype` parses into it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KvElement {
     /// 4 bytes per element: exact.
     F32,
     /// 2 bytes per element, rounded to nearest even: llama.cpp's default, and ours.
     #[default]
     F16,
-}
-
-impl KvDtype {
-    /// Bytes per stored element.
-    pub fn bytes(self) -> usize {
-        match self {
-            KvDtype::F32 => 4,
-            KvDtype::F16 => 2,
-        }
-    }
-}
-
-/// The element type a cache stores rows in, as [`KvRows`] shows them: what a device
-/// that keeps the cache's rows stores too.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum KvElement {
-    /// f32.
-    F32,
-    /// f16.
-    F16,
-    /// int8 with an f16 scale per [`Q8_BLOCK`] elements.
+    /// int8 with one f16 scale per [`Q8_BLOCK`] consecutive elements of a row
+    /// (llama.cpp's `q8_0` geometry): 34 bytes per 32 elements. Approximate: measured
+    /// by perplexity against f16, not assumed.
     Q8,
 }
 
@@ -93,6 +77,20 @@ impl KvElement {
         [KvElement::F32, KvElement::F16, KvElement::Q8]
             .into_iter()
             .find(|e| e.tag() == tag)
+    }
+}
+
+impl std::str::FromStr for KvElement {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<KvElement, String> {
+        match s {
+            "f32" => Ok(KvElement::F32),
+            "f16" => Ok(KvElement::F16),
+            "q8" | "int8" | "q8_0" => Ok(KvElement::Q8),
+            other => Err(format!(
+                "unknown KV element type '{other}' (f32, f16 or q8)"
+            )),
+        }
     }
 }
 
@@ -369,10 +367,11 @@ enum Rows {
 }
 
 impl Rows {
-    fn new(dtype: KvDtype) -> Rows {
-        match dtype {
-            KvDtype::F32 => Rows::F32(Vec::new()),
-            KvDtype::F16 => Rows::F16(Vec::new()),
+    /// Rows of `element`: f32, else f16 (the only other one [`DenseKv`] accepts).
+    fn new(element: KvElement) -> Rows {
+        match element {
+            KvElement::F32 => Rows::F32(Vec::new()),
+            _ => Rows::F16(Vec::new()),
         }
     }
 
@@ -422,10 +421,10 @@ impl Rows {
         }
     }
 
-    fn from_bytes(dtype: KvDtype, b: &[u8]) -> Rows {
-        match dtype {
-            KvDtype::F32 => Rows::F32(bytemuck::pod_collect_to_vec(b)),
-            KvDtype::F16 => Rows::F16(bytemuck::pod_collect_to_vec(b)),
+    fn from_bytes(element: KvElement, b: &[u8]) -> Rows {
+        match element {
+            KvElement::F32 => Rows::F32(bytemuck::pod_collect_to_vec(b)),
+            _ => Rows::F16(bytemuck::pod_collect_to_vec(b)),
         }
     }
 }
@@ -436,7 +435,7 @@ impl Rows {
 pub struct DenseKv {
     shape: KvShape,
     capacity: usize,
-    dtype: KvDtype,
+    element: KvElement,
     keys: Vec<Rows>,
     values: Vec<Rows>,
     positions: Vec<Vec<u32>>,
@@ -447,25 +446,30 @@ impl DenseKv {
     /// An empty f16 cache of `shape` holding at most `capacity` tokens. Memory grows
     /// with use; nothing is reserved up front.
     pub fn new(shape: KvShape, capacity: usize) -> DenseKv {
-        DenseKv::with_dtype(shape, capacity, KvDtype::F16)
+        DenseKv::empty(shape, capacity, KvElement::F16)
     }
 
-    /// An empty cache storing keys and values as `dtype`.
-    pub fn with_dtype(shape: KvShape, capacity: usize, dtype: KvDtype) -> DenseKv {
+    /// An empty cache storing keys and values as `element`: f32 or f16 (int8 rows are
+    /// `ballast-kv-cache`'s, whose caches quantize them).
+    pub fn with_element(shape: KvShape, capacity: usize, element: KvElement) -> Result<DenseKv> {
+        if element == KvElement::Q8 {
+            return Err(Error::InvalidArgument {
+                what: "DenseKv keeps f32 or f16 rows; q8 rows need a ballast-kv-cache cache".into(),
+            });
+        }
+        Ok(DenseKv::empty(shape, capacity, element))
+    }
+
+    fn empty(shape: KvShape, capacity: usize, element: KvElement) -> DenseKv {
         DenseKv {
             shape,
             capacity,
-            dtype,
-            keys: vec![Rows::new(dtype); shape.n_layers],
-            values: vec![Rows::new(dtype); shape.n_layers],
+            element,
+            keys: vec![Rows::new(element); shape.n_layers],
+            values: vec![Rows::new(element); shape.n_layers],
             positions: vec![Vec::new(); shape.n_layers],
             moved: 0,
         }
-    }
-
-    /// The element type keys and values are stored in.
-    pub fn dtype(&self) -> KvDtype {
-        self.dtype
     }
 
     fn check_layer(&self, layer: usize) -> Result<()> {
@@ -485,10 +489,7 @@ impl KvCache for DenseKv {
     }
 
     fn element(&self) -> KvElement {
-        match self.dtype {
-            KvDtype::F32 => KvElement::F32,
-            KvDtype::F16 => KvElement::F16,
-        }
+        self.element
     }
 
     fn capacity(&self) -> usize {
@@ -526,7 +527,7 @@ impl KvCache for DenseKv {
         self.keys[layer].push(keys);
         self.values[layer].push(values);
         self.positions[layer].extend_from_slice(positions);
-        self.moved += (2 * keys.len() * self.dtype.bytes()) as u64;
+        self.moved += 2 * self.element.row_bytes(keys.len()) as u64;
         Ok(())
     }
 
@@ -562,7 +563,7 @@ impl KvCache for DenseKv {
             self.positions[l].drain(start..end);
             self.keys[l].drain(start * dim..end * dim);
             self.values[l].drain(start * dim..end * dim);
-            self.moved += (2 * (len - end) * dim * self.dtype.bytes()) as u64;
+            self.moved += 2 * self.element.row_bytes((len - end) * dim) as u64;
         }
     }
 
@@ -570,7 +571,7 @@ impl KvCache for DenseKv {
         let elements: usize = self.keys.iter().chain(&self.values).map(Rows::len).sum();
         let positions: usize = self.positions.iter().map(Vec::len).sum();
         TierBytes {
-            device: (elements * self.dtype.bytes() + positions * 4) as u64,
+            device: (self.element.row_bytes(elements) + positions * 4) as u64,
             ..TierBytes::default()
         }
     }
@@ -582,7 +583,7 @@ impl KvCache for DenseKv {
     fn save(&self, out: &mut dyn Write) -> Result<()> {
         let layers: Vec<LayerRows> = (0..self.shape.n_layers)
             .map(|l| {
-                let row = self.dtype.bytes() * self.shape.kv_dim();
+                let row = self.element.row_bytes(self.shape.kv_dim());
                 let (k, v) = (self.keys[l].bytes(), self.values[l].bytes());
                 let mut rows = Vec::with_capacity(k.len() + v.len());
                 for (kr, vr) in k.chunks_exact(row.max(1)).zip(v.chunks_exact(row.max(1))) {
@@ -600,8 +601,8 @@ impl KvCache for DenseKv {
 
     fn load(&mut self, input: &mut dyn Read) -> Result<()> {
         let layers = kv_payload::read(input, self.element(), self.shape, self.capacity)?;
-        let row = self.dtype.bytes() * self.shape.kv_dim();
-        let mut loaded = DenseKv::with_dtype(self.shape, self.capacity, self.dtype);
+        let row = self.element.row_bytes(self.shape.kv_dim());
+        let mut loaded = DenseKv::empty(self.shape, self.capacity, self.element);
         for (l, layer) in layers.into_iter().enumerate() {
             let n = layer.positions.len();
             let (mut k, mut v) = (Vec::with_capacity(n * row), Vec::with_capacity(n * row));
@@ -610,8 +611,8 @@ impl KvCache for DenseKv {
                 k.extend_from_slice(kr);
                 v.extend_from_slice(vr);
             }
-            loaded.keys[l] = Rows::from_bytes(self.dtype, &k);
-            loaded.values[l] = Rows::from_bytes(self.dtype, &v);
+            loaded.keys[l] = Rows::from_bytes(self.element, &k);
+            loaded.values[l] = Rows::from_bytes(self.element, &v);
             loaded.positions[l] = layer.positions;
         }
         loaded.moved = self.moved;
@@ -630,8 +631,8 @@ mod tests {
         head_dim: 4,
     };
 
-    fn filled(dtype: KvDtype) -> DenseKv {
-        let mut kv = DenseKv::with_dtype(SHAPE, 8, dtype);
+    fn filled(element: KvElement) -> DenseKv {
+        let mut kv = DenseKv::with_element(SHAPE, 8, element).unwrap();
         let k: Vec<f32> = (0..12).map(|i| i as f32 * 0.1 + 1.0 / 3.0).collect();
         let v: Vec<f32> = k.iter().map(|x| -x).collect();
         for l in 0..2 {
@@ -647,8 +648,14 @@ mod tests {
     }
 
     #[test]
+    fn q8_is_refused_by_name() {
+        let err = DenseKv::with_element(SHAPE, 8, KvElement::Q8).unwrap_err();
+        assert!(err.to_string().contains("q8"), "{err}");
+    }
+
+    #[test]
     fn f16_rounds_and_halves_the_bytes() {
-        let (a, b) = (filled(KvDtype::F32), filled(KvDtype::F16));
+        let (a, b) = (filled(KvElement::F32), filled(KvElement::F16));
         assert_eq!(first_key(&a), 1.0 / 3.0);
         assert_eq!(first_key(&b), f16::from_f32(1.0 / 3.0).to_f32());
         let positions = 2 * 3 * 4;
@@ -660,20 +667,20 @@ mod tests {
 
     #[test]
     fn save_load_round_trips_and_rejects_mismatches() {
-        for dtype in [KvDtype::F32, KvDtype::F16] {
-            let kv = filled(dtype);
+        for element in [KvElement::F32, KvElement::F16] {
+            let kv = filled(element);
             let mut bytes = Vec::new();
             kv.save(&mut bytes).unwrap();
-            let mut back = DenseKv::with_dtype(SHAPE, 8, dtype);
+            let mut back = DenseKv::with_element(SHAPE, 8, element).unwrap();
             back.load(&mut bytes.as_slice()).unwrap();
             assert_eq!(back.len(), 3);
             assert_eq!(first_key(&back), first_key(&kv));
 
             // Another element type, or a truncated file: a typed error, cache untouched.
-            let other = if dtype == KvDtype::F16 {
-                KvDtype::F32
+            let other = if element == KvElement::F16 {
+                KvElement::F32
             } else {
-                KvDtype::F16
+                KvElement::F16
             };
             let mut wrong = filled(other);
             let err = wrong.load(&mut bytes.as_slice()).unwrap_err();

@@ -471,7 +471,7 @@ impl KvCache for WindowedKv {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::{DenseKv, KvDtype};
+    use crate::kv::{DenseKv, KvElement};
     use proptest::prelude::*;
 
     const SHAPE: KvShape = KvShape {
@@ -483,7 +483,7 @@ mod tests {
 
     fn windowed(chunk: usize) -> WindowedKv {
         WindowedKv::new(SHAPE, 64, &WINDOWS, chunk, |s, c| {
-            Ok(Box::new(DenseKv::with_dtype(s, c, KvDtype::F32)))
+            Ok(Box::new(DenseKv::with_element(s, c, KvElement::F32)?))
         })
         .unwrap()
     }
@@ -527,7 +527,7 @@ mod tests {
             chunk in 5usize..8,
         ) {
             let mut kv = windowed(chunk);
-            let mut full = DenseKv::with_dtype(SHAPE, 64, KvDtype::F32);
+            let mut full = DenseKv::with_element(SHAPE, 64, KvElement::F32).unwrap();
             for (n, rewind) in steps {
                 if full.len() + n > 64 {
                     break;
@@ -597,7 +597,7 @@ mod tests {
     #[test]
     fn sessions_round_trip_and_full_payloads_load() {
         let mut kv = windowed(3);
-        let mut full = DenseKv::with_dtype(SHAPE, 64, KvDtype::F32);
+        let mut full = DenseKv::with_element(SHAPE, 64, KvElement::F32).unwrap();
         for q0 in (0..15u32).step_by(3) {
             let positions: Vec<u32> = (q0..q0 + 3).collect();
             feed(&mut kv, &positions);

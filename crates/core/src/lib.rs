@@ -77,7 +77,7 @@ pub use config::ModelConfig;
 pub use error::{Error, Result};
 pub use ffn::{DenseFfn, FeedForward};
 pub use kv::{
-    DenseKv, KvCache, KvDtype, KvElement, KvPolicy, KvRows, KvSegment, KvShape, KvView,
-    MASKED_POSITION, Q8_BLOCK,
+    DenseKv, KvCache, KvElement, KvPolicy, KvRows, KvSegment, KvShape, KvView, MASKED_POSITION,
+    Q8_BLOCK,
 };
 pub use store::{CodedLayers, ResidentStore, TierBytes, WeightStore};

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use ballast_core::backend::{Rope, RopeOps, RopeStyle};
 use ballast_core::{KvCache, KvPolicy, KvShape};
-use ballast_kv_cache::{PointerShift, Precision, StreamingLlm};
+use ballast_kv_cache::{KvElement, PointerShift, StreamingLlm};
 
 /// NeoX-style RoPE on the host: pairs `(x[i], x[i + n_dims / 2])` of each head.
 struct NeoxRope;
@@ -57,7 +57,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         freq_factors: None,
     };
     let backend = Arc::new(NeoxRope);
-    let mut cache = PointerShift::new(shape, n_sink + window, Precision::F16)?;
+    let mut cache = PointerShift::new(shape, n_sink + window, KvElement::F16)?;
     let mut policy = StreamingLlm::new(n_sink, window)?
         .with_rope(backend.clone(), vec![rope.clone(); shape.n_layers]);
 

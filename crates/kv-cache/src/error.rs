@@ -70,9 +70,9 @@ pub enum Error {
     DtypeMismatch {
         /// The file.
         path: PathBuf,
-        /// Precision in the file.
+        /// KvElement in the file.
         found: String,
-        /// Precision of the running cache.
+        /// KvElement of the running cache.
         expected: String,
     },
     /// A header field holds an impossible value.

@@ -7,7 +7,7 @@
 //!   [`SmartMask`] (evicted slots are masked and reused; nothing moves). All append a
 //!   chunk or one token without re-layout, rewind, clear, evict, report their positions
 //!   and the bytes they hold and moved.
-//! - Three storage precisions ([`Precision`]): f32, f16 (llama.cpp's default) and int8
+//! - Three storage precisions ([`KvElement`]): f32, f16 (llama.cpp's default) and int8
 //!   with an f16 scale per 32 values (llama.cpp's `q8_0` geometry, 1.0625 bytes per
 //!   value).
 //! - Policies ([`StreamingLlm`], [`PolicyKind`]): StreamingLLM (attention sinks plus a
@@ -28,11 +28,11 @@
 //! the forward pass would; `examples/streaming_llm.rs` adds attention sinks:
 //!
 //! ```
-//! use ballast_kv_cache::{PointerShift, Precision, StreamingLlm};
+//! use ballast_kv_cache::{PointerShift, KvElement, StreamingLlm};
 //! use ballast_core::{KvCache, KvPolicy, KvShape};
 //!
 //! let shape = KvShape { n_layers: 1, n_kv_heads: 1, head_dim: 32 };
-//! let mut cache = PointerShift::new(shape, 8, Precision::F16).unwrap();
+//! let mut cache = PointerShift::new(shape, 8, KvElement::F16).unwrap();
 //! let mut policy = StreamingLlm::new(0, 8).unwrap(); // a plain window of 8
 //! for pos in 0..20u32 {
 //!     policy.before_pass(&mut cache, 1).unwrap();
@@ -52,6 +52,7 @@ mod persist;
 mod policy;
 mod rows;
 
+pub use ballast_core::KvElement;
 pub use error::{Error, Result};
 pub use modes::{new_cache, set_update_threads, PointerShift, ShiftConcat, SmartMask, UpdateMode};
 pub use persist::{
@@ -59,4 +60,3 @@ pub use persist::{
     SESSION_VERSION,
 };
 pub use policy::{PolicyKind, StreamingLlm};
-pub use rows::Precision;

@@ -12,7 +12,7 @@ use ballast_core::{
     Error, KvCache, KvElement, KvSegment, KvShape, KvView, Result, MASKED_POSITION,
 };
 
-use crate::rows::{Precision, Rows};
+use crate::rows::Rows;
 
 /// How a cache lays out its tokens and what eviction costs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -79,7 +79,7 @@ pub fn new_cache(
     mode: UpdateMode,
     shape: KvShape,
     capacity: usize,
-    precision: Precision,
+    precision: KvElement,
 ) -> Result<Box<dyn KvCache>> {
     Ok(match mode {
         UpdateMode::ShiftConcat => Box::new(ShiftConcat::new(shape, capacity, precision)?),
@@ -97,7 +97,7 @@ struct Slots {
 }
 
 impl Slots {
-    fn new(precision: Precision, dim: usize) -> Slots {
+    fn new(precision: KvElement, dim: usize) -> Slots {
         Slots {
             keys: Rows::new(precision, dim),
             values: Rows::new(precision, dim),
@@ -141,15 +141,15 @@ impl Slots {
 struct Core {
     shape: KvShape,
     capacity: usize,
-    precision: Precision,
+    precision: KvElement,
     layers: Vec<Slots>,
     moved: u64,
 }
 
 impl Core {
-    fn new(shape: KvShape, capacity: usize, precision: Precision) -> Result<Core> {
+    fn new(shape: KvShape, capacity: usize, precision: KvElement) -> Result<Core> {
         let dim = shape.kv_dim();
-        if precision == Precision::Q8 && dim % ballast_core::Q8_BLOCK != 0 {
+        if precision == KvElement::Q8 && dim % ballast_core::Q8_BLOCK != 0 {
             return Err(Error::InvalidArgument {
                 what: format!(
                     "an int8 KV cache needs rows of a multiple of {} values; this model's are {dim}",
@@ -274,7 +274,7 @@ pub struct ShiftConcat {
 
 impl ShiftConcat {
     /// An empty cache of at most `capacity` tokens per layer.
-    pub fn new(shape: KvShape, capacity: usize, precision: Precision) -> Result<ShiftConcat> {
+    pub fn new(shape: KvShape, capacity: usize, precision: KvElement) -> Result<ShiftConcat> {
         Ok(ShiftConcat {
             core: Core::new(shape, capacity, precision)?,
             len: vec![0; shape.n_layers],
@@ -298,7 +298,7 @@ pub struct PointerShift {
 
 impl PointerShift {
     /// An empty ring of `capacity` slots per layer (allocated as they are first used).
-    pub fn new(shape: KvShape, capacity: usize, precision: Precision) -> Result<PointerShift> {
+    pub fn new(shape: KvShape, capacity: usize, precision: KvElement) -> Result<PointerShift> {
         if capacity == 0 {
             return Err(Error::InvalidArgument {
                 what: "a ring KV cache needs a capacity of at least one token".into(),
@@ -332,7 +332,7 @@ pub struct SmartMask {
 
 impl SmartMask {
     /// An empty masked buffer of at most `capacity` slots per layer.
-    pub fn new(shape: KvShape, capacity: usize, precision: Precision) -> Result<SmartMask> {
+    pub fn new(shape: KvShape, capacity: usize, precision: KvElement) -> Result<SmartMask> {
         Ok(SmartMask {
             core: Core::new(shape, capacity, precision)?,
             order: vec![VecDeque::new(); shape.n_layers],
@@ -626,14 +626,14 @@ fn save_layout<L: Layout>(cache: &L, out: &mut dyn Write) -> Result<()> {
             }
         })
         .collect();
-    let element = core.precision.element();
+    let element = core.precision;
     kv_payload::write(out, element, core.shape, &layers)
 }
 
 fn load_layout<L: Layout>(cache: &mut L, input: &mut dyn Read) -> Result<()> {
     let core = cache.core();
     let (shape, capacity) = (core.shape, core.capacity);
-    let element = core.precision.element();
+    let element = core.precision;
     let layers = kv_payload::read(input, element, shape, capacity)?;
     let row = element.row_bytes(shape.kv_dim());
     let mut loaded = cache.empty();
@@ -770,7 +770,7 @@ macro_rules! kv_cache_impl {
                 Ok(())
             }
             fn element(&self) -> KvElement {
-                self.core.precision.element()
+                self.core.precision
             }
             fn held_bytes(&self) -> TierBytes {
                 self.core.held()

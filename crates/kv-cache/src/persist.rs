@@ -20,7 +20,7 @@ use ballast_core::KvCache;
 
 use crate::error::{Error, Result};
 use crate::modes::UpdateMode;
-use crate::rows::Precision;
+use ballast_core::KvElement;
 
 const MAGIC: &[u8; 8] = b"BLSTSESS";
 /// The session file version this build writes (it reads this one and version 1).
@@ -31,8 +31,8 @@ pub const SESSION_VERSION: u32 = 2;
 pub struct SessionMeta {
     /// [`model_fingerprint`] of the model.
     pub fingerprint: u64,
-    /// Precision of the cache.
-    pub precision: Precision,
+    /// KvElement of the cache.
+    pub precision: KvElement,
     /// Update mode of the cache (recorded; a file loads into any mode).
     pub mode: UpdateMode,
 }
@@ -190,7 +190,7 @@ pub fn load_session(
             expected: meta.fingerprint,
         });
     }
-    let precision = Precision::from_tag(tags[0]).ok_or_else(|| Error::Invalid {
+    let precision = KvElement::from_tag(tags[0]).ok_or_else(|| Error::Invalid {
         path: p(),
         why: format!("unknown precision tag {}", tags[0]),
     })?;

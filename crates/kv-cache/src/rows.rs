@@ -1,4 +1,4 @@
-//! [`Precision`] and the slot storage every update mode is built on: one layer's keys
+//! The slot storage every update mode is built on: one layer's keys
 //! or values as fixed-size rows ("slots") in f32, f16 or int8.
 
 use std::ops::Range;
@@ -6,85 +6,6 @@ use std::ops::Range;
 use ballast_core::{KvElement, KvRows, Q8_BLOCK};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-
-/// The element type keys and values are stored in.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Precision {
-    /// 4 bytes per element: exact.
-    F32,
-    /// 2 bytes per element, rounded to nearest even (llama.cpp's default).
-    #[default]
-    F16,
-    /// int8 with one f16 scale per 32 consecutive elements of a row (llama.cpp's
-    /// `q8_0` geometry): 34 bytes per 32 elements, 1.0625 bytes per element. Rows
-    /// (`n_kv_heads * head_dim`) must be a multiple of 32 long. Approximate: measured by
-    /// perplexity against f16, not assumed.
-    Q8,
-}
-
-impl Precision {
-    /// Bytes one row of `dim` elements takes.
-    pub fn row_bytes(self, dim: usize) -> usize {
-        match self {
-            Precision::F32 => 4 * dim,
-            Precision::F16 => 2 * dim,
-            Precision::Q8 => dim + 2 * dim.div_ceil(Q8_BLOCK),
-        }
-    }
-
-    /// The name used on the command line and in session files.
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::F32 => "f32",
-            Precision::F16 => "f16",
-            Precision::Q8 => "q8",
-        }
-    }
-
-    /// The element type rows of this precision are stored as.
-    pub fn element(self) -> KvElement {
-        match self {
-            Precision::F32 => KvElement::F32,
-            Precision::F16 => KvElement::F16,
-            Precision::Q8 => KvElement::Q8,
-        }
-    }
-
-    /// The precision that stores rows as `element`.
-    pub fn of(element: KvElement) -> Precision {
-        match element {
-            KvElement::F32 => Precision::F32,
-            KvElement::F16 => Precision::F16,
-            KvElement::Q8 => Precision::Q8,
-        }
-    }
-
-    pub(crate) fn tag(self) -> u8 {
-        match self {
-            Precision::F32 => 0,
-            Precision::F16 => 1,
-            Precision::Q8 => 2,
-        }
-    }
-
-    pub(crate) fn from_tag(tag: u8) -> Option<Precision> {
-        [Precision::F32, Precision::F16, Precision::Q8]
-            .into_iter()
-            .find(|p| p.tag() == tag)
-    }
-}
-
-impl std::str::FromStr for Precision {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Precision, String> {
-        match s {
-            "f32" => Ok(Precision::F32),
-            "f16" => Ok(Precision::F16),
-            "q8" | "int8" | "q8_0" => Ok(Precision::Q8),
-            other => Err(format!("unknown KV precision '{other}' (f32, f16 or q8)")),
-        }
-    }
-}
 
 /// Quantizes one block as ggml's `quantize_row_q8_0`: scale `amax / 127` (stored as
 /// f16), quants `round(x * 127 / amax)`.
@@ -115,11 +36,11 @@ pub(crate) struct Rows {
 }
 
 impl Rows {
-    pub(crate) fn new(precision: Precision, dim: usize) -> Rows {
+    pub(crate) fn new(precision: KvElement, dim: usize) -> Rows {
         let data = match precision {
-            Precision::F32 => Data::F32(Vec::new()),
-            Precision::F16 => Data::F16(Vec::new()),
-            Precision::Q8 => Data::Q8 {
+            KvElement::F32 => Data::F32(Vec::new()),
+            KvElement::F16 => Data::F16(Vec::new()),
+            KvElement::Q8 => Data::Q8 {
                 quants: Vec::new(),
                 scales: Vec::new(),
             },
@@ -245,7 +166,7 @@ mod tests {
     #[test]
     fn q8_error_is_within_half_a_step() {
         let dim = 64;
-        let mut rows = Rows::new(Precision::Q8, dim);
+        let mut rows = Rows::new(KvElement::Q8, dim);
         rows.ensure(2);
         let x: Vec<f32> = (0..2 * dim)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.03)
@@ -262,6 +183,6 @@ mod tests {
                 );
             }
         }
-        assert_eq!(Precision::Q8.row_bytes(dim), 68);
+        assert_eq!(KvElement::Q8.row_bytes(dim), 68);
     }
 }

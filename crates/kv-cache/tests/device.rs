@@ -8,12 +8,12 @@
 
 use std::sync::Arc;
 
-use ballast_kv_cache::{new_cache, Precision, StreamingLlm, UpdateMode};
+use ballast_kv_cache::{new_cache, KvElement, StreamingLlm, UpdateMode};
 use ballast_runtime::backend::{DeviceExecutor, Telemetry};
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::testing::TinyModelSpec;
 use ballast_runtime::{
-    Backend, CpuBackend, KvCache, KvElement, KvPolicy, KvShape, Model, Session, WgpuBackend,
+    Backend, CpuBackend, KvCache, KvPolicy, KvShape, Model, Session, WgpuBackend,
 };
 
 const PROMPT: [u32; 10] = [72, 101, 108, 108, 111, 44, 32, 119, 256, 3];
@@ -24,7 +24,7 @@ fn load(backend: Arc<dyn Backend>) -> Model {
     Model::load(file, backend, false).unwrap()
 }
 
-fn session(backend: Arc<dyn Backend>, precision: Precision, policy: bool) -> Session {
+fn session(backend: Arc<dyn Backend>, precision: KvElement, policy: bool) -> Session {
     let model = load(backend.clone());
     let cache = new_cache(UpdateMode::PointerShift, model.kv_shape(), 16, precision).unwrap();
     let policy: Option<Box<dyn KvPolicy>> = policy.then(|| {
@@ -65,7 +65,7 @@ fn a_q8_cache_is_q8_on_the_device() {
     };
     let gpu = Arc::new(WgpuBackend::new(ctx));
     let mut device_bytes = Vec::new();
-    for precision in [Precision::F32, Precision::Q8] {
+    for precision in [KvElement::F32, KvElement::Q8] {
         let mut on_cpu = session(Arc::new(CpuBackend::new(1)), precision, false);
         let mut on_gpu = session(gpu.clone(), precision, false);
         let mut next = 5u32;
@@ -97,8 +97,8 @@ fn streaming_over_a_q8_cache_decodes_in_one_submission_per_token() {
         return;
     };
     let gpu = Arc::new(WgpuBackend::new(ctx));
-    let mut on_cpu = session(Arc::new(CpuBackend::new(1)), Precision::Q8, true);
-    let mut on_gpu = session(gpu.clone(), Precision::Q8, true);
+    let mut on_cpu = session(Arc::new(CpuBackend::new(1)), KvElement::Q8, true);
+    let mut on_gpu = session(gpu.clone(), KvElement::Q8, true);
     let mut next = on_cpu.feed_greedy(&PROMPT).unwrap();
     assert_eq!(on_gpu.feed_greedy(&PROMPT).unwrap(), next);
     for step in 0..20 {
@@ -109,14 +109,6 @@ fn streaming_over_a_q8_cache_decodes_in_one_submission_per_token() {
         assert_eq!(gpu.last_pass().unwrap().submissions, 1, "step {step}");
         assert!(on_gpu.kv().len() <= 16);
         next = argmax(&want);
-    }
-}
-
-fn element(precision: Precision) -> KvElement {
-    match precision {
-        Precision::F32 => KvElement::F32,
-        Precision::F16 => KvElement::F16,
-        Precision::Q8 => KvElement::Q8,
     }
 }
 
@@ -156,11 +148,11 @@ fn a_device_cache_holds_what_a_host_cache_holds() {
         head_dim: 32,
     };
     let dim = shape.kv_dim();
-    for precision in [Precision::F32, Precision::F16, Precision::Q8] {
+    for precision in [KvElement::F32, KvElement::F16, KvElement::Q8] {
         for mode in UpdateMode::ALL {
             let mut host = new_cache(mode, shape, 12, precision).unwrap();
             let mut device = gpu
-                .new_kv_cache(shape, 12, element(precision))
+                .new_kv_cache(shape, 12, precision)
                 .unwrap()
                 .expect("wgpu keeps KV rows on the device");
             let mut next_pos = 0u32;
@@ -211,10 +203,7 @@ fn a_device_cache_holds_what_a_host_cache_holds() {
             let mut host_back = new_cache(mode, shape, 12, precision).unwrap();
             host_back.load(&mut from_device.as_slice()).unwrap();
             assert_eq!(contents(host_back.as_ref()), contents(host.as_ref()));
-            let mut device_back = gpu
-                .new_kv_cache(shape, 12, element(precision))
-                .unwrap()
-                .unwrap();
+            let mut device_back = gpu.new_kv_cache(shape, 12, precision).unwrap().unwrap();
             device_back.load(&mut from_host.as_slice()).unwrap();
             assert_eq!(contents(device_back.as_ref()), contents(host.as_ref()));
             // A payload for another shape is refused, and the cache keeps its tokens.
@@ -225,7 +214,7 @@ fn a_device_cache_holds_what_a_host_cache_holds() {
                         ..shape
                     },
                     12,
-                    element(precision),
+                    precision,
                 )
                 .unwrap()
                 .unwrap();
@@ -250,11 +239,11 @@ fn a_session_on_a_device_cache_reads_back_only_logits() {
     };
     let gpu = Arc::new(WgpuBackend::new(ctx));
     let mut device_bytes = Vec::new();
-    for precision in [Precision::F32, Precision::F16, Precision::Q8] {
+    for precision in [KvElement::F32, KvElement::F16, KvElement::Q8] {
         let mut on_cpu = session(Arc::new(CpuBackend::new(1)), precision, true);
         let model = load(gpu.clone());
         let cache = gpu
-            .new_kv_cache(model.kv_shape(), 16, element(precision))
+            .new_kv_cache(model.kv_shape(), 16, precision)
             .unwrap()
             .unwrap();
         let layer_ropes = model.config().layer_ropes();

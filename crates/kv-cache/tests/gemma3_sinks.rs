@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use ballast_kv_cache::{new_cache, PolicyKind, Precision, StreamingLlm, UpdateMode};
+use ballast_kv_cache::{new_cache, KvElement, PolicyKind, StreamingLlm, UpdateMode};
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::model::Logits;
 use ballast_runtime::testing::reference_spec;
@@ -72,7 +72,7 @@ fn sink_key_errors(model: &mut Model, use_model_ropes: bool) -> Vec<f32> {
         UpdateMode::PointerShift,
         model.kv_shape(),
         N_SINK + WINDOW,
-        Precision::F32,
+        KvElement::F32,
     )
     .unwrap();
     for (t, &id) in tokens.iter().enumerate() {
@@ -101,7 +101,7 @@ fn sink_key_errors(model: &mut Model, use_model_ropes: bool) -> Vec<f32> {
         UpdateMode::PointerShift,
         model.kv_shape(),
         N_SINK,
-        Precision::F32,
+        KvElement::F32,
     )
     .unwrap();
     model

@@ -3,7 +3,7 @@
 //! over each equal within f32 rounding, on the CPU and on wgpu (a ring's two segments
 //! and a mask's masked slots included).
 
-use ballast_kv_cache::{new_cache, Precision, UpdateMode};
+use ballast_kv_cache::{new_cache, KvElement, UpdateMode};
 use ballast_runtime::backend::AttentionShape;
 use ballast_runtime::gpu::GpuContext;
 use ballast_runtime::{Backend, CpuBackend, Error, KvCache, KvShape, WgpuBackend};
@@ -49,9 +49,9 @@ fn rows(layer: usize, pos: u32) -> (Vec<f32>, Vec<f32>) {
 
 type Token = (u32, Vec<f32>, Vec<f32>);
 
-fn round(precision: Precision, x: &[f32]) -> Vec<f32> {
+fn round(precision: KvElement, x: &[f32]) -> Vec<f32> {
     match precision {
-        Precision::F16 => x.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+        KvElement::F16 => x.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
         _ => x.to_vec(),
     }
 }
@@ -85,7 +85,7 @@ fn attend_on(backend: &dyn Backend, cache: &dyn KvCache, layer: usize, q: &[f32]
     out
 }
 
-fn check(ops: &[Op], precision: Precision) -> Result<(), TestCaseError> {
+fn check(ops: &[Op], precision: KvElement) -> Result<(), TestCaseError> {
     let mut caches: Vec<Box<dyn KvCache>> = UpdateMode::ALL
         .iter()
         .map(|&m| new_cache(m, SHAPE, CAPACITY, precision).unwrap())
@@ -163,7 +163,7 @@ fn check(ops: &[Op], precision: Precision) -> Result<(), TestCaseError> {
         for (o, mode) in outs.iter().zip(UpdateMode::ALL) {
             for (a, b) in o.iter().zip(&outs[0]) {
                 let tol = match precision {
-                    Precision::F16 => 4e-3, // the kernel accumulates in f16 for an f16 cache
+                    KvElement::F16 => 4e-3, // the kernel accumulates in f16 for an f16 cache
                     _ => 1e-5,
                 };
                 prop_assert!(
@@ -177,7 +177,7 @@ fn check(ops: &[Op], precision: Precision) -> Result<(), TestCaseError> {
 }
 
 /// The three caches after `ops` (appends past the capacity are refused and skipped).
-fn after(ops: &[Op], precision: Precision) -> Vec<Box<dyn KvCache>> {
+fn after(ops: &[Op], precision: KvElement) -> Vec<Box<dyn KvCache>> {
     let mut caches: Vec<Box<dyn KvCache>> = UpdateMode::ALL
         .iter()
         .map(|&m| new_cache(m, SHAPE, CAPACITY, precision).unwrap())
@@ -220,7 +220,7 @@ fn gpu() -> Option<Arc<GpuContext>> {
 /// Attention on wgpu over each mode's view (ring segments, masked slots) equals the CPU
 /// backend's over the shift-concat cache, within the f16 accumulation of the CPU kernel
 /// for rounded caches and f32 rounding for f32 ones.
-fn check_wgpu(ops: &[Op], precision: Precision) -> Result<(), TestCaseError> {
+fn check_wgpu(ops: &[Op], precision: KvElement) -> Result<(), TestCaseError> {
     let Some(ctx) = gpu() else { return Ok(()) };
     let wgpu = WgpuBackend::new(ctx);
     let caches = after(ops, precision);
@@ -228,7 +228,7 @@ fn check_wgpu(ops: &[Op], precision: Precision) -> Result<(), TestCaseError> {
         .map(|i| (i as f32 * 0.37).sin())
         .collect();
     let tol = match precision {
-        Precision::F32 => 1e-5,
+        KvElement::F32 => 1e-5,
         _ => 4e-3,
     };
     for layer in 0..SHAPE.n_layers {
@@ -251,7 +251,7 @@ proptest! {
     #[test]
     fn modes_give_the_same_attention_on_wgpu(
         ops in proptest::collection::vec(op(), 1..30),
-        precision in prop_oneof![Just(Precision::F32), Just(Precision::F16), Just(Precision::Q8)],
+        precision in prop_oneof![Just(KvElement::F32), Just(KvElement::F16), Just(KvElement::Q8)],
     ) {
         check_wgpu(&ops, precision)?;
     }
@@ -261,12 +261,12 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
     #[test]
     fn modes_match_the_reference_f32(ops in proptest::collection::vec(op(), 1..40)) {
-        check(&ops, Precision::F32)?;
+        check(&ops, KvElement::F32)?;
     }
 
     #[test]
     fn modes_match_the_reference_f16(ops in proptest::collection::vec(op(), 1..40)) {
-        check(&ops, Precision::F16)?;
+        check(&ops, KvElement::F16)?;
     }
 }
 
@@ -277,7 +277,7 @@ proptest! {
 fn bytes_moved_per_mode() {
     let capacity = 64;
     for mode in UpdateMode::ALL {
-        let mut c = new_cache(mode, SHAPE, capacity, Precision::F16).unwrap();
+        let mut c = new_cache(mode, SHAPE, capacity, KvElement::F16).unwrap();
         for layer in 0..SHAPE.n_layers {
             let (mut ks, mut vs) = (vec![], vec![]);
             for p in 0..capacity as u32 {
@@ -288,7 +288,7 @@ fn bytes_moved_per_mode() {
             let positions: Vec<u32> = (0..capacity as u32).collect();
             c.append(layer, &positions, &ks, &vs).unwrap();
         }
-        let token = (2 * Precision::F16.row_bytes(SHAPE.kv_dim()) + 4) as u64;
+        let token = (2 * KvElement::F16.row_bytes(SHAPE.kv_dim()) + 4) as u64;
         let before = c.moved_bytes();
         c.evict(0..1);
         let front = c.moved_bytes() - before;

@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
-use ballast_kv_cache::{new_cache, Precision, StreamingLlm, UpdateMode};
+use ballast_kv_cache::{new_cache, KvElement, StreamingLlm, UpdateMode};
 use ballast_runtime::backend::ops::*;
 use ballast_runtime::backend::{AttentionShape, Rope, RopeStyle};
-use ballast_runtime::{CpuBackend, DenseKv, KvCache, KvDtype, KvPolicy, KvShape};
+use ballast_runtime::{CpuBackend, DenseKv, KvCache, KvPolicy, KvShape};
 
 const SHAPE: KvShape = KvShape {
     n_layers: 2,
@@ -58,7 +58,7 @@ fn streamed_attention_equals_in_cache_positions() {
     let n_tokens = 40;
     for (n_sink, window) in [(2usize, 6usize), (0, 8), (4, 5)] {
         for mode in UpdateMode::ALL {
-            let mut cache = new_cache(mode, SHAPE, n_sink + window, Precision::F32).unwrap();
+            let mut cache = new_cache(mode, SHAPE, n_sink + window, KvElement::F32).unwrap();
             let mut policy = StreamingLlm::new(n_sink, window)
                 .unwrap()
                 .with_rope(backend.clone(), vec![rope(); SHAPE.n_layers]);
@@ -74,7 +74,7 @@ fn streamed_attention_equals_in_cache_positions() {
             assert_eq!(cache.len(), n_sink + window);
             // The paper's cache: sinks then the window, at positions 0..n from scratch.
             let kept: Vec<usize> = (0..n_sink).chain(n_tokens - window..n_tokens).collect();
-            let mut fresh = DenseKv::with_dtype(SHAPE, kept.len(), KvDtype::F32);
+            let mut fresh = DenseKv::with_element(SHAPE, kept.len(), KvElement::F32).unwrap();
             for layer in 0..SHAPE.n_layers {
                 for (i, &t) in kept.iter().enumerate() {
                     let k = rotated(&backend, &raw(t, layer), i as u32);
@@ -116,7 +116,7 @@ fn streamed_attention_equals_in_cache_positions() {
 /// a pass bigger than the window is refused with a message naming the batch.
 #[test]
 fn no_policy_fills_then_errors_and_big_chunks_are_refused() {
-    let mut cache = new_cache(UpdateMode::PointerShift, SHAPE, 4, Precision::F16).unwrap();
+    let mut cache = new_cache(UpdateMode::PointerShift, SHAPE, 4, KvElement::F16).unwrap();
     let row = vec![0.5f32; 32];
     for t in 0..4u32 {
         cache.append(0, &[t], &row, &row).unwrap();
@@ -131,7 +131,7 @@ fn no_policy_fills_then_errors_and_big_chunks_are_refused() {
 /// Streams `n_tokens` through a sink-2 window-6 policy over an f16 ring and returns the
 /// policy and cache.
 fn streamed(backend: &Arc<CpuBackend>, n_tokens: usize) -> (StreamingLlm, Box<dyn KvCache>) {
-    let mut cache = new_cache(UpdateMode::PointerShift, SHAPE, 8, Precision::F16).unwrap();
+    let mut cache = new_cache(UpdateMode::PointerShift, SHAPE, 8, KvElement::F16).unwrap();
     let mut policy = StreamingLlm::new(2, 6)
         .unwrap()
         .with_rope(backend.clone(), vec![rope(); SHAPE.n_layers]);
@@ -161,7 +161,7 @@ fn the_policy_state_restores_the_sinks_exactly() {
     let copy_of = |cache: &dyn KvCache| {
         let mut bytes = Vec::new();
         cache.save(&mut bytes).unwrap();
-        let mut c = new_cache(UpdateMode::PointerShift, SHAPE, 8, Precision::F16).unwrap();
+        let mut c = new_cache(UpdateMode::PointerShift, SHAPE, 8, KvElement::F16).unwrap();
         c.load(&mut &bytes[..]).unwrap();
         c
     };

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use ballast_kv_cache::{new_cache, Precision, StreamingLlm, UpdateMode};
+use ballast_kv_cache::{new_cache, KvElement, StreamingLlm, UpdateMode};
 use ballast_runtime::generate::{DraftOptions, GenerateOptions, Generator, PromptLookup, Step};
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::testing::TinyModelSpec;
@@ -27,7 +27,7 @@ fn generate(mode: UpdateMode, speculate: bool) -> (Vec<(u32, u32)>, usize) {
     let policy = StreamingLlm::new(N_SINK, WINDOW)
         .unwrap()
         .with_rope(backend, model.config().layer_ropes());
-    let cache = new_cache(mode, model.kv_shape(), N_SINK + WINDOW, Precision::F16).unwrap();
+    let cache = new_cache(mode, model.kv_shape(), N_SINK + WINDOW, KvElement::F16).unwrap();
     let session = Session::with_cache(model, cache, Some(Box::new(policy)));
     let options = GenerateOptions {
         sampler: SamplerConfig {

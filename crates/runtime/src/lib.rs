@@ -92,8 +92,8 @@ pub use error::{Error, Result};
 pub use ffn::{DenseFfn, FeedForward};
 pub use generate::{Continuation, Finish, FinishReason, GenerateOptions, Generator, Step, Token};
 pub use kv::{
-    DenseKv, KvCache, KvDtype, KvElement, KvPolicy, KvRows, KvSegment, KvShape, KvView,
-    MASKED_POSITION, Q8_BLOCK,
+    DenseKv, KvCache, KvElement, KvPolicy, KvRows, KvSegment, KvShape, KvView, MASKED_POSITION,
+    Q8_BLOCK,
 };
 pub use model::{Model, ModelConfig};
 pub use sampler::{Sampler, SamplerConfig};

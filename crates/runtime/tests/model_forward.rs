@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::gguf::{GgufFile, GgufWriter, Value};
-use ballast_runtime::kv::{DenseKv, KvDtype};
+use ballast_runtime::kv::{DenseKv, KvElement};
 use ballast_runtime::model::Logits;
 use ballast_runtime::quant;
 use ballast_runtime::testing::{reference_spec, TinyModelSpec, TINY_VOCAB};
@@ -196,11 +196,11 @@ fn max_abs_diff(a: &[f32], b: &[f64]) -> f64 {
 /// Logits of every position, with an f32 cache (the f64 reference keeps keys and values
 /// exact; the default f16 cache is checked against the f32 one separately).
 fn all_logits(model: &mut Model, ids: &[u32]) -> Vec<f32> {
-    all_logits_with(model, ids, KvDtype::F32)
+    all_logits_with(model, ids, KvElement::F32)
 }
 
-fn all_logits_with(model: &mut Model, ids: &[u32], dtype: KvDtype) -> Vec<f32> {
-    let mut kv = DenseKv::with_dtype(model.kv_shape(), 64, dtype);
+fn all_logits_with(model: &mut Model, ids: &[u32], element: KvElement) -> Vec<f32> {
+    let mut kv = DenseKv::with_element(model.kv_shape(), 64, element).unwrap();
     let positions: Vec<u32> = (0..ids.len() as u32).collect();
     model
         .forward(ids, &positions, &mut kv, None, Logits::All)
@@ -237,8 +237,8 @@ fn f16_cache_stays_close_to_f32_cache() {
     };
     let ids = [72u32, 101, 108, 108, 111, 44, 32, 119, 256, 3];
     let mut model = load(&spec, 1);
-    let exact = all_logits_with(&mut model, &ids, KvDtype::F32);
-    let half = all_logits_with(&mut model, &ids, KvDtype::F16);
+    let exact = all_logits_with(&mut model, &ids, KvElement::F32);
+    let half = all_logits_with(&mut model, &ids, KvElement::F16);
     let diff = exact
         .iter()
         .zip(&half)

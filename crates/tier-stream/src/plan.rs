@@ -122,7 +122,7 @@ impl ModelShape {
             kv_dim,
             n_ff,
             vocab,
-            kv_value_bytes: ballast_core::kv::KvDtype::default().bytes() as u64,
+            kv_value_bytes: ballast_core::kv::KvElement::default().row_bytes(1) as u64,
             kv_on_device_only: false,
             expert_bytes: Vec::new(),
             expert_share: 1.0,

@@ -560,7 +560,7 @@ pub fn model_shape(
         kv_dim: config.kv_dim() as u64,
         n_ff: config.n_ff as u64,
         vocab: config.vocab_size as u64,
-        kv_value_bytes: ballast_core::kv::KvDtype::default().bytes() as u64,
+        kv_value_bytes: ballast_core::kv::KvElement::default().row_bytes(1) as u64,
         kv_on_device_only: false,
         expert_bytes: layers
             .iter()

@@ -452,20 +452,13 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::{KvSegment, Q8_BLOCK};
+    use crate::kv::{KvElement, KvSegment, Q8_BLOCK};
 
     fn lcg(seed: &mut u64) -> f32 {
         *seed = seed
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-    }
-
-    #[derive(Clone, Copy, Debug)]
-    enum KvDtype {
-        F16,
-        F32,
-        Q8,
     }
 
     /// Blocks of 32: scale `amax / 127`, quants rounded to nearest.
@@ -496,7 +489,7 @@ mod tests {
     fn dispatched_kernel_equals_reference() {
         let mut seed = 7u64;
         for hd in [64usize, 128, 48] {
-            for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Q8] {
+            for dtype in [KvElement::F16, KvElement::F32, KvElement::Q8] {
                 let (n_tok, n_kv) = (37usize, 2usize);
                 let row_len = n_kv * hd;
                 let k: Vec<f32> = (0..n_tok * row_len).map(|_| lcg(&mut seed)).collect();
@@ -510,9 +503,9 @@ mod tests {
                 let (kq, ks) = quantize_q8(&k);
                 let (vq, vs) = quantize_q8(&v);
                 let (keys, values) = match dtype {
-                    KvDtype::F16 => (KvRows::F16(&k16), KvRows::F16(&v16)),
-                    KvDtype::F32 => (KvRows::F32(&k), KvRows::F32(&v)),
-                    KvDtype::Q8 => (
+                    KvElement::F16 => (KvRows::F16(&k16), KvRows::F16(&v16)),
+                    KvElement::F32 => (KvRows::F32(&k), KvRows::F32(&v)),
+                    KvElement::Q8 => (
                         KvRows::Q8 {
                             quants: &kq,
                             scales: &ks,
