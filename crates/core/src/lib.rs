@@ -11,7 +11,7 @@
 //! - [`WeightStore`]: hands each layer's weights ([`weights`]) to one forward pass
 //!   ([`store`]); [`ResidentStore`] keeps them all resident.
 //! - [`KvCache`] and [`KvPolicy`]: keys and values of the tokens seen, and what to evict
-//!   ([`kv`]); [`DenseKv`] only grows.
+//!   ([`kv`]); the host caches that hold them are `ballast-kv-cache`'s.
 //! - [`FeedForward`]: the MLP block ([`ffn`]); [`DenseFfn`] is exact.
 //! - [`graph`]: one pass as a list of ops over tensor handles, and its host executor;
 //!   [`blocks`]: the shared blocks builders compose a pass from, and the tensor roles.
@@ -77,7 +77,6 @@ pub use config::ModelConfig;
 pub use error::{Error, Result};
 pub use ffn::{DenseFfn, FeedForward};
 pub use kv::{
-    DenseKv, KvCache, KvElement, KvPolicy, KvRows, KvSegment, KvShape, KvView, MASKED_POSITION,
-    Q8_BLOCK,
+    KvCache, KvElement, KvPolicy, KvRows, KvSegment, KvShape, KvView, MASKED_POSITION, Q8_BLOCK,
 };
 pub use store::{CodedLayers, ResidentStore, TierBytes, WeightStore};

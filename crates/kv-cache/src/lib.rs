@@ -46,13 +46,16 @@
 //! ```
 #![deny(missing_docs)]
 
+mod dense;
 mod error;
 mod modes;
 mod persist;
 mod policy;
 mod rows;
+mod window;
 
 pub use ballast_core::KvElement;
+pub use dense::DenseKv;
 pub use error::{Error, Result};
 pub use modes::{new_cache, set_update_threads, PointerShift, ShiftConcat, SmartMask, UpdateMode};
 pub use persist::{
@@ -60,3 +63,4 @@ pub use persist::{
     SESSION_VERSION,
 };
 pub use policy::{PolicyKind, StreamingLlm};
+pub use window::{MakeCache, WindowedKv};

@@ -15,7 +15,8 @@
 //!   and the numerical reference.
 //! - [`WeightStore`]: hands each layer's weights to one forward pass.
 //!   [`ResidentStore`] keeps them all resident (memory-mapped by default).
-//! - [`KvCache`]: keys and values of the tokens seen. [`DenseKv`] only grows.
+//! - [`KvCache`]: keys and values of the tokens seen. [`DenseKv`] (from
+//!   `ballast-kv-cache`, with the other host caches) only grows.
 //! - [`KvPolicy`]: may evict from the cache before attention (none by default).
 //! - [`FeedForward`]: the MLP block. [`DenseFfn`] is exact.
 //!
@@ -88,12 +89,12 @@ pub use ballast_core::{
 pub use backend::{Backend, CpuBackend};
 #[cfg(feature = "gpu")]
 pub use backend::{DeviceKv, WgpuBackend};
+pub use ballast_kv_cache::{DenseKv, WindowedKv};
 pub use error::{Error, Result};
 pub use ffn::{DenseFfn, FeedForward};
 pub use generate::{Continuation, Finish, FinishReason, GenerateOptions, Generator, Step, Token};
 pub use kv::{
-    DenseKv, KvCache, KvElement, KvPolicy, KvRows, KvSegment, KvShape, KvView, MASKED_POSITION,
-    Q8_BLOCK,
+    KvCache, KvElement, KvPolicy, KvRows, KvSegment, KvShape, KvView, MASKED_POSITION, Q8_BLOCK,
 };
 pub use model::{Model, ModelConfig};
 pub use sampler::{Sampler, SamplerConfig};

@@ -5,9 +5,10 @@
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::kv::{DenseKv, KvCache, KvPolicy};
+use crate::kv::{KvCache, KvPolicy};
 use crate::model::{BatchSequence, Logits, Model};
 use crate::sampler::log_softmax_at;
+use crate::DenseKv;
 
 /// Tokens per forward pass during prefill, unless the caller says otherwise.
 pub const DEFAULT_BATCH: usize = 64;

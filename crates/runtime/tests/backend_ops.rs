@@ -17,10 +17,11 @@ use ballast_runtime::ggml_type::GgmlType;
 #[cfg(feature = "gpu")]
 use ballast_runtime::gpu::GpuContext;
 use ballast_runtime::kv::{
-    DenseKv, KvCache, KvElement, KvRows, KvSegment, KvShape, KvView, MASKED_POSITION, Q8_BLOCK,
+    KvCache, KvElement, KvRows, KvSegment, KvShape, KvView, MASKED_POSITION, Q8_BLOCK,
 };
 use ballast_runtime::quant;
 use ballast_runtime::weights::Weight;
+use ballast_runtime::DenseKv;
 #[cfg(feature = "gpu")]
 use ballast_runtime::WgpuBackend;
 use ballast_runtime::{Backend, CpuBackend};

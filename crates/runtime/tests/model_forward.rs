@@ -5,10 +5,11 @@ use std::sync::Arc;
 
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::gguf::{GgufFile, GgufWriter, Value};
-use ballast_runtime::kv::{DenseKv, KvElement};
+use ballast_runtime::kv::KvElement;
 use ballast_runtime::model::Logits;
 use ballast_runtime::quant;
 use ballast_runtime::testing::{reference_spec, TinyModelSpec, TINY_VOCAB};
+use ballast_runtime::DenseKv;
 use ballast_runtime::{CpuBackend, Error, Model, Session};
 use proptest::prelude::*;
 

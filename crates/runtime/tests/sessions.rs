@@ -114,7 +114,7 @@ fn check_backend(backend: Arc<dyn Backend>) {
 /// caches on the device (a device pass then mirrors it).
 #[cfg(feature = "gpu")]
 fn host_cache_session(model: Model) -> Session {
-    let kv = ballast_runtime::kv::DenseKv::new(model.kv_shape(), 64);
+    let kv = ballast_runtime::DenseKv::new(model.kv_shape(), 64);
     Session::with_cache(model, Box::new(kv), None)
 }
 

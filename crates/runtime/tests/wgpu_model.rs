@@ -19,11 +19,12 @@ use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::gpu::GpuContext;
 use ballast_runtime::kv::KvPolicy;
-use ballast_runtime::kv::{DenseKv, KvCache, KvElement};
+use ballast_runtime::kv::{KvCache, KvElement};
 use ballast_runtime::model::{load_weights, Logits};
 use ballast_runtime::store::PassId;
 use ballast_runtime::testing::{reference_spec, TinyModelSpec, TINY_VOCAB};
 use ballast_runtime::weights::{ByteSource, GlobalWeights, LayerWeights, WeightBytes};
+use ballast_runtime::DenseKv;
 use ballast_runtime::{
     Backend, CpuBackend, DenseFfn, Model, ModelConfig, Session, TierBytes, WeightStore, WgpuBackend,
 };

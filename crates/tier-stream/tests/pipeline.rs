@@ -11,11 +11,11 @@ use std::time::Duration;
 use ballast_runtime::backend::Telemetry;
 use ballast_runtime::gguf::GgufFile;
 use ballast_runtime::gpu::GpuContext;
-use ballast_runtime::kv::DenseKv;
 use ballast_runtime::model::{load_weights, Logits};
 use ballast_runtime::store::PassId;
 use ballast_runtime::testing::TinyModelSpec;
 use ballast_runtime::weights::LayerWeights;
+use ballast_runtime::DenseKv;
 use ballast_runtime::{
     Backend, CpuBackend, DenseFfn, Model, ModelConfig, ResidentStore, WeightStore, WgpuBackend,
 };

@@ -21,7 +21,7 @@ use crate::kv::{KvCache, KvElement, KvPolicy, KvShape};
 use crate::quant;
 use crate::store::{PassCounter, ResidentStore, WeightStore};
 use crate::weights::{ByteSource, GlobalWeights, LayerWeights, Weight, WeightBytes, WeightId};
-use ballast_core::kv_window::WindowedKv;
+use ballast_kv_cache::WindowedKv;
 use blocks::HeadRows;
 
 /// Which rows of logits a forward pass computes.

@@ -4,9 +4,9 @@
 use std::sync::Arc;
 
 use ballast_runtime::gguf::GgufFile;
-use ballast_runtime::kv::DenseKv;
 use ballast_runtime::model::Logits;
 use ballast_runtime::testing::TinyModelSpec;
+use ballast_runtime::DenseKv;
 use ballast_runtime::{Backend, Model};
 
 /// The tokens the whole-model tests feed (bytes and two special ids of the tiny

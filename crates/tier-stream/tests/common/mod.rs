@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
-use ballast_runtime::kv::DenseKv;
 use ballast_runtime::model::Logits;
+use ballast_runtime::DenseKv;
 use ballast_runtime::{Backend, DenseFfn, Model, ModelConfig, WeightStore};
 use ballast_tier_stream::{plan, Budgets, ModelShape, Plan, PlanRequest, RamTier, Tier};
 
