@@ -6,10 +6,11 @@
 //!
 //! Tokens sit in slots. Eviction and rewind mask slots (their position becomes
 //! [`MASKED_POSITION`], which the attention kernel skips) and new tokens fill the
-//! lowest free slots, so nothing is ever moved on the device: whatever update mode a
-//! host cache would use, the device cache behaves as the masking one. With evictions,
-//! attention then visits the live tokens in slot order rather than cache order, which
-//! changes only the float summation order.
+//! lowest free slots (a sliding-window layer's go to slot `position mod rows`, so the
+//! same window sits in the same slots however it was reached), so nothing is ever
+//! moved on the device: whatever update mode a host cache would use, the device cache
+//! behaves as the masking one. With evictions, attention then visits the live tokens in
+//! slot order rather than cache order, which changes only the float summation order.
 
 use std::cell::OnceCell;
 use std::io::{Read, Write};
@@ -217,8 +218,8 @@ impl DeviceKv {
         Ok(())
     }
 
-    /// Takes slots for `positions.len()` new tokens of `layer` (the lowest free ones
-    /// first), records their positions on both sides, and returns them. The rows are
+    /// Takes slots for `positions.len()` new tokens of `layer` (a windowed layer's by
+    /// position, see `take_slots`; else the lowest free ones first), records their positions on both sides, and returns them. The rows are
     /// the caller's to write. A windowed layer first releases the tokens no query at
     /// these positions or later sees.
     pub(super) fn reserve(&mut self, layer: usize, positions: &[u32]) -> Result<Vec<u32>> {
@@ -267,20 +268,30 @@ impl DeviceKv {
                 capacity: self.capacity,
             });
         }
-        let free = l
-            .slot_positions
-            .iter()
-            .enumerate()
-            .filter(|(_, &p)| p == MASKED_POSITION)
-            .map(|(s, _)| s as u32);
-        let fresh = l.slot_positions.len() as u32..;
-        let slots: Vec<u32> = free.chain(fresh).take(positions.len()).collect();
-        for (&s, &p) in slots.iter().zip(positions) {
-            let s = s as usize;
+        let mut slots = Vec::with_capacity(positions.len());
+        for &p in positions {
+            let is_free = |s: usize| {
+                l.slot_positions
+                    .get(s)
+                    .is_none_or(|&q| q == MASKED_POSITION)
+            };
+            // A windowed layer puts position `p` in slot `p mod rows`: the window's
+            // positions are consecutive, so they never collide, and the keys a query
+            // sees sit in the same slots (attention sums them in the same order) however
+            // the passes before it were cut and rolled back. Speculative decoding then
+            // gives plain decoding's bits. Anything else takes the lowest free slot.
+            let home = (l.window.is_some() && l.rows > 0).then(|| p as usize % l.rows);
+            let s = match home.filter(|&s| is_free(s)) {
+                Some(s) => s,
+                None => (0..)
+                    .find(|&s| is_free(s))
+                    .unwrap_or(l.slot_positions.len()),
+            };
             if s >= l.slot_positions.len() {
                 l.slot_positions.resize(s + 1, MASKED_POSITION);
             }
             l.slot_positions[s] = p;
+            slots.push(s as u32);
         }
         l.order.extend_from_slice(&slots);
         l.host = OnceCell::new();
@@ -412,14 +423,14 @@ impl DeviceKv {
         })
     }
 
-    /// Writes stored rows (as a session payload holds them) into slots `0..n` of
-    /// `layer`, which must be empty.
+    /// Writes stored rows (as a session payload holds them) into the slots
+    /// `take_slots` gives them in `layer`, which must be empty.
     fn upload_stored(&mut self, layer: usize, rows: &LayerRows) -> Result<()> {
         let dim = self.shape.kv_dim();
         let row = self.element.row_bytes(dim);
-        let n = rows.positions.len();
         let slots = self.take_slots(layer, &rows.positions)?;
-        debug_assert!(slots.iter().enumerate().all(|(i, &s)| s as usize == i));
+        // Slots `0..span` are written whole; the ones no token took stay masked.
+        let span = slots.iter().max().map_or(0, |&s| s as usize + 1);
         let elem = self.elem();
         let queue = self.ctx.queue();
         let l = &self.layers[layer];
@@ -434,21 +445,27 @@ impl DeviceKv {
             };
             match elem {
                 KvElement::F32 | KvElement::F16 => {
-                    let mut data: Vec<u8> = (0..n).flat_map(|i| token(i).to_vec()).collect();
-                    data.resize(data.len().next_multiple_of(4), 0);
+                    let mut data = vec![0u8; (span * row).next_multiple_of(4)];
+                    for (i, &s) in slots.iter().enumerate() {
+                        let at = s as usize * row;
+                        data[at..at + row].copy_from_slice(token(i));
+                    }
                     if !data.is_empty() {
                         queue.write_buffer(buffer.raw(), 0, &data);
                     }
                 }
                 KvElement::Q8 => {
-                    let mut quants: Vec<u8> =
-                        (0..n).flat_map(|i| token(i)[..dim].to_vec()).collect();
-                    let mut scales: Vec<u8> =
-                        (0..n).flat_map(|i| token(i)[dim..].to_vec()).collect();
-                    quants.resize(quants.len().next_multiple_of(4), 0);
-                    scales.resize(scales.len().next_multiple_of(4), 0);
+                    let scale_row = row - dim;
+                    let mut quants = vec![0u8; (span * dim).next_multiple_of(4)];
+                    let mut scales = vec![0u8; (span * scale_row).next_multiple_of(4)];
+                    for (i, &s) in slots.iter().enumerate() {
+                        let s = s as usize;
+                        quants[s * dim..(s + 1) * dim].copy_from_slice(&token(i)[..dim]);
+                        scales[s * scale_row..(s + 1) * scale_row]
+                            .copy_from_slice(&token(i)[dim..]);
+                    }
                     let scale_at = (elem.scale_word(l.rows.max(1) * dim) * 4) as u64;
-                    if !quants.is_empty() {
+                    if !slots.is_empty() {
                         queue.write_buffer(buffer.raw(), 0, &quants);
                         queue.write_buffer(buffer.raw(), scale_at, &scales);
                     }
