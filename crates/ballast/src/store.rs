@@ -562,22 +562,26 @@ pub(crate) fn build(
     // Streaming a pack holds more than its layers: the embedding table, decoded whole
     // when the pack opens (a mapped file pages in only the rows its tokens read; a head
     // tied to the table is the same tensor, counted with the head), and in each reader
-    // the coded form of the layer it decodes. The budget pays for both.
-    let pack_held = match &tiered_pack {
-        Some(_) => {
+    // the piece of coded form it reads and decodes at once. The budget pays for both.
+    let pack_held = match &beneath_pack {
+        Some(store) => {
+            use ballast_runtime::store::{CodedLayers, WeightStore};
             let embedding = if globals.token_embd().id != globals.output().id {
                 globals.token_embd().bytes.len() as u64
             } else {
                 0
             };
-            let coded = shape.stored_bytes.iter().copied().max().unwrap_or(0);
-            embedding + stream.io_threads.max(1) as u64 * coded
+            let piece = (0..store.n_layers())
+                .map(|i| store.read_decode_held(i))
+                .max()
+                .unwrap_or(0);
+            embedding + stream.io_threads.max(1) as u64 * piece
         }
         None => 0,
     };
     ensure!(
         pack_held < ram_for_weights,
-        "streaming the pack holds {} beside its layers (its embedding table, decoded whole, and a coded layer per reader), more than the RAM budget ({}): stream the plain file instead",
+        "streaming the pack holds {} beside its layers (its embedding table, decoded whole, and a piece of coded layer per reader), more than the RAM budget ({}): stream the plain file instead",
         human_bytes(pack_held),
         human_bytes(ram_for_weights)
     );

@@ -97,6 +97,20 @@ pub trait CodedLayers: WeightStore {
     /// matrix's byte length. Decodes to the exact bytes [`WeightStore::layer`] gives, or
     /// fails (a coded form that is not this layer's is an error, never wrong bytes).
     fn decode_coded(&self, index: usize, coded: &[u8], out: &mut [&mut [u8]]) -> Result<()>;
+    /// Reads layer `index`'s coded form and decodes it into `out` (as
+    /// [`CodedLayers::decode_coded`]), returning the coded bytes read. The default reads
+    /// the whole coded form first; a store that can read it piece by piece overrides
+    /// this to hold at most [`CodedLayers::read_decode_held`] bytes of it at a time.
+    fn read_decode(&self, index: usize, out: &mut [&mut [u8]]) -> Result<u64> {
+        let coded = self.read_coded(index)?;
+        self.decode_coded(index, &coded, out)?;
+        Ok(coded.len() as u64)
+    }
+    /// The most coded bytes one [`CodedLayers::read_decode`] of layer `index` holds at
+    /// once (the default: the whole coded form), which a budget pays for per reader.
+    fn read_decode_held(&self, index: usize) -> u64 {
+        self.coded_len(index)
+    }
 }
 
 /// Keeps every layer resident: the bytes of a memory-mapped file (pages the kernel

@@ -267,17 +267,16 @@ impl Beneath {
     fn fetch(&self, index: usize, layout: &LayerLayout, buf: &mut AlignedBuf) -> Result<u64> {
         match self {
             Beneath::Coded { inner, held, .. } => {
-                let read;
-                let (coded, moved) = match held.get(index).and_then(Option::as_ref) {
-                    Some(coded) => (coded, 0),
-                    None => {
-                        read = inner.read_coded(index)?;
-                        (&read, read.len() as u64)
-                    }
-                };
                 let mut out = matrix_slices(buf.as_mut_slice(), &layout.ranges);
-                inner.decode_coded(index, coded, &mut out)?;
-                Ok(moved)
+                match held.get(index).and_then(Option::as_ref) {
+                    Some(coded) => {
+                        inner.decode_coded(index, coded, &mut out)?;
+                        Ok(0)
+                    }
+                    // Read and decoded piece by piece: a reader holds a piece of the
+                    // coded form, not all of it.
+                    None => Ok(inner.read_decode(index, &mut out)?),
+                }
             }
             Beneath::File(reader) => {
                 read_extents(reader.as_ref(), Part::Layer(index), &layout.extents, buf)?;

@@ -439,14 +439,31 @@ impl PackFile {
     /// The stored bytes of `chunk`: borrowed from the map or memory, or read from the
     /// file (see [`PackFile::read_chunks_from_disk`]).
     fn stored_bytes(&self, chunk: &Chunk) -> Result<std::borrow::Cow<'_, [u8]>> {
+        self.stored_span(chunk.offset, chunk.stored_len as usize)
+    }
+
+    /// `len` stored bytes from `offset` of the data section (the chunks there, one after
+    /// another): borrowed from the map or memory, or read from the file in one read.
+    /// The span must lie within chunks whose ranges were checked at open.
+    pub fn stored_span(&self, offset: u64, len: usize) -> Result<std::borrow::Cow<'_, [u8]>> {
         let Some(file) = self.chunk_reader.get() else {
             self.check_mapped_len()?;
-            return Ok(std::borrow::Cow::Borrowed(self.stored(chunk)));
+            let start = self.data_start + offset as usize;
+            let all = self.storage.bytes();
+            let bytes = all
+                .get(start..start + len)
+                .ok_or_else(|| Error::Truncated {
+                    path: self.path.clone(),
+                    what: format!("{len} stored bytes at {offset} of the data section"),
+                    needed: (start + len) as u64,
+                    len: all.len() as u64,
+                })?;
+            return Ok(std::borrow::Cow::Borrowed(bytes));
         };
         use std::os::unix::fs::FileExt;
         use std::os::unix::io::AsRawFd;
-        let at = (self.data_start as u64) + chunk.offset;
-        let mut buf = vec![0u8; chunk.stored_len as usize];
+        let at = (self.data_start as u64) + offset;
+        let mut buf = vec![0u8; len];
         file.read_exact_at(&mut buf, at)
             .map_err(|source| Error::Io {
                 path: self.path.clone(),

@@ -675,6 +675,85 @@ impl Inner {
     }
 }
 
+impl CompressedStore {
+    /// [`CodedLayers::read_decode`] in spans of at most `span` stored bytes (a chunk
+    /// larger than that is read alone): the same bytes whatever the span.
+    pub fn read_decode_in_spans(
+        &self,
+        index: usize,
+        out: &mut [&mut [u8]],
+        span: u64,
+    ) -> ballast_core::Result<u64> {
+        let t0 = Instant::now();
+        let inner = &self.inner;
+        let plan = inner.layer_plan(index)?;
+        let pack = &inner.pack;
+        if out.len() != plan.tensors.len() {
+            return Err(Error::BadIndex {
+                path: pack.path().to_path_buf(),
+                detail: format!(
+                    "decoding layer {index} into {} matrices, the layer has {}",
+                    out.len(),
+                    plan.tensors.len()
+                ),
+            }
+            .into());
+        }
+        // Every chunk of the layer with the place it decodes to, in table order.
+        let mut pieces: Vec<(&PackedTensor, usize, &mut [u8])> = Vec::new();
+        for (&k, dst) in plan.tensors.iter().zip(out.iter_mut()) {
+            let t = &pack.tensors()[k];
+            let step = t.chunk_raw.max(1) as usize;
+            if dst.len() as u64 != t.raw_len || dst.len().div_ceil(step) != t.chunks.len() {
+                return Err(Error::BadIndex {
+                    path: pack.path().to_path_buf(),
+                    detail: format!(
+                        "decoding layer {index}: {} bytes for {}, which has {}",
+                        dst.len(),
+                        t.name,
+                        t.raw_len
+                    ),
+                }
+                .into());
+            }
+            for (i, piece) in dst.chunks_mut(step).enumerate() {
+                pieces.push((t, i, piece));
+            }
+        }
+        let mut read = 0u64;
+        let mut rest = pieces.into_iter().peekable();
+        while let Some(first) = rest.next() {
+            let start = first.0.chunks[first.1].offset;
+            let mut end = start + u64::from(first.0.chunks[first.1].stored_len);
+            let mut group = vec![first];
+            // The next chunks while they follow in the file and the span has room.
+            while let Some((t, i, _)) = rest.peek() {
+                let c = &t.chunks[*i];
+                if c.offset != end || end - start + u64::from(c.stored_len) > span {
+                    break;
+                }
+                end += u64::from(c.stored_len);
+                group.extend(rest.next());
+            }
+            let stored = pack.stored_span(start, (end - start) as usize)?;
+            read += end - start;
+            let jobs: Vec<_> = group
+                .into_iter()
+                .map(|(t, i, piece)| {
+                    let c = &t.chunks[i];
+                    let at = (c.offset - start) as usize;
+                    (t, i, &stored[at..at + c.stored_len as usize], piece)
+                })
+                .collect();
+            run_split(jobs, inner.opts.decode_threads, |(t, i, s, piece)| {
+                pack.decode_stored(t, i, s, piece)
+            })?;
+        }
+        inner.count_decode(plan, t0);
+        Ok(read)
+    }
+}
+
 /// A layer's coded form is its matrices' stored chunks, one after another in table
 /// order: what the pack holds for it, read once and decoded per use by a store above
 /// (a tiered store keeping its RAM tier coded). Decoding checks every chunk's
@@ -751,7 +830,31 @@ impl CodedLayers for CompressedStore {
         inner.count_decode(plan, t0);
         Ok(())
     }
+
+    /// Reads the layer's chunks in spans of consecutive chunks of at most
+    /// [`READ_DECODE_SPAN`] stored bytes (one read each), decoding each span into its
+    /// place before reading the next: a reader holds one span, not the coded layer.
+    fn read_decode(&self, index: usize, out: &mut [&mut [u8]]) -> ballast_core::Result<u64> {
+        self.read_decode_in_spans(index, out, READ_DECODE_SPAN)
+    }
+
+    fn read_decode_held(&self, index: usize) -> u64 {
+        // A span, or one chunk where a chunk is larger.
+        let largest = self.inner.layer_plan(index).ok().map_or(0, |plan| {
+            plan.tensors
+                .iter()
+                .flat_map(|&k| &self.inner.pack.tensors()[k].chunks)
+                .map(|c| u64::from(c.stored_len))
+                .max()
+                .unwrap_or(0)
+        });
+        largest.max(READ_DECODE_SPAN).min(self.coded_len(index))
+    }
 }
+
+/// Stored bytes [`CompressedStore`]'s `read_decode` reads at once: large enough that a
+/// read costs the disk's throughput, not its latency; small beside a layer.
+pub const READ_DECODE_SPAN: u64 = 8 << 20;
 
 impl WeightStore for CompressedStore {
     fn n_layers(&self) -> usize {

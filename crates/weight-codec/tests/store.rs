@@ -216,6 +216,15 @@ fn packed_default_model_gives_the_plain_files_greedy_ids() {
 /// (`device_decode`) unless told not to; no prefetch, so only the layers asked for are
 /// read.
 fn mapped_store(dir: &Path, device_decode: bool) -> (std::path::PathBuf, CompressedStore) {
+    store_over_pack(dir, device_decode, false)
+}
+
+/// [`mapped_store`], its chunks read from the file instead of the map if `from_disk`.
+fn store_over_pack(
+    dir: &Path,
+    device_decode: bool,
+    from_disk: bool,
+) -> (std::path::PathBuf, CompressedStore) {
     let spec = TinyModelSpec {
         n_layers: 4,
         ..TinyModelSpec::default()
@@ -227,6 +236,9 @@ fn mapped_store(dir: &Path, device_decode: bool) -> (std::path::PathBuf, Compres
     };
     let (_, packed) = common::pack_tiny_model(dir, &spec, &opts);
     let pack = Arc::new(PackFile::open(&packed, true).unwrap());
+    if from_disk {
+        pack.read_chunks_from_disk().unwrap();
+    }
     let gguf = Arc::new(skeleton(&pack, 1).unwrap());
     let config = ModelConfig::from_gguf(&gguf).unwrap();
     let (globals, layers) = load_weights(&gguf, &config).unwrap();
@@ -326,5 +338,62 @@ fn a_pack_cut_short_under_an_open_store_is_an_error_naming_it() {
             let msg = chain(&store.layer(PassId(10 + index as u64), index).unwrap_err());
             assert!(msg.contains(&name) && msg.contains("cut short"), "{msg}");
         }
+    }
+}
+
+/// A layer read and decoded piece by piece (what a tiered store's reader does, holding a
+/// span of the coded form instead of all of it) gives the bytes the store lends, for any
+/// span, from the map and from the file, and says it read the whole coded form.
+#[test]
+fn read_decode_gives_the_layers_bytes_whatever_the_span() {
+    use ballast_core::store::CodedLayers;
+    for from_disk in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let (packed, store) = store_over_pack(dir.path(), false, from_disk);
+        let mut last = Vec::new();
+        for index in 0..store.n_layers() {
+            let layer = store.layer(PassId(1 + index as u64), index).unwrap();
+            let want: Vec<Vec<u8>> = layer
+                .weights()
+                .map(|w| w.bytes.as_slice().unwrap().to_vec())
+                .collect();
+            assert!(
+                want.iter().map(Vec::len).sum::<usize>() > 3000,
+                "several chunks"
+            );
+            for span in [1, 1000, 2500, u64::MAX] {
+                let mut got: Vec<Vec<u8>> = want.iter().map(|w| vec![0xA5; w.len()]).collect();
+                let mut out: Vec<&mut [u8]> = got.iter_mut().map(Vec::as_mut_slice).collect();
+                let read = store.read_decode_in_spans(index, &mut out, span).unwrap();
+                assert_eq!(read, store.coded_len(index), "layer {index}, span {span}");
+                assert!(
+                    got == want,
+                    "layer {index}, span {span}, from disk {from_disk}"
+                );
+            }
+            let mut got: Vec<Vec<u8>> = want.iter().map(|w| vec![0; w.len()]).collect();
+            let mut out: Vec<&mut [u8]> = got.iter_mut().map(Vec::as_mut_slice).collect();
+            store.read_decode(index, &mut out).unwrap();
+            assert!(got == want, "layer {index} through the trait");
+            assert!(store.read_decode_held(index) <= store.coded_len(index));
+            // Too few places to decode into: an error naming the layer, nothing written.
+            let mut short: Vec<&mut [u8]> = got.iter_mut().skip(1).map(Vec::as_mut_slice).collect();
+            let msg = chain(&store.read_decode(index, &mut short).unwrap_err());
+            assert!(msg.contains(&format!("layer {index}")), "{msg}");
+            last = want.iter().map(Vec::len).collect();
+        }
+        // The pack cut short under the store: an error naming it, not a panic.
+        let len = std::fs::metadata(&packed).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&packed)
+            .unwrap()
+            .set_len(len / 2)
+            .unwrap();
+        let mut got: Vec<Vec<u8>> = last.iter().map(|&n| vec![0; n]).collect();
+        let mut out: Vec<&mut [u8]> = got.iter_mut().map(Vec::as_mut_slice).collect();
+        let index = store.n_layers() - 1;
+        let msg = chain(&store.read_decode(index, &mut out).unwrap_err());
+        assert!(msg.contains(&packed.display().to_string()), "{msg}");
     }
 }
