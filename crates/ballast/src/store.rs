@@ -559,17 +559,19 @@ pub(crate) fn build(
         }
         None => None,
     };
-    // Streaming a pack holds more than its layers: the embedding table, decoded whole
-    // when the pack opens (a mapped file pages in only the rows its tokens read; a head
-    // tied to the table is the same tensor, counted with the head), and in each reader
-    // the piece of coded form it reads and decodes at once. The budget pays for both.
+    // Streaming a pack holds more than its layers: the embedding rows it decodes on
+    // demand (a few chunks; a head tied to the table is the same tensor, counted with
+    // the head), and in each reader the piece of coded form it reads and decodes at
+    // once. The budget pays for both.
     let pack_held = match &beneath_pack {
         Some(store) => {
             use ballast_runtime::store::{CodedLayers, WeightStore};
-            let embedding = if globals.token_embd().id != globals.output().id {
+            // An untied table's rows are decoded on demand (a tied one is the head); a
+            // device uploads the table whole, decoded whole on the host first.
+            let embedding = if separate_device && !globals.tied() {
                 globals.token_embd().bytes.len() as u64
             } else {
-                0
+                store.embedding_rows_held()
             };
             let piece = (0..store.n_layers())
                 .map(|i| store.read_decode_held(i))
@@ -581,7 +583,7 @@ pub(crate) fn build(
     };
     ensure!(
         pack_held < ram_for_weights,
-        "streaming the pack holds {} beside its layers (its embedding table, decoded whole, and a piece of coded layer per reader), more than the RAM budget ({}): stream the plain file instead",
+        "streaming the pack holds {} beside its layers (decoded embedding rows and a piece of coded layer per reader), more than the RAM budget ({}): stream the plain file instead",
         human_bytes(pack_held),
         human_bytes(ram_for_weights)
     );

@@ -1,5 +1,6 @@
 //! Weight tensors as the forward pass sees them: a type, a shape and shared bytes.
 
+use std::borrow::Cow;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -29,6 +30,22 @@ pub trait ByteSource: Send + Sync {
     /// knows its length before it has decoded anything, and overrides this).
     fn byte_len(&self) -> usize {
         self.bytes().map_or(0, <[u8]>::len)
+    }
+
+    /// The bytes `range` alone: the default borrows them from [`ByteSource::bytes`]; a
+    /// source that decodes on demand overrides this to produce only what covers the
+    /// range (an embedding table whose lookups read a row each), without holding the
+    /// rest.
+    fn range(&self, range: Range<usize>) -> Result<Cow<'_, [u8]>> {
+        let all = self.bytes()?;
+        let len = all.len();
+        all.get(range.clone())
+            .map(Cow::Borrowed)
+            .ok_or(Error::WeightRange {
+                start: range.start,
+                end: range.end,
+                len,
+            })
     }
 
     /// The bytes `range` as they are stored coded, chunk by chunk in order, for a
@@ -157,6 +174,20 @@ impl WeightBytes {
             end: self.range.end,
             len: all.len(),
         })
+    }
+
+    /// Bytes `range` of these bytes (relative to their start) alone, as
+    /// [`ByteSource::range`] produces them: what a lookup of a few rows asks for.
+    pub fn range_bytes(&self, range: Range<usize>) -> Result<Cow<'_, [u8]>> {
+        if range.start > range.end || range.end > self.range.len() {
+            return Err(Error::WeightRange {
+                start: range.start,
+                end: range.end,
+                len: self.range.len(),
+            });
+        }
+        let start = self.range.start;
+        self.source.range(start + range.start..start + range.end)
     }
 
     /// See [`ByteSource::cache_on_device`].

@@ -307,6 +307,9 @@ struct State {
 }
 
 struct Inner {
+    /// The most bytes of decoded embedding rows held at once (0: the table is tied to
+    /// the head and decoded with it).
+    rows_on_demand: u64,
     pack: Arc<PackFile>,
     globals: GlobalWeights,
     layers: Vec<LayerPlan>,
@@ -330,13 +333,116 @@ pub struct CompressedStore {
 /// [`CompressedStore::new`].
 pub fn skeleton(pack: &PackFile, threads: usize) -> Result<GgufFile> {
     let bare = pack.gguf_with(|_| false, 1)?;
-    let coded: std::collections::HashSet<&str> = bare
+    let mut coded: std::collections::HashSet<&str> = bare
         .tensors()
         .iter()
         .filter(|t| t.name.starts_with("blk.") && t.dims.len() >= 2)
         .map(|t| t.name.as_str())
         .collect();
+    // An embedding table that is not also the output head is read a row per token:
+    // `CompressedStore::new` decodes its rows on demand instead (see `RowsOnDemand`).
+    if bare.tensor(OUTPUT).is_ok() && bare.tensor(TOKEN_EMBD).is_ok() {
+        coded.insert(TOKEN_EMBD);
+    }
     pack.gguf_with(|t| !coded.contains(t.name.as_str()), threads)
+}
+
+const TOKEN_EMBD: &str = "token_embd.weight";
+const OUTPUT: &str = "output.weight";
+
+/// A tensor of a pack decoded on demand: a range by the chunks that cover it (the last
+/// few kept, as a lookup's next rows are often nearby), the whole only when something
+/// asks for all of it (a device uploading the table), decoded then and kept. What an
+/// untied embedding table is in a [`CompressedStore`]: a token reads one row, where a
+/// table decoded whole when the pack opens would hold a layer's worth of RAM or more.
+struct RowsOnDemand {
+    pack: Arc<PackFile>,
+    tensor: usize,
+    whole: OnceLock<Vec<u8>>,
+    recent: Mutex<std::collections::VecDeque<(usize, Arc<Vec<u8>>)>>,
+}
+
+/// Decoded chunks a [`RowsOnDemand`] keeps (at most 256 KiB each by default).
+const RECENT_CHUNKS: usize = 16;
+
+impl RowsOnDemand {
+    fn tensor(&self) -> &PackedTensor {
+        &self.pack.tensors()[self.tensor]
+    }
+
+    /// Chunk `index` decoded, from the recent ones or decoded now.
+    fn chunk(&self, index: usize) -> ballast_core::Result<Arc<Vec<u8>>> {
+        let lock = || self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, c)) = lock().iter().find(|(i, _)| *i == index) {
+            return Ok(c.clone());
+        }
+        let t = self.tensor();
+        let raw = self.pack.chunk(t, index)?.raw_len as usize;
+        let mut out = vec![0u8; raw];
+        self.pack.decode_chunk(t, index, &mut out)?;
+        let out = Arc::new(out);
+        let mut recent = lock();
+        if recent.len() == RECENT_CHUNKS {
+            recent.pop_front();
+        }
+        recent.push_back((index, out.clone()));
+        Ok(out)
+    }
+}
+
+impl ByteSource for RowsOnDemand {
+    fn bytes(&self) -> ballast_core::Result<&[u8]> {
+        if let Some(all) = self.whole.get() {
+            return Ok(all);
+        }
+        let t = self.tensor();
+        let mut all = vec![0u8; t.raw_len as usize];
+        self.pack.decode_tensor(t, &mut all, 1)?;
+        // Two threads may both decode; either result is the same bytes.
+        Ok(self.whole.get_or_init(|| all))
+    }
+
+    fn byte_len(&self) -> usize {
+        self.tensor().raw_len as usize
+    }
+
+    fn range(
+        &self,
+        range: std::ops::Range<usize>,
+    ) -> ballast_core::Result<std::borrow::Cow<'_, [u8]>> {
+        use std::borrow::Cow;
+        let t = self.tensor();
+        let len = t.raw_len as usize;
+        if range.start > range.end || range.end > len {
+            return Err(ballast_core::Error::WeightRange {
+                start: range.start,
+                end: range.end,
+                len,
+            });
+        }
+        if let Some(all) = self.whole.get() {
+            return Ok(Cow::Borrowed(&all[range]));
+        }
+        let step = t.chunk_raw.max(1) as usize;
+        let mut out = Vec::with_capacity(range.len());
+        let mut at = range.start;
+        while at < range.end {
+            let index = at / step;
+            let chunk = self.chunk(index)?;
+            let from = at - index * step;
+            let to = (range.end - index * step).min(chunk.len());
+            if to <= from {
+                return Err(Error::BadIndex {
+                    path: self.pack.path().to_path_buf(),
+                    detail: format!("chunk {index} of {} ends before byte {at}", t.name),
+                }
+                .into());
+            }
+            out.extend_from_slice(&chunk[from..to]);
+            at = index * step + to;
+        }
+        Ok(Cow::Owned(out))
+    }
 }
 
 impl CompressedStore {
@@ -345,11 +451,39 @@ impl CompressedStore {
     /// `mapped` says whether the pack is memory-mapped (its bytes then count as disk).
     pub fn new(
         pack: Arc<PackFile>,
-        globals: GlobalWeights,
+        mut globals: GlobalWeights,
         layers: Vec<LayerWeights>,
         opts: StoreOptions,
         mapped: bool,
     ) -> Result<CompressedStore> {
+        // The skeleton leaves an untied embedding table undecoded: its rows come from
+        // the pack as lookups ask for them.
+        let mut rows_on_demand = 0;
+        if !globals.tied() {
+            let embd = globals.token_embd();
+            if let Some(k) = pack.tensors().iter().position(|t| t.name == embd.name) {
+                if pack.tensors()[k].raw_len != embd.bytes.len() as u64 {
+                    return Err(Error::BadIndex {
+                        path: pack.path().to_path_buf(),
+                        detail: format!(
+                            "tensor {}: {} bytes in the pack, {} in the model",
+                            embd.name,
+                            pack.tensors()[k].raw_len,
+                            embd.bytes.len()
+                        ),
+                    });
+                }
+                let source: Arc<dyn ByteSource> = Arc::new(RowsOnDemand {
+                    pack: pack.clone(),
+                    tensor: k,
+                    whole: OnceLock::new(),
+                    recent: Mutex::default(),
+                });
+                let len = embd.bytes.len();
+                globals.token_embd_mut().bytes = WeightBytes::new(source, 0..len)?;
+                rows_on_demand = RECENT_CHUNKS as u64 * u64::from(pack.tensors()[k].chunk_raw);
+            }
+        }
         let mut plans = Vec::with_capacity(layers.len());
         for template in layers {
             let mut tensors = Vec::new();
@@ -417,6 +551,7 @@ impl CompressedStore {
             ready: Condvar::new(),
             counters: Arc::new(Counters::default()),
             mapped,
+            rows_on_demand,
         });
         let prefetch = if inner.opts.prefetch && n > 1 {
             let (tx, rx) = channel::<usize>();
@@ -676,6 +811,13 @@ impl Inner {
 }
 
 impl CompressedStore {
+    /// Bytes this store holds beside its layers and the skeleton: the decoded chunks of
+    /// an untied embedding table whose rows it decodes on demand (at most
+    /// `RECENT_CHUNKS` of them; the whole table only if a device asks for it whole).
+    pub fn embedding_rows_held(&self) -> u64 {
+        self.inner.rows_on_demand
+    }
+
     /// [`CodedLayers::read_decode`] in spans of at most `span` stored bytes (a chunk
     /// larger than that is read alone): the same bytes whatever the span.
     pub fn read_decode_in_spans(

@@ -397,3 +397,52 @@ fn read_decode_gives_the_layers_bytes_whatever_the_span() {
         assert!(msg.contains(&packed.display().to_string()), "{msg}");
     }
 }
+
+/// An untied embedding table stays coded in the pack and a lookup decodes only the
+/// chunks its rows lie in: the skeleton leaves the table as zero pages, and the store's
+/// table gives the plain file's rows, bytes and greedy ids all the same.
+#[test]
+fn an_untied_embedding_is_decoded_row_by_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinyModelSpec {
+        n_layers: 2,
+        tied: false,
+        ..TinyModelSpec::default()
+    };
+    let opts = PackOptions {
+        chunk_bytes: 1000,
+        ..PackOptions::default()
+    };
+    let (src, packed) = common::pack_tiny_model(dir.path(), &spec, &opts);
+    let plain_file = Arc::new(GgufFile::open(&src, true).unwrap());
+    let plain_embd = plain_file.tensor("token_embd.weight").unwrap().clone();
+    let want = plain_file.tensor_data(&plain_embd).to_vec();
+
+    let pack = Arc::new(PackFile::open(&packed, true).unwrap());
+    let gguf = skeleton(&pack, 1).unwrap();
+    let skeleton_embd = gguf.tensor("token_embd.weight").unwrap().clone();
+    let undecoded = gguf.tensor_data(&skeleton_embd).to_vec();
+    assert!(undecoded.iter().all(|&b| b == 0), "the skeleton left it coded");
+    let config = ModelConfig::from_gguf(&gguf).unwrap();
+    let (globals, layers) = load_weights(&Arc::new(gguf), &config).unwrap();
+    let store = CompressedStore::new(pack, globals, layers, StoreOptions::default(), true)
+        .unwrap();
+    assert!(store.embedding_rows_held() > 0);
+    let table = &store.globals().token_embd().bytes;
+    let row = store.globals().token_embd().row_bytes();
+    for id in [0usize, 1, 37, 200, 255] {
+        let got = table.range_bytes(id * row..(id + 1) * row).unwrap();
+        assert_eq!(&got[..], &want[id * row..(id + 1) * row], "row {id}");
+    }
+    // Across chunk boundaries, and the whole table.
+    let got = table.range_bytes(900..2100).unwrap();
+    assert_eq!(&got[..], &want[900..2100]);
+    assert!(table.range_bytes(0..want.len() + 1).is_err());
+    assert_eq!(table.as_slice().unwrap(), &want[..]);
+
+    let plain = Model::load(plain_file, Arc::new(CpuBackend::new(2)), true).unwrap();
+    let prompt = [1u32, 50, 200, 7, 9];
+    let want_ids = greedy(plain, &prompt, 6);
+    let (model, _) = compressed_model(&packed, StoreOptions::default());
+    assert_eq!(greedy(model, &prompt, 6), want_ids);
+}

@@ -278,7 +278,6 @@ impl LinearOps for CpuBackend {
             let cols = table.cols();
             let rows = table.rows();
             let row_bytes = table.row_bytes();
-            let bytes = table.bytes.as_slice()?;
             for (&id, dst) in ids.iter().zip(out.chunks_exact_mut(cols)) {
                 let id = id as usize;
                 if id >= rows {
@@ -287,8 +286,11 @@ impl LinearOps for CpuBackend {
                         vocab: rows,
                     });
                 }
-                let src = &bytes[id * row_bytes..(id + 1) * row_bytes];
-                quant::dequantize(table.ty, src, dst)?;
+                // Row by row: a table decoded on demand produces only the rows asked.
+                let src = table
+                    .bytes
+                    .range_bytes(id * row_bytes..(id + 1) * row_bytes)?;
+                quant::dequantize(table.ty, &src, dst)?;
             }
             Ok(())
         })
