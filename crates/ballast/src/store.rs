@@ -552,6 +552,7 @@ pub(crate) fn build(
                     .at("loading", path)?;
             shape.stored_bytes = store.stored_bytes_per_layer();
             shape.decode_bytes_per_s = decode_bytes_per_s;
+            shape.decode_readers = stream.io_threads.max(1);
             // Experts are read one by one from a file, not from a pack.
             shape.expert_bytes.clear();
             compressed = Some(store.stats_handle());
@@ -731,6 +732,8 @@ pub fn planned_shape(path: &Path, on_gpu: bool) -> Result<(ModelShape, Opened)> 
             decoding_store(pack, globals.clone(), layers, true).at("loading", path)?;
         shape.stored_bytes = store.stored_bytes_per_layer();
         shape.decode_bytes_per_s = decode;
+        // The readers a tiered store runs by default read and decode side by side.
+        shape.decode_readers = StreamOptions::default().io_threads;
         shape.expert_bytes.clear();
     }
     if on_gpu {

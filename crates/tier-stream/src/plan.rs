@@ -85,6 +85,10 @@ pub struct ModelShape {
     /// Decoded bytes per second of the store beneath, which decodes each streamed
     /// layer after reading it (a pack; 0: nothing to decode).
     pub decode_bytes_per_s: f64,
+    /// Reader threads that read and decode streamed layers (a pack's): each decodes
+    /// a piece of its layer between its reads while the others read, so decoding
+    /// overlaps the disk when there are two or more. 0 counts as 1.
+    pub decode_readers: usize,
     /// Each layer's sliding window when its KV cache keeps only that (gemma3's local
     /// layers, in a cache that drops what no later query sees); empty or `None`: the
     /// layer keeps every token.
@@ -128,6 +132,7 @@ impl ModelShape {
             expert_share: 1.0,
             stored_bytes: Vec::new(),
             decode_bytes_per_s: 0.0,
+            decode_readers: 1,
             kv_windows: Vec::new(),
         }
     }
@@ -406,6 +411,8 @@ pub struct Plan {
     pub stored_bytes: Vec<u64>,
     /// See [`ModelShape::decode_bytes_per_s`].
     pub decode_bytes_per_s: f64,
+    /// See [`ModelShape::decode_readers`].
+    pub decode_readers: usize,
     /// [`Tier::Ram`] layers are held coded ([`ModelShape::stored_bytes`]) and decoded
     /// into a slot per use (a unified plan; see [`RamTier`]).
     pub ram_coded: bool,
@@ -681,6 +688,7 @@ pub fn plan(req: &PlanRequest) -> Result<Plan> {
         expert_share: shape.expert_share.clamp(0.0, 1.0),
         stored_bytes: shape.stored_bytes.clone(),
         decode_bytes_per_s: shape.decode_bytes_per_s.max(0.0),
+        decode_readers: shape.decode_readers.max(1),
         ram_coded,
     })
 }
@@ -933,13 +941,17 @@ impl Plan {
             speeds.disk_bytes_per_s,
         );
         let streamed: Vec<usize> = (0..n).filter(|&i| self.tiers[i] != Tier::Device).collect();
-        // A layer read from a compressed store is decoded by the reader after its read;
-        // a layer held coded is only decoded, by the same readers.
+        // A layer read from a compressed store is decoded by its reader piece by piece
+        // between reads, while the other readers read: the link is busy for the read,
+        // or for the readers' share of read and decode when decoding is the slower. A
+        // layer held coded is only decoded, by the same readers.
+        let readers = self.decode_readers.max(1) as f64;
         let disk_time = |i: usize| match self.tiers[i] {
             Tier::Disk => {
-                rate(self.prefetched_bytes(i), speeds.disk_bytes_per_s) + self.decode_seconds(i)
+                let read = rate(self.prefetched_bytes(i), speeds.disk_bytes_per_s);
+                read.max((read + self.decode_seconds(i)) / readers)
             }
-            Tier::Ram if self.ram_coded => self.decode_seconds(i),
+            Tier::Ram if self.ram_coded => self.decode_seconds(i) / readers,
             _ => 0.0,
         };
         // The chosen experts are read when the router has run: the compute waits.

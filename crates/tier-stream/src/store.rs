@@ -576,6 +576,7 @@ pub fn model_shape(
             .map_or(1.0, |m| m.n_expert_used as f64 / m.n_expert as f64),
         stored_bytes: Vec::new(),
         decode_bytes_per_s: 0.0,
+        decode_readers: 1,
         // The host caches keep only a windowed layer's window (the runtime's
         // `WindowedKv`); a caller whose cache keeps every token clears this.
         kv_windows: config

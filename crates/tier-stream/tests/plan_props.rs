@@ -24,6 +24,7 @@ fn shape(layers: Vec<u64>, head: u64, kv_dim: u64) -> ModelShape {
         expert_share: 1.0,
         stored_bytes: Vec::new(),
         decode_bytes_per_s: 0.0,
+        decode_readers: 1,
         kv_windows: Vec::new(),
     }
 }
@@ -437,4 +438,58 @@ fn the_room_left_holds_streamed_layers_coded() {
         coded.bytes_per_token().disk,
         raw.bytes_per_token().disk - 5 * stored
     );
+}
+
+/// A streamed layer of a pack is read and decoded piece by piece by its reader while
+/// the other reader reads: with two readers and a decode faster than the disk, a token
+/// takes the reads alone; with one reader, the reads and the decodes one after the
+/// other; with a decode slower than the disk, the readers' share of both.
+#[test]
+fn two_readers_overlap_decoding_with_reads() {
+    let mb = 1u64 << 20;
+    let layers = vec![(100 * mb, 50); 8];
+    let predict = |readers: usize, decode_bytes_per_s: f64| {
+        let mut shape = coded_shape(layers.clone(), mb);
+        shape.decode_readers = readers;
+        shape.decode_bytes_per_s = decode_bytes_per_s;
+        let p = plan(&PlanRequest {
+            shape,
+            budgets: Budgets {
+                device: None,
+                ram: 512 * mb,
+            },
+            ctx: 16,
+            batch: 1,
+            depth: 3,
+            ram_tier: RamTier::Raw,
+        })
+        .unwrap();
+        let streamed = p.tiers.iter().filter(|&&t| t == Tier::Disk).count() as f64;
+        assert!(streamed >= 4.0, "{:?}", p.tiers);
+        let speeds = Speeds {
+            compute_bytes_per_s: 1e12,
+            h2d_bytes_per_s: 0.0,
+            disk_bytes_per_s: 200e6,
+        };
+        let read = (50 * mb) as f64 / 200e6;
+        (p.predict(&speeds, 16).seconds_per_token, streamed, read)
+    };
+    // Decoding 100 MiB at 1 GB/s takes about half a read of 50 MiB at 200 MB/s.
+    let (two, n, read) = predict(2, 1e9);
+    let decode = (100 * mb) as f64 / 1e9;
+    assert!(
+        (two - n * read).abs() < 0.05 * n * read,
+        "{two} vs reads {}",
+        n * read
+    );
+    let (one, n, _) = predict(1, 1e9);
+    assert!(
+        (one - n * (read + decode)).abs() < 0.05 * n * (read + decode),
+        "{one}"
+    );
+    // A decode at 100 MB/s is slower than the read: the two readers' share of both.
+    let (slow, n, _) = predict(2, 100e6);
+    let decode = (100 * mb) as f64 / 100e6;
+    let want = n * (read + decode) / 2.0;
+    assert!((slow - want).abs() < 0.05 * want, "{slow} vs {want}");
 }

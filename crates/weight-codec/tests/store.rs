@@ -422,11 +422,13 @@ fn an_untied_embedding_is_decoded_row_by_row() {
     let gguf = skeleton(&pack, 1).unwrap();
     let skeleton_embd = gguf.tensor("token_embd.weight").unwrap().clone();
     let undecoded = gguf.tensor_data(&skeleton_embd).to_vec();
-    assert!(undecoded.iter().all(|&b| b == 0), "the skeleton left it coded");
+    assert!(
+        undecoded.iter().all(|&b| b == 0),
+        "the skeleton left it coded"
+    );
     let config = ModelConfig::from_gguf(&gguf).unwrap();
     let (globals, layers) = load_weights(&Arc::new(gguf), &config).unwrap();
-    let store = CompressedStore::new(pack, globals, layers, StoreOptions::default(), true)
-        .unwrap();
+    let store = CompressedStore::new(pack, globals, layers, StoreOptions::default(), true).unwrap();
     assert!(store.embedding_rows_held() > 0);
     let table = &store.globals().token_embd().bytes;
     let row = store.globals().token_embd().row_bytes();
