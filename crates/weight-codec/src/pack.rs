@@ -446,6 +446,23 @@ impl PackFile {
     /// another): borrowed from the map or memory, or read from the file in one read.
     /// The span must lie within chunks whose ranges were checked at open.
     pub fn stored_span(&self, offset: u64, len: usize) -> Result<std::borrow::Cow<'_, [u8]>> {
+        let mut buf = Vec::new();
+        match self.stored_span_in(offset, len, &mut buf)? {
+            Some(bytes) => Ok(std::borrow::Cow::Borrowed(bytes)),
+            None => Ok(std::borrow::Cow::Owned(buf)),
+        }
+    }
+
+    /// [`PackFile::stored_span`] into `buf` (reused across calls, so a reader keeps one
+    /// buffer instead of the allocator keeping every span it freed): `Some` borrows the
+    /// bytes from the map or memory and leaves `buf` alone; `None` means they were read
+    /// from the file into `buf`, which then holds exactly them.
+    pub fn stored_span_in<'a>(
+        &'a self,
+        offset: u64,
+        len: usize,
+        buf: &mut Vec<u8>,
+    ) -> Result<Option<&'a [u8]>> {
         let Some(file) = self.chunk_reader.get() else {
             self.check_mapped_len()?;
             let start = self.data_start + offset as usize;
@@ -458,28 +475,28 @@ impl PackFile {
                     needed: (start + len) as u64,
                     len: all.len() as u64,
                 })?;
-            return Ok(std::borrow::Cow::Borrowed(bytes));
+            return Ok(Some(bytes));
         };
         use std::os::unix::fs::FileExt;
         use std::os::unix::io::AsRawFd;
         let at = (self.data_start as u64) + offset;
-        let mut buf = vec![0u8; len];
-        file.read_exact_at(&mut buf, at)
-            .map_err(|source| Error::Io {
-                path: self.path.clone(),
-                source,
-            })?;
+        buf.clear();
+        buf.resize(len, 0);
+        file.read_exact_at(buf, at).map_err(|source| Error::Io {
+            path: self.path.clone(),
+            source,
+        })?;
         // SAFETY: `posix_fadvise` only reads its integer arguments; the descriptor is
         // open for the call's duration. A failure is harmless (the pages stay cached).
         unsafe {
             libc::posix_fadvise(
                 file.as_raw_fd(),
                 at as libc::off_t,
-                buf.len() as libc::off_t,
+                len as libc::off_t,
                 libc::POSIX_FADV_DONTNEED,
             );
         }
-        Ok(std::borrow::Cow::Owned(buf))
+        Ok(None)
     }
 
     /// The stored bytes of `chunk` (its range was checked when the pack was opened).

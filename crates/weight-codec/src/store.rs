@@ -862,6 +862,32 @@ impl CompressedStore {
                 pieces.push((t, i, piece));
             }
         }
+        // Spans read from the file go into one buffer per thread, kept for the thread's
+        // life: a tiered store's reader allocates it once, where a buffer per layer let
+        // the allocator keep two or three spans' worth beside it.
+        thread_local! {
+            static SPAN_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        SPAN_BUF
+            .with_borrow_mut(|buf| {
+                if buf.capacity() < span.min(plan.stored) as usize {
+                    *buf = Vec::with_capacity(span.min(plan.stored) as usize);
+                }
+                self.decode_spans(pieces, span, buf)
+            })
+            .inspect(|_| inner.count_decode(plan, t0))
+    }
+
+    /// Reads `pieces` (a layer's chunks with their places) in spans of at most
+    /// `span` stored bytes through `buf`, decoding each span before reading the next.
+    fn decode_spans(
+        &self,
+        pieces: Vec<(&PackedTensor, usize, &mut [u8])>,
+        span: u64,
+        buf: &mut Vec<u8>,
+    ) -> ballast_core::Result<u64> {
+        let inner = &self.inner;
+        let pack = &inner.pack;
         let mut read = 0u64;
         let mut rest = pieces.into_iter().peekable();
         while let Some(first) = rest.next() {
@@ -877,7 +903,10 @@ impl CompressedStore {
                 end += u64::from(c.stored_len);
                 group.extend(rest.next());
             }
-            let stored = pack.stored_span(start, (end - start) as usize)?;
+            let stored = match pack.stored_span_in(start, (end - start) as usize, buf)? {
+                Some(bytes) => bytes,
+                None => &buf[..],
+            };
             read += end - start;
             let jobs: Vec<_> = group
                 .into_iter()
@@ -891,7 +920,6 @@ impl CompressedStore {
                 pack.decode_stored(t, i, s, piece)
             })?;
         }
-        inner.count_decode(plan, t0);
         Ok(read)
     }
 }
