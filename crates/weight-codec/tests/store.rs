@@ -251,6 +251,17 @@ fn store_over_pack(
     (packed, store)
 }
 
+/// Cuts the file at `path` to half its length, as a pack shrinking under a reader.
+fn cut_to_half(path: &Path) {
+    let len = std::fs::metadata(path).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+}
+
 /// `err` and its sources, one line.
 fn chain(err: &dyn std::error::Error) -> String {
     let mut all = err.to_string();
@@ -322,13 +333,7 @@ fn a_pack_cut_short_under_an_open_store_is_an_error_naming_it() {
         if !device_decode {
             store.layer(PassId(1), 2).unwrap();
         }
-        let len = std::fs::metadata(&packed).unwrap().len();
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&packed)
-            .unwrap()
-            .set_len(len / 2)
-            .unwrap();
+        cut_to_half(&packed);
         let name = packed.display().to_string();
         if let Some((_layer, up)) = &lent {
             let msg = chain(&up.bytes.as_slice().unwrap_err());
@@ -383,13 +388,7 @@ fn read_decode_gives_the_layers_bytes_whatever_the_span() {
             last = want.iter().map(Vec::len).collect();
         }
         // The pack cut short under the store: an error naming it, not a panic.
-        let len = std::fs::metadata(&packed).unwrap().len();
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&packed)
-            .unwrap()
-            .set_len(len / 2)
-            .unwrap();
+        cut_to_half(&packed);
         let mut got: Vec<Vec<u8>> = last.iter().map(|&n| vec![0; n]).collect();
         let mut out: Vec<&mut [u8]> = got.iter_mut().map(Vec::as_mut_slice).collect();
         let index = store.n_layers() - 1;
