@@ -33,7 +33,9 @@
 //! take 4 rows x every whole group of 8 tokens against activations repacked once per batch
 //! (8 tokens' blocks side by side; Q8_0, Q4_0 and Q5_0 decode the 4 rows once for all the
 //! groups), the K-quants 2 rows x all tokens (the rows' superblocks decoded once, then 4
-//! tokens at a time); AVX2 1 row x 4 tokens. Decoding once changes no float operation.
+//! tokens at a time); on AVX2 Q8_0, Q4_0 and Q5_0 take up to 16 rows decoded once x every
+//! whole group of 8 packed tokens, the K-quants 1 row x 8 tokens, the rest 1 row x 4
+//! tokens. Decoding once changes no float operation.
 //!
 //! # Example
 //!
@@ -631,11 +633,19 @@ impl TileOut {
     }
 }
 
-/// Signature of a wide prefill kernel: 4 weight rows `w` against tokens `t0..t0 + nt`,
-/// both whole groups of [`PACK_TOKENS`], written through `out`.
+/// Signature of a wide prefill kernel: weight rows `w` against tokens `t0..t0 + nt`,
+/// written through `out`. It returns false, computing nothing, for a tile it does not
+/// take (the AVX-512 ones take 4 rows, the AVX2 ones up to 16, both whole groups of
+/// [`PACK_TOKENS`] tokens); the caller then uses the narrow kernel.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) type WideFn =
-    unsafe fn(w: &[u8], rb: usize, acts: &QuantizedActivations, t0: usize, nt: usize, out: TileOut);
+pub(crate) type WideFn = unsafe fn(
+    w: &[u8],
+    rb: usize,
+    acts: &QuantizedActivations,
+    t0: usize,
+    nt: usize,
+    out: TileOut,
+) -> bool;
 
 #[allow(clippy::too_many_arguments)]
 fn scalar_tile(
@@ -817,7 +827,7 @@ pub fn axpy_q8_0_at(level: SimdLevel, row: &[u8], scale: f32, acc: &mut [f32]) -
 }
 
 /// Walks `rows` x `n` outputs in tiles of `(rows, tokens)` = `shape` where they fit:
-/// whole tiles of rows, then single rows; whole tiles of tokens, then tails of at most
+/// whole tiles of rows, then one tile of the rows left; whole tiles of tokens, then tails of at most
 /// 4 tokens (every kernel has those shapes). Calls `tile(first row, rows, first token,
 /// tokens)` for each.
 fn for_each_tile(
@@ -828,7 +838,7 @@ fn for_each_tile(
 ) {
     let mut r = 0;
     while r < rows {
-        let rr = if rows - r >= rr_pref { rr_pref } else { 1 };
+        let rr = rr_pref.min(rows - r);
         let mut t0 = 0;
         while t0 < n {
             let nt = if n - t0 >= nt_pref {
@@ -921,15 +931,14 @@ pub unsafe fn matmul_token_major(
     #[cfg(target_arch = "x86_64")]
     let wide = match level {
         SimdLevel::Avx512 => x86::wide_avx512(ty),
+        SimdLevel::Avx2 => x86::wide_avx2(ty),
         _ => None,
     };
     #[cfg(not(target_arch = "x86_64"))]
     let wide: Option<WideFn> = None;
     for_each_blocked_tile(level, ty, rows, acts, |r, rr, t0, nt| {
         let w = &weights[r * rb..(r + rr) * rb];
-        if let Some(f) = wide.filter(|_| {
-            rr == 4 && nt >= PACK_TOKENS && nt % PACK_TOKENS == 0 && t0 % PACK_TOKENS == 0
-        }) {
+        if let Some(f) = wide {
             // The kernel writes its tokens from the first: token t0 of row r.
             let out = TileOut {
                 // SAFETY: row r of token t0 is in the caller's region.
@@ -937,11 +946,11 @@ pub unsafe fn matmul_token_major(
                 rs: 1,
                 ts: ld,
             };
-            // SAFETY: the kernel was selected for a level this CPU supports; the tile is
-            // 4 rows x whole groups; every (t, r + i) written is in the caller's region
-            // by the contract.
-            unsafe { f(w, rb, acts, t0, nt, out) };
-            return;
+            // SAFETY: the kernel was selected for a level this CPU supports; every
+            // (t, r + i) it writes is in the caller's region by the contract.
+            if unsafe { f(w, rb, acts, t0, nt, out) } {
+                return;
+            }
         }
         match kernel {
             // SAFETY: the kernel was selected for a level this CPU supports, and the
@@ -967,7 +976,12 @@ pub unsafe fn matmul_token_major(
 /// registers 8 times, and 2 rows x 4 tokens in prefill for the Q8_0-like formats
 /// (`BALLAST_BENCH_TABLE=1 cargo bench --bench quant`, thread CPU time: Q8_0 decode
 /// 25 → 29 GB/s, prefill 69k → 89k tokens/s on SmolLM2's q_o; Q4_K decode 17 → 19 GB/s;
-/// Q4_1 decode 16.3 → 15.2 with 8 rows, so it keeps 4). The AVX2 K-quants take 1 row x
+/// Q4_1 decode 16.3 → 15.2 with 8 rows, so it keeps 4). In prefill of at least 8 tokens
+/// the AVX2 Q8_0-like formats take up to 16 rows x all whole groups of 8 tokens (the rows
+/// decoded once, `avx2_wide`): Qwen2.5-Coder-0.5B's pp128 (mostly Q5_0) at 147-150 tokens/s
+/// instead of 101-104 on one thread, Gemma 3 270M's at 431-449 instead of 319-326
+/// (`BALLAST_SIMD=avx2 ballast bench -p 128 -n 0 -r 3 -t 1`, alternated, a Zen 4 EPYC);
+/// fewer tokens keep 2 rows x 4 tokens. The AVX2 K-quants take 1 row x
 /// 8 tokens in prefill, a superblock unpacked once for 8 tokens: Qwen2.5-Coder-1.5B
 /// Q4_K_M's pp128 at 33.8-34.7 tokens/s instead of 28.0-29.3 on one thread, 62-65
 /// instead of 53-56 on two (`BALLAST_SIMD=avx2 ballast bench -p 128 -n 0`, alternated). Prefill reuses
@@ -988,7 +1002,11 @@ fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
         }
         (_, SimdLevel::Avx512) => (2, n),
         (_, SimdLevel::Avx2) if matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0) => {
-            (2, 4)
+            if n >= PACK_TOKENS {
+                (16, n / PACK_TOKENS * PACK_TOKENS)
+            } else {
+                (2, 4)
+            }
         }
         (_, SimdLevel::Avx2) if matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K) => {
             (1, 8)

@@ -9,10 +9,11 @@ use crate::quant::QuantizedActivations;
 use std::arch::x86_64::*;
 
 // A kernel shared by several formats takes the format as its last const argument.
-tile_fn!(tile_q4_0_avx2, q8_0_like_avx2, [1], 18);
+// Q8_0, Q4_0 and Q5_0 prefill in whole token groups goes to `avx2_wide`.
+tile_fn!(tile_q4_0_avx2_narrow, q8_0_like_avx2, [1], 18);
 tile_fn!(tile_q4_1_avx2, q41_like_avx2, [false], 20);
-tile_fn!(tile_q8_0_avx2, q8_0_like_avx2, [0], 34);
-tile_fn!(tile_q5_0_avx2, q8_0_like_avx2, [2], 22);
+tile_fn!(tile_q8_0_avx2_narrow, q8_0_like_avx2, [0], 34);
+tile_fn!(tile_q5_0_avx2_narrow, q8_0_like_avx2, [2], 22);
 tile_fn!(tile_q5_1_avx2, q41_like_avx2, [true], 24);
 tile_fn!(tile_q4_k_avx2, q45_k_avx2, [false], 144);
 tile_fn!(tile_q5_k_avx2, q45_k_avx2, [true], 176);
@@ -20,7 +21,7 @@ tile_fn!(tile_q6_k_avx2, q6_k_avx2, [], 210);
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles16(p: *const u8) -> __m256i {
+pub(super) unsafe fn nibbles16(p: *const u8) -> __m256i {
     // SAFETY: the caller keeps 16 bytes readable at `p`; the load is unaligned.
     let qs = unsafe { _mm_loadu_si128(p as *const __m128i) };
     _mm256_and_si256(
@@ -32,7 +33,7 @@ unsafe fn nibbles16(p: *const u8) -> __m256i {
 /// The 32 high bits `qh` (bit i for element i) as bytes 0x10 / 0x00.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn high_bits32(qh: u32) -> __m256i {
+pub(super) fn high_bits32(qh: u32) -> __m256i {
     let tmp = _mm256_set1_epi32(qh as i32);
     let shuf = _mm256_set_epi64x(
         0x0303_0303_0303_0303,

@@ -5,7 +5,7 @@
 //! AVX2 kernels (another instruction set and register width) and from the AVX-512
 //! K-quants in [`super::avx512_k`] (another block layout and activation type).
 
-use super::{by_4_tokens, hsum256, prefetch_tile_ahead, tile_fn, Rows, PREFETCH};
+use super::{hsum256, prefetch_tile_ahead, tile_fn, Rows, PREFETCH};
 use crate::quant::{QuantizedActivations, TileOut, PACKED_BLOCK, PACKED_BLOCK_Q8_1, PACK_TOKENS};
 use std::arch::x86_64::*;
 
@@ -15,15 +15,16 @@ tile_fn!(tile_q8_0_avx512_narrow, q8_0_like_avx512, [0], 34);
 tile_fn!(tile_q5_0_avx512_narrow, q8_0_like_avx512, [2], 22);
 tile_fn!(tile_q5_1_avx512_narrow, q41_like_avx512, [true], 24);
 
-/// Expands the prefill tile of a 32-element format: 4 rows x whole groups of 8 tokens
-/// through its wide kernel (`$wide_name`, also called by itself for the token-major
-/// output: [`q8_0_like_wide_avx512`], [`q41_like_wide_groups`]), any other shape through
-/// the narrow kernel (tokens split into groups of at most 4).
+/// Expands the wide prefill kernel of a 32-element format (`$wide_name`, a
+/// [`WideFn`](crate::quant::WideFn): 4 rows x whole groups of 8 tokens through `$wide`,
+/// [`q8_0_like_wide_avx512`] or [`q41_like_wide_groups`]) and its tile (`$name`: that
+/// kernel where it takes the tile, else `$narrow`, the tokens split into groups of at
+/// most 4).
 macro_rules! tile_wide_fn {
     ($name:ident, $wide_name:ident, $narrow:ident, $wide:expr, $bb:expr) => {
         /// # Safety
-        /// The CPU must support AVX-512 VNNI; `w` (4 rows) and `acts` must be validated;
-        /// `t0` and `nt` whole groups of 8 tokens; `out` valid for every result.
+        /// The CPU must support AVX-512 VNNI; `w` and `acts` must be validated; `out`
+        /// valid for every result of the tile.
         pub(super) unsafe fn $wide_name(
             w: &[u8],
             rb: usize,
@@ -31,41 +32,19 @@ macro_rules! tile_wide_fn {
             t0: usize,
             nt: usize,
             out: TileOut,
-        ) {
+        ) -> bool {
+            if w.len() / rb != 4 || !super::whole_groups(t0, nt) {
+                return false;
+            }
             let wp: Rows<4> = std::array::from_fn(|i| w[i * rb..].as_ptr());
             let g0 = t0 / PACK_TOKENS;
             let y = |g: usize| acts.packed_group(g0 + g).as_ptr();
             // SAFETY: forwarded from the caller; each packed group holds every block.
             unsafe { $wide(wp, rb / $bb, y, nt / PACK_TOKENS, out) };
+            true
         }
 
-        /// # Safety
-        /// The CPU must support AVX-512 VNNI; `w` and `acts` must be validated.
-        pub(super) unsafe fn $name(
-            w: &[u8],
-            rb: usize,
-            acts: &QuantizedActivations,
-            t0: usize,
-            nt: usize,
-            out: &mut [f32],
-            stride: usize,
-        ) {
-            let rr = w.len() / rb;
-            if rr == 4 && nt >= PACK_TOKENS && nt % PACK_TOKENS == 0 && t0 % PACK_TOKENS == 0 {
-                assert!(out.len() >= 3 * stride + nt);
-                let out = TileOut {
-                    ptr: out.as_mut_ptr(),
-                    rs: stride,
-                    ts: 1,
-                };
-                // SAFETY: forwarded from the caller; every result lands in `out`
-                // (checked just above).
-                unsafe { $wide_name(w, rb, acts, t0, nt, out) };
-                return;
-            }
-            // SAFETY: forwarded from the caller.
-            unsafe { by_4_tokens($narrow, w, rb, acts, t0, nt, out, stride) }
-        }
+        super::wide_or_narrow!($name, $wide_name, $narrow);
     };
 }
 

@@ -10,6 +10,8 @@
 //! loads, [`prefetch_tile_ahead`], [`k4_scales_mins`]). The kernels live one idea a file:
 //!
 //! - [`avx2`]: the AVX2 tiles, 32-element formats, K-quants and float weights;
+//! - [`avx2_wide`]: the AVX2 prefill kernels of Q8_0, Q4_0 and Q5_0 (rows decoded once,
+//!   packed token groups);
 //! - [`avx512`]: the AVX-512 tiles of the 32-element formats, decode pairs and the wide
 //!   prefill kernels;
 //! - [`avx512_k`]: the AVX-512 K-quant tiles (superblock decode, rows, prefill tile);
@@ -18,6 +20,7 @@
 
 mod activations;
 mod avx2;
+mod avx2_wide;
 mod avx512;
 mod avx512_k;
 mod axpy;
@@ -25,7 +28,7 @@ mod axpy;
 pub(crate) use activations::{quantize_q8_avx2, quantize_q8_k_avx2};
 pub(crate) use axpy::{axpy_q8_0_avx2, axpy_q8_0_avx512};
 
-use super::{QuantizedActivations, TileFn, WideFn};
+use super::{QuantizedActivations, TileFn, WideFn, PACK_TOKENS};
 use crate::ggml_type::GgmlType;
 use std::arch::x86_64::*;
 
@@ -46,10 +49,10 @@ pub(crate) fn has_avx512() -> bool {
 
 pub(crate) fn kernel_avx2(ty: GgmlType) -> Option<TileFn> {
     Some(match ty {
-        GgmlType::Q4_0 => avx2::tile_q4_0_avx2,
+        GgmlType::Q4_0 => avx2_wide::tile_q4_0_avx2,
         GgmlType::Q4_1 => avx2::tile_q4_1_avx2,
-        GgmlType::Q8_0 => avx2::tile_q8_0_avx2,
-        GgmlType::Q5_0 => avx2::tile_q5_0_avx2,
+        GgmlType::Q8_0 => avx2_wide::tile_q8_0_avx2,
+        GgmlType::Q5_0 => avx2_wide::tile_q5_0_avx2,
         GgmlType::Q5_1 => avx2::tile_q5_1_avx2,
         GgmlType::Q4_K => avx2::tile_q4_k_avx2,
         GgmlType::Q5_K => avx2::tile_q5_k_avx2,
@@ -88,6 +91,58 @@ pub(crate) fn wide_avx512(ty: GgmlType) -> Option<WideFn> {
         _ => return None,
     })
 }
+
+/// The AVX2 prefill kernel writing up to 16 rows x whole groups of 8 tokens through a
+/// [`TileOut`](crate::quant::TileOut), for the types that have one.
+pub(crate) fn wide_avx2(ty: GgmlType) -> Option<WideFn> {
+    Some(match ty {
+        GgmlType::Q4_0 => avx2_wide::wide_q4_0_avx2,
+        GgmlType::Q8_0 => avx2_wide::wide_q8_0_avx2,
+        GgmlType::Q5_0 => avx2_wide::wide_q5_0_avx2,
+        _ => return None,
+    })
+}
+
+/// Whether tokens `t0..t0 + nt` are whole groups of 8, what the wide kernels take.
+fn whole_groups(t0: usize, nt: usize) -> bool {
+    nt >= PACK_TOKENS && nt % PACK_TOKENS == 0 && t0 % PACK_TOKENS == 0
+}
+
+/// Expands a [`TileFn`] that hands a tile to the wide kernel `$wide` (a [`WideFn`]) where
+/// it takes it, and otherwise to `$narrow`, the tokens split into groups of at most 4.
+macro_rules! wide_or_narrow {
+    ($name:ident, $wide:ident, $narrow:ident) => {
+        /// # Safety
+        /// The CPU must support the kernels' features; `w` and `acts` must be validated.
+        pub(super) unsafe fn $name(
+            w: &[u8],
+            rb: usize,
+            acts: &$crate::quant::QuantizedActivations,
+            t0: usize,
+            nt: usize,
+            out: &mut [f32],
+            stride: usize,
+        ) {
+            let rr = w.len() / rb;
+            if rr > 0 && out.len() >= (rr - 1) * stride + nt {
+                let tile = $crate::quant::TileOut {
+                    ptr: out.as_mut_ptr(),
+                    rs: stride,
+                    ts: 1,
+                };
+                // SAFETY: forwarded from the caller; every result lands in `out`
+                // (checked just above).
+                if unsafe { $wide(w, rb, acts, t0, nt, tile) } {
+                    return;
+                }
+            }
+            // SAFETY: forwarded from the caller.
+            unsafe { $crate::quant::x86::by_4_tokens($narrow, w, rb, acts, t0, nt, out, stride) }
+        }
+    };
+}
+
+use wide_or_narrow;
 
 /// Pointers to the bytes and f32 scales of tokens `t0..t0 + NT`.
 #[inline(always)]
@@ -366,6 +421,14 @@ mod tests {
             blocks.push(WIDE_MAX_BLOCKS + 3);
             tokens = 1..26;
         }
+        if level == "avx2" && matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0) {
+            // Up to 16 rows x whole groups of 8 tokens (any other shape goes narrow), the
+            // rows decoded in chunks (several for rows of 100 blocks) or, past what the
+            // decode buffer holds two of, not taken.
+            shapes.extend([(16, 8), (16, 24), (5, 16), (2, 8), (1, 8), (3, 24), (16, 5)]);
+            blocks.extend([100, 672, 673]);
+            tokens = 1..26;
+        }
         if level == "avx512" && bl == 256 {
             // 2 rows x more than 4 tokens: the rows decoded once, the tokens 4 at a time
             // and a tail; rows longer than that decodes (`K_MAX_BLOCKS`).
@@ -375,8 +438,14 @@ mod tests {
         for nb in blocks {
             let k = bl * nb;
             let rb = ty.block_bytes() * nb;
-            for n in tokens.clone() {
-                let rows = 5;
+            // Long rows with a few token counts only: the scalar reference is slow.
+            let counts: Vec<usize> = if nb >= 100 {
+                vec![8, 17, 24]
+            } else {
+                tokens.clone().collect()
+            };
+            for n in counts {
+                let rows = shapes.iter().map(|s| s.0).max().unwrap_or(1);
                 let wq = random_rows(ty, rows * rb, (nb * 31 + n) as u64);
                 let x: Vec<f32> = (0..n * k)
                     .map(|i| ((i * 53 % 89) as f32 - 44.0) / 9.0)
