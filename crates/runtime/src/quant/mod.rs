@@ -33,9 +33,9 @@
 //! take 4 rows x every whole group of 8 tokens against activations repacked once per batch
 //! (8 tokens' blocks side by side; Q8_0, Q4_0 and Q5_0 decode the 4 rows once for all the
 //! groups), the K-quants 2 rows x all tokens (the rows' superblocks decoded once, then 4
-//! tokens at a time); on AVX2 Q8_0, Q4_0 and Q5_0 take up to 16 rows decoded once x every
-//! whole group of 8 packed tokens, the K-quants 1 row x 8 tokens, the rest 1 row x 4
-//! tokens. Decoding once changes no float operation.
+//! tokens at a time); on AVX2 the 32-element formats take up to 16 rows decoded once x
+//! every whole group of 8 packed tokens, the K-quants 1 row x 8 tokens. Decoding once
+//! changes no float operation.
 //!
 //! # Example
 //!
@@ -981,7 +981,8 @@ pub unsafe fn matmul_token_major(
 /// decoded once, `avx2_wide`): Qwen2.5-Coder-0.5B's pp128 (mostly Q5_0) at 147-150 tokens/s
 /// instead of 101-104 on one thread, Gemma 3 270M's at 431-449 instead of 319-326
 /// (`BALLAST_SIMD=avx2 ballast bench -p 128 -n 0 -r 3 -t 1`, alternated, a Zen 4 EPYC);
-/// fewer tokens keep 2 rows x 4 tokens. The AVX2 K-quants take 1 row x
+/// fewer tokens keep 2 rows x 4 tokens. Q4_1 and Q5_1 too: SmolLM2's pp128 at 434-435
+/// tokens/s instead of 320-322. The AVX2 K-quants take 1 row x
 /// 8 tokens in prefill, a superblock unpacked once for 8 tokens: Qwen2.5-Coder-1.5B
 /// Q4_K_M's pp128 at 33.8-34.7 tokens/s instead of 28.0-29.3 on one thread, 62-65
 /// instead of 53-56 on two (`BALLAST_SIMD=avx2 ballast bench -p 128 -n 0`, alternated). Prefill reuses
@@ -1001,12 +1002,11 @@ fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
             (4, (n / PACK_TOKENS * PACK_TOKENS).max(PACK_TOKENS))
         }
         (_, SimdLevel::Avx512) => (2, n),
+        (_, SimdLevel::Avx2) if n >= PACK_TOKENS && ty.block_len() == 32 => {
+            (16, n / PACK_TOKENS * PACK_TOKENS)
+        }
         (_, SimdLevel::Avx2) if matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0) => {
-            if n >= PACK_TOKENS {
-                (16, n / PACK_TOKENS * PACK_TOKENS)
-            } else {
-                (2, 4)
-            }
+            (2, 4)
         }
         (_, SimdLevel::Avx2) if matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K) => {
             (1, 8)

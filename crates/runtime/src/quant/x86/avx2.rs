@@ -9,12 +9,12 @@ use crate::quant::QuantizedActivations;
 use std::arch::x86_64::*;
 
 // A kernel shared by several formats takes the format as its last const argument.
-// Q8_0, Q4_0 and Q5_0 prefill in whole token groups goes to `avx2_wide`.
+// Prefill of the 32-element formats in whole token groups goes to `avx2_wide`.
 tile_fn!(tile_q4_0_avx2_narrow, q8_0_like_avx2, [1], 18);
-tile_fn!(tile_q4_1_avx2, q41_like_avx2, [false], 20);
+tile_fn!(tile_q4_1_avx2_narrow, q41_like_avx2, [false], 20);
 tile_fn!(tile_q8_0_avx2_narrow, q8_0_like_avx2, [0], 34);
 tile_fn!(tile_q5_0_avx2_narrow, q8_0_like_avx2, [2], 22);
-tile_fn!(tile_q5_1_avx2, q41_like_avx2, [true], 24);
+tile_fn!(tile_q5_1_avx2_narrow, q41_like_avx2, [true], 24);
 tile_fn!(tile_q4_k_avx2, q45_k_avx2, [false], 144);
 tile_fn!(tile_q5_k_avx2, q45_k_avx2, [true], 176);
 tile_fn!(tile_q6_k_avx2, q6_k_avx2, [], 210);

@@ -1,5 +1,5 @@
-//! The AVX2 prefill kernels of the formats with a Q8_0-like dot (Q8_0, Q4_0, Q5_0): up to
-//! [`WIDE_ROWS`] rows decoded once against whole groups of 8 packed tokens.
+//! The AVX2 prefill kernels of the 32-element formats (Q8_0, Q4_0, Q5_0; Q4_1, Q5_1): up
+//! to [`WIDE_ROWS`] rows decoded once against whole groups of 8 packed tokens.
 //!
 //! The narrow kernel ([`super::avx2`]) decodes a block of 2 rows for every 4 tokens and
 //! looks each token's block up through its own pointer: for Qwen2.5-Coder-0.5B's Q5_0
@@ -14,10 +14,11 @@
 //! so the bits are the same.
 
 use super::avx2::{
-    high_bits32, nibbles16, tile_q4_0_avx2_narrow, tile_q5_0_avx2_narrow, tile_q8_0_avx2_narrow,
+    high_bits32, nibbles16, tile_q4_0_avx2_narrow, tile_q4_1_avx2_narrow, tile_q5_0_avx2_narrow,
+    tile_q5_1_avx2_narrow, tile_q8_0_avx2_narrow,
 };
-use super::{f16x1, hsum256, whole_groups, wide_or_narrow};
-use crate::quant::{QuantizedActivations, TileOut, PACKED_BLOCK, PACK_TOKENS};
+use super::{f16x1, f16x2, hsum256, whole_groups, wide_or_narrow};
+use crate::quant::{QuantizedActivations, TileOut, PACKED_BLOCK, PACKED_BLOCK_Q8_1, PACK_TOKENS};
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
@@ -44,10 +45,10 @@ fn takes(rr: usize, nb: usize, t0: usize, nt: usize) -> bool {
     (1..=WIDE_ROWS).contains(&rr) && 2 * nb <= DECODED_BLOCKS && whole_groups(t0, nt)
 }
 
-/// Expands the wide entry point of one format (`KIND` 0, 1, 2: Q8_0, Q4_0, Q5_0, blocks
-/// of `$bb` bytes) as a [`WideFn`](crate::quant::WideFn).
+/// Expands the wide entry point of one format (blocks of `$bb` bytes, computed by
+/// `$kernel`) as a [`WideFn`](crate::quant::WideFn).
 macro_rules! wide_fn {
-    ($name:ident, $kind:expr, $bb:expr) => {
+    ($name:ident, $kernel:expr, $bb:expr) => {
         /// # Safety
         /// The CPU must support AVX2, FMA and F16C; `w` (whole rows of `rb` bytes) and
         /// `acts` must be validated; `out` valid for every result of the tile.
@@ -66,15 +67,15 @@ macro_rules! wide_fn {
             let g0 = t0 / PACK_TOKENS;
             let y = |g: usize| acts.packed_group(g0 + g).as_ptr();
             // SAFETY: forwarded from the caller; each packed group holds every block.
-            unsafe { q8_0_like_wide_avx2::<$kind>(w, rb, nb, y, nt / PACK_TOKENS, out) };
+            unsafe { $kernel(w, rb, nb, y, nt / PACK_TOKENS, out) };
             true
         }
     };
 }
 
-wide_fn!(wide_q8_0_avx2, 0, 34);
-wide_fn!(wide_q4_0_avx2, 1, 18);
-wide_fn!(wide_q5_0_avx2, 2, 22);
+wide_fn!(wide_q8_0_avx2, q8_0_like_wide_avx2::<0>, 34);
+wide_fn!(wide_q4_0_avx2, q8_0_like_wide_avx2::<1>, 18);
+wide_fn!(wide_q5_0_avx2, q8_0_like_wide_avx2::<2>, 22);
 wide_or_narrow!(tile_q8_0_avx2, wide_q8_0_avx2, tile_q8_0_avx2_narrow);
 wide_or_narrow!(tile_q4_0_avx2, wide_q4_0_avx2, tile_q4_0_avx2_narrow);
 wide_or_narrow!(tile_q5_0_avx2, wide_q5_0_avx2, tile_q5_0_avx2_narrow);
@@ -225,6 +226,155 @@ unsafe fn rows_x4<const KIND: u8, const R: usize>(
     for (row, acc) in res.iter_mut().zip(&acc) {
         for (v, &a) in row.iter_mut().zip(acc) {
             *v = hsum256(a);
+        }
+    }
+    res
+}
+
+wide_fn!(wide_q4_1_avx2, q41_like_wide_avx2::<false>, 20);
+wide_fn!(wide_q5_1_avx2, q41_like_wide_avx2::<true>, 24);
+wide_or_narrow!(tile_q4_1_avx2, wide_q4_1_avx2, tile_q4_1_avx2_narrow);
+wide_or_narrow!(tile_q5_1_avx2, wide_q5_1_avx2, tile_q5_1_avx2_narrow);
+
+/// Block `b` of a Q4_1 (`FIVE == false`) or Q5_1 row at `row` decoded: its unsigned
+/// quants and its `d` and `m` side by side.
+///
+/// # Safety
+/// Block `b` must be in bounds.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_q41<const FIVE: bool>(row: *const u8, b: usize) -> (__m256i, u64) {
+    let bb = if FIVE { 24 } else { 20 };
+    // SAFETY: block b of the row is in bounds (the contract).
+    unsafe {
+        let wb = row.add(b * bb);
+        let q = if FIVE {
+            let qh = (wb.add(4) as *const u32).read_unaligned();
+            _mm256_or_si256(nibbles16(wb.add(8)), high_bits32(qh))
+        } else {
+            nibbles16(wb.add(4))
+        };
+        let dm = f16x2(wb);
+        (q, _mm_cvtsi128_si64(_mm_castps_si128(dm)) as u64)
+    }
+}
+
+/// The wide kernel of Q4_1 / Q5_1 x Q8_1: as [`q8_0_like_wide_avx2`], rows decoded once
+/// in chunks, each chunk against every packed group 4 tokens and 2 rows at a time, with
+/// the narrow kernel's f32 operations: per block and lane `acc += (d_w * d_a) * sum`, and
+/// beside it `m_w * s_a` accumulated by FMA, here for the 4 tokens at once (lanes
+/// `2t + 1` of one vector per row).
+///
+/// # Safety
+/// As for [`q8_0_like_wide_avx2`], with packed Q8_1 groups.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q41_like_wide_avx2<const FIVE: bool>(
+    w: &[u8],
+    rb: usize,
+    nb: usize,
+    y: impl Fn(usize) -> *const u8,
+    groups: usize,
+    out: TileOut,
+) {
+    let rr = w.len() / rb;
+    let chunk = (DECODED_L1_BYTES / (40 * nb)).clamp(2, WIDE_ROWS);
+    let mut quants = [MaybeUninit::<__m256i>::uninit(); DECODED_BLOCKS];
+    let mut dms = [MaybeUninit::<u64>::uninit(); DECODED_BLOCKS];
+    for c0 in (0..rr).step_by(chunk) {
+        let c1 = (c0 + chunk).min(rr);
+        for i in c0..c1 {
+            for b in 0..nb {
+                // SAFETY: as in `q8_0_like_wide_avx2`.
+                let (q, dm) = unsafe { decode_q41::<FIVE>(w.as_ptr().add(i * rb), b) };
+                quants[(i - c0) * nb + b].write(q);
+                dms[(i - c0) * nb + b].write(dm);
+            }
+        }
+        let (q, dm) = (
+            quants.as_ptr() as *const __m256i,
+            dms.as_ptr() as *const u64,
+        );
+        for g in 0..groups {
+            let yg = y(g);
+            for half in 0..2 {
+                let mut i = c0;
+                while i < c1 {
+                    let rows = if c1 - i >= 2 { 2 } else { 1 };
+                    let at = (i - c0) * nb;
+                    // SAFETY: rows i..i + rows of the chunk were decoded above; the
+                    // group packed at yg holds tokens 4 * half .. + 4.
+                    let res = unsafe {
+                        if rows == 2 {
+                            q41_rows_x4::<2>(q.add(at), dm.add(at), nb, yg, 4 * half)
+                        } else {
+                            let [r] = q41_rows_x4::<1>(q.add(at), dm.add(at), nb, yg, 4 * half);
+                            [r, [0.0; 4]]
+                        }
+                    };
+                    for (r, row) in res.iter().enumerate().take(rows) {
+                        for (t, &v) in row.iter().enumerate() {
+                            // SAFETY: row i + r, token 8g + 4half + t of the tile: in
+                            // `out` by the contract.
+                            unsafe { out.put(i + r, PACK_TOKENS * g + 4 * half + t, v) };
+                        }
+                    }
+                    i += rows;
+                }
+            }
+        }
+    }
+}
+
+/// `R` decoded Q4_1 / Q5_1 rows (quants at `q`, `d` and `m` at `dm`, `nb` blocks a row)
+/// against tokens `t0..t0 + 4` of the Q8_1 group packed at `yg`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `q` and `dm` hold `R * nb` blocks; the
+/// packed blocks hold the 4 tokens.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q41_rows_x4<const R: usize>(
+    q: *const __m256i,
+    dm: *const u64,
+    nb: usize,
+    yg: *const u8,
+    t0: usize,
+) -> [[f32; 4]; R] {
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); 4]; R];
+    let mut acc_m = [_mm256_setzero_ps(); R];
+    for b in 0..nb {
+        // SAFETY: block b < nb of each decoded row and of the packed tokens (the
+        // contract); the packed parts are 4-byte aligned only, so the loads are
+        // unaligned.
+        unsafe {
+            let yb = yg.add(b * PACKED_BLOCK_Q8_1);
+            // d_a and s_a of the 4 tokens, in pairs.
+            let ds = _mm256_loadu_ps(yb.add(32 * PACK_TOKENS + 8 * t0) as *const f32);
+            for (r, (acc, acc_m)) in acc.iter_mut().zip(&mut acc_m).enumerate() {
+                let x = *q.add(r * nb + b);
+                let pair = *dm.add(r * nb + b);
+                let dw = f32::from_bits(pair as u32);
+                let dm4 = _mm256_castpd_ps(_mm256_set1_pd(f64::from_bits(pair)));
+                // Lane 2t + 1: m_w * s_a, fused as in the narrow kernel.
+                *acc_m = _mm256_fmadd_ps(dm4, ds, *acc_m);
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let t = t0 + j;
+                    let yv = _mm256_loadu_si256(yb.add(32 * t) as *const __m256i);
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(x, yv), ones);
+                    let dy = (yb.add(32 * PACK_TOKENS + 8 * t) as *const f32).read_unaligned();
+                    *acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * dy), _mm256_cvtepi32_ps(p), *acc);
+                }
+            }
+        }
+    }
+    let mut res = [[0f32; 4]; R];
+    for ((row, acc), acc_m) in res.iter_mut().zip(&acc).zip(&acc_m) {
+        let mut m = [0f32; 8];
+        // SAFETY: `m` holds eight f32; the store is unaligned.
+        unsafe { _mm256_storeu_ps(m.as_mut_ptr(), *acc_m) };
+        for (j, (v, &a)) in row.iter_mut().zip(acc).enumerate() {
+            *v = hsum256(a) + m[2 * j + 1];
         }
     }
     res

@@ -50,10 +50,10 @@ pub(crate) fn has_avx512() -> bool {
 pub(crate) fn kernel_avx2(ty: GgmlType) -> Option<TileFn> {
     Some(match ty {
         GgmlType::Q4_0 => avx2_wide::tile_q4_0_avx2,
-        GgmlType::Q4_1 => avx2::tile_q4_1_avx2,
+        GgmlType::Q4_1 => avx2_wide::tile_q4_1_avx2,
         GgmlType::Q8_0 => avx2_wide::tile_q8_0_avx2,
         GgmlType::Q5_0 => avx2_wide::tile_q5_0_avx2,
-        GgmlType::Q5_1 => avx2::tile_q5_1_avx2,
+        GgmlType::Q5_1 => avx2_wide::tile_q5_1_avx2,
         GgmlType::Q4_K => avx2::tile_q4_k_avx2,
         GgmlType::Q5_K => avx2::tile_q5_k_avx2,
         GgmlType::Q6_K => avx2::tile_q6_k_avx2,
@@ -99,6 +99,8 @@ pub(crate) fn wide_avx2(ty: GgmlType) -> Option<WideFn> {
         GgmlType::Q4_0 => avx2_wide::wide_q4_0_avx2,
         GgmlType::Q8_0 => avx2_wide::wide_q8_0_avx2,
         GgmlType::Q5_0 => avx2_wide::wide_q5_0_avx2,
+        GgmlType::Q4_1 => avx2_wide::wide_q4_1_avx2,
+        GgmlType::Q5_1 => avx2_wide::wide_q5_1_avx2,
         _ => return None,
     })
 }
@@ -421,7 +423,7 @@ mod tests {
             blocks.push(WIDE_MAX_BLOCKS + 3);
             tokens = 1..26;
         }
-        if level == "avx2" && matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0) {
+        if level == "avx2" && bl == 32 {
             // Up to 16 rows x whole groups of 8 tokens (any other shape goes narrow), the
             // rows decoded in chunks (several for rows of 100 blocks) or, past what the
             // decode buffer holds two of, not taken.
