@@ -977,7 +977,7 @@ pub unsafe fn matmul_token_major(
 /// (`BALLAST_BENCH_TABLE=1 cargo bench --bench quant`, thread CPU time: Q8_0 decode
 /// 25 → 29 GB/s, prefill 69k → 89k tokens/s on SmolLM2's q_o; Q4_K decode 17 → 19 GB/s;
 /// Q4_1 decode 16.3 → 15.2 with 8 rows, so it keeps 4). In prefill of at least 8 tokens
-/// the AVX2 Q8_0-like formats take up to 16 rows x all whole groups of 8 tokens (the rows
+/// the AVX2 32-element formats take up to 16 rows x all whole groups of 8 tokens (the rows
 /// decoded once, `avx2_wide`): Qwen2.5-Coder-0.5B's pp128 (mostly Q5_0) at 147-150 tokens/s
 /// instead of 101-104 on one thread, Gemma 3 270M's at 431-449 instead of 319-326
 /// (`BALLAST_SIMD=avx2 ballast bench -p 128 -n 0 -r 3 -t 1`, alternated, a Zen 4 EPYC);

@@ -195,29 +195,36 @@ unsafe fn rows_x4<const KIND: u8, const R: usize>(
         // unaligned.
         unsafe {
             let yb = yg.add(b * PACKED_BLOCK);
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let x = *q.add(r * nb + b);
-                let dw = _mm256_set1_ps(*d.add(r * nb + b));
-                let ax = if KIND == 0 { _mm256_sign_epi8(x, x) } else { x };
-                for (j, acc) in acc.iter_mut().enumerate() {
-                    let t = t0 + j;
-                    let yv = _mm256_loadu_si256(yb.add(32 * t) as *const __m256i);
+            let x: [__m256i; R] = std::array::from_fn(|r| *q.add(r * nb + b));
+            let dw: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(*d.add(r * nb + b)));
+            let ax = if KIND == 0 {
+                x.map(|x| _mm256_sign_epi8(x, x))
+            } else {
+                x
+            };
+            for j in 0..4 {
+                let t = t0 + j;
+                let yv = _mm256_loadu_si256(yb.add(32 * t) as *const __m256i);
+                // The unsigned quants' products less offset * (sum of each group of four
+                // activations): the packed sums are -16 * sum.
+                let sums = _mm256_loadu_si256(yb.add(SUMS + 32 * t) as *const __m256i);
+                let corr = if KIND == 1 {
+                    _mm256_srai_epi32::<1>(sums)
+                } else {
+                    sums
+                };
+                let dy = _mm256_set1_ps((yb.add(SCALES + 4 * t) as *const f32).read_unaligned());
+                for r in 0..R {
                     let p = if KIND == 0 {
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(yv, x)), ones)
+                        _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(ax[r], _mm256_sign_epi8(yv, x[r])),
+                            ones,
+                        )
                     } else {
-                        // The unsigned quants' products less offset * (sum of each
-                        // group of four activations): the packed sums are -16 * sum.
-                        let sums = _mm256_loadu_si256(yb.add(SUMS + 32 * t) as *const __m256i);
-                        let corr = if KIND == 1 {
-                            _mm256_srai_epi32::<1>(sums)
-                        } else {
-                            sums
-                        };
-                        _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(x, yv), ones), corr)
+                        _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(x[r], yv), ones), corr)
                     };
-                    let dy =
-                        _mm256_set1_ps((yb.add(SCALES + 4 * t) as *const f32).read_unaligned());
-                    *acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, dy), _mm256_cvtepi32_ps(p), *acc);
+                    acc[r][j] =
+                        _mm256_fmadd_ps(_mm256_mul_ps(dw[r], dy), _mm256_cvtepi32_ps(p), acc[r][j]);
                 }
             }
         }
