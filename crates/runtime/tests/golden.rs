@@ -253,7 +253,7 @@ fn gpl3_tokenizes_to_llama_cpp_ids() {
 }
 
 #[test]
-fn perplexity_is_within_one_percent_of_llama_cpp() {
+fn perplexity_matches_llama_cpp() {
     let Some(file) = default_model() else { return };
     let Some(text) = gpl3() else { return };
     let g = golden();
@@ -273,4 +273,10 @@ fn perplexity_is_within_one_percent_of_llama_cpp() {
         "perplexity {} vs llama.cpp {want}",
         report.perplexity
     );
+    // The windows are batches of 256 queries, which llama.cpp's CPU flash attention
+    // computes in its tiled order, as Ballast does: llama.cpp 0.3.36 (the PyPI sdist's
+    // vendor/llama.cpp, built with GGML_NATIVE on an AVX-512 Zen 4) prints the same
+    // perplexity to its four decimals (`llama-perplexity -f GPL-3 -c 256 -b 256 -fa on
+    // -t 2`: "Final estimate: PPL = 20.8533"; the one-query order gave 20.8646).
+    assert_eq!(format!("{:.4}", report.perplexity), "20.8533");
 }

@@ -1,7 +1,8 @@
 //! Reference tests of the quantized kernels against independent bit unpacking and f64 math.
 
 use ballast_runtime::backend::cpu_kernels::{
-    attend_head_at, attend_head_reference, swiglu_at, HeadSlot,
+    attend_block, attend_head_at, attend_head_reference, attend_tiled_reference, swiglu_at,
+    BlockScratch, HeadSlot,
 };
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::kv::{KvRows, KvSegment, KvView, MASKED_POSITION};
@@ -433,6 +434,72 @@ proptest! {
             let mut got = vec![f32::NAN; hd];
             attend_head_at(level, &q, q_pos, &view, slot, scale, &mut tmp, &mut got);
             prop_assert_eq!(bits(&got), bits(&want), "{:?} head_dim {} dtype {}", level, hd, dtype);
+        }
+    }
+
+    /// The tiled prompt attention (llama.cpp's order for batches of 64 queries and
+    /// more) gives the scalar statement's bits at every level, for a block of queries
+    /// computed together: f32 and f16 caches; head sizes the AVX2 path takes (64, 128,
+    /// 256) and ones it leaves to the reference (40, 12); several tiles and a partial
+    /// one; masked slots, future positions, sliding windows; scores spread far enough
+    /// that weights underflow to subnormals and zero.
+    #[test]
+    fn tiled_attention_levels_agree_with_scalar(seed in any::<u64>()) {
+        let mut r = Rng(seed);
+        let hd = [64usize, 128, 256, 40, 12][r.below(5)];
+        let n_kv = 1 + r.below(2);
+        let row_len = n_kv * hd;
+        let lens = [r.below(100), 1 + r.below(120)];
+        let half = r.below(2) == 1;
+        let spread = [8.0f32, 40.0][r.below(2)];
+        let n_q = 1 + r.below(6);
+        let mut vals = |n: usize| (0..n).map(|_| spread * r.unit()).collect::<Vec<f32>>();
+        let data: Vec<(Vec<f32>, Vec<f32>)> =
+            lens.iter().map(|&n| (vals(n * row_len), vals(n * row_len))).collect();
+        let queries: Vec<Vec<f32>> = (0..n_q).map(|_| vals(hd)).collect();
+        let f16s = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
+        let halves: Vec<_> = data.iter().map(|(k, v)| (f16s(k), f16s(v))).collect();
+        let mut positions: Vec<Vec<u32>> = Vec::new();
+        let mut next = 0u32;
+        for &n in &lens {
+            positions.push((0..n).map(|_| {
+                next += 1;
+                if r.below(8) == 0 { MASKED_POSITION } else { next - 1 }
+            }).collect());
+        }
+        let rows = |s: usize, value: usize| match (half, value) {
+            (false, 0) => KvRows::F32(&data[s].0),
+            (false, _) => KvRows::F32(&data[s].1),
+            (true, 0) => KvRows::F16(&halves[s].0),
+            (true, _) => KvRows::F16(&halves[s].1),
+        };
+        let segments = (0..2)
+            .map(|s| KvSegment { keys: rows(s, 0), values: rows(s, 1), positions: &positions[s] })
+            .collect();
+        let view = KvView { segments };
+        let window = if r.below(3) == 0 { 1 + r.below(80) as u32 } else { u32::MAX };
+        let slot = HeadSlot { offset: r.below(n_kv) * hd, row_len, head_dim: hd, window };
+        let q_pos: Vec<u32> = (0..n_q).map(|_| r.below(next as usize + 2) as u32).collect();
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut tmp = Vec::new();
+        let want: Vec<Vec<f32>> = (0..n_q)
+            .map(|i| {
+                let mut o = vec![f32::NAN; hd];
+                attend_tiled_reference(&queries[i], q_pos[i], &view, slot, scale, &mut tmp, &mut o);
+                o
+            })
+            .collect();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut scratch = BlockScratch::default();
+        for level in quant::available_simd_levels() {
+            let mut got = vec![vec![f32::NAN; hd]; n_q];
+            let qs: Vec<&[f32]> = queries.iter().map(|q| q.as_slice()).collect();
+            let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|o| o.as_mut_slice()).collect();
+            attend_block(level, &qs, &q_pos, &view, slot, scale, &mut scratch, &mut outs);
+            for i in 0..n_q {
+                prop_assert_eq!(bits(&got[i]), bits(&want[i]),
+                    "{:?} head_dim {} half {} query {}", level, hd, half, i);
+            }
         }
     }
 

@@ -10,6 +10,9 @@
 //! by its inverse). The running sum is updated as `fma(S, ms, vs)`, as gcc contracts it.
 //! An f32 cache follows the same steps without the f16 roundings.
 //!
+//! That is llama.cpp's kernel for batches of fewer than 64 queries (decode among them);
+//! from 64 it takes a tiled one, which [`tiled`] follows.
+//!
 //! [`attend_head_reference`] is the plain statement of it; [`attend_head`] picks an
 //! AVX2 or NEON version with the same results when the CPU has it (AVX2 keeps ggml's
 //! 16-lane accumulators as pairs of 8-lane ones, NEON as quadruples of 4-lane ones, so
@@ -223,6 +226,7 @@ pub fn attend_head_at(
 
 #[cfg(target_arch = "aarch64")]
 mod arm;
+pub(crate) mod tiled;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {

@@ -3,10 +3,11 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, RwLock};
 use std::time::Instant;
 
-use super::attention::{attend_head, HeadSlot};
+use super::attention::{attend_head, tiled, HeadSlot};
 use super::elementwise;
 use super::ops::*;
 use super::{AttentionShape, Backend, MatmulJob, OpKind, OpTimes, Rope, Telemetry};
@@ -357,6 +358,11 @@ impl AttentionOps for CpuBackend {
             });
         }
         let start = Instant::now();
+        if tiled::takes(n_tokens, kv) {
+            self.attention_tiled(q, q_positions, kv, shape, out);
+            self.times.add(OpKind::Attention, start.elapsed());
+            return Ok(());
+        }
         let work = n_tokens * shape.n_heads;
         // llama.cpp's `kq_scale`.
         let scale = shape.scale;
@@ -398,6 +404,86 @@ impl AttentionOps for CpuBackend {
         }
         self.times.add(OpKind::Attention, start.elapsed());
         Ok(())
+    }
+}
+
+/// Queries per work item of the tiled attention: few enough that a prompt's items
+/// spread over the threads (a later block sees more keys), enough that converting a
+/// tile's keys and values once serves many queries.
+const TILED_BLOCK: usize = 16;
+
+thread_local! {
+    static TILED_SCRATCH: RefCell<tiled::BlockScratch> = RefCell::new(Default::default());
+}
+
+impl CpuBackend {
+    /// [`AttentionOps::attention`] of a batch the tiled path takes ([`tiled::takes`]):
+    /// items of [`TILED_BLOCK`] tokens x every query head of one key/value head, the
+    /// heaviest (latest) first, taken by the threads as they come free. `q` and `out`
+    /// were checked by the caller.
+    fn attention_tiled(
+        &self,
+        q: &[f32],
+        q_positions: &[u32],
+        kv: &KvView<'_>,
+        shape: &AttentionShape,
+        out: &mut [f32],
+    ) {
+        let (hd, n_kv) = (shape.head_dim, shape.n_kv_heads);
+        let group = shape.n_heads / n_kv;
+        let n_tokens = q_positions.len();
+        let blocks = n_tokens.div_ceil(TILED_BLOCK);
+        let next = AtomicUsize::new(0);
+        let out_ptr = SyncPtr(out.as_mut_ptr());
+        let level = crate::quant::current_simd_level();
+        let waited = self.pool.run(&|_, _| {
+            TILED_SCRATCH.with(|s| {
+                let mut scratch = s.borrow_mut();
+                loop {
+                    let item = next.fetch_add(1, Ordering::Relaxed);
+                    if item >= blocks * n_kv {
+                        break;
+                    }
+                    let (block, kv_head) = (blocks - 1 - item / n_kv, item % n_kv);
+                    let tokens = block * TILED_BLOCK..((block + 1) * TILED_BLOCK).min(n_tokens);
+                    let heads = kv_head * group..(kv_head + 1) * group;
+                    let mut queries = Vec::with_capacity(tokens.len() * group);
+                    let mut positions = Vec::with_capacity(tokens.len() * group);
+                    let mut outs = Vec::with_capacity(tokens.len() * group);
+                    for t in tokens {
+                        for h in heads.clone() {
+                            let off = (t * shape.n_heads + h) * hd;
+                            queries.push(&q[off..off + hd]);
+                            positions.push(q_positions[t]);
+                            // SAFETY: head h of token t belongs to this item alone, and
+                            // the caller checked that `out` holds every token's heads.
+                            outs.push(unsafe {
+                                std::slice::from_raw_parts_mut(out_ptr.get().add(off), hd)
+                            });
+                        }
+                    }
+                    let slot = HeadSlot {
+                        offset: kv_head * hd,
+                        row_len: n_kv * hd,
+                        head_dim: hd,
+                        window: window_of(shape),
+                    };
+                    tiled::attend_block(
+                        level,
+                        &queries,
+                        &positions,
+                        kv,
+                        slot,
+                        shape.scale,
+                        &mut scratch,
+                        &mut outs,
+                    );
+                }
+            });
+        });
+        if let Some(waited) = waited {
+            self.times.add_region_wait(waited);
+        }
     }
 }
 

@@ -26,6 +26,9 @@ pub use cpu::CpuBackend;
 /// [`crate::quant::matmul_at`] is for products: for tests and benches that hold every
 /// level to the scalar reference (each gives the same bits at every level).
 pub mod cpu_kernels {
+    pub use super::attention::tiled::{
+        attend_block, attend_tiled_reference, expf_ggml, BlockScratch, KV_TILE, TILED_MIN_QUERIES,
+    };
     pub use super::attention::{attend_head_at, attend_head_reference, HeadSlot};
     pub use super::elementwise::swiglu_at;
 }

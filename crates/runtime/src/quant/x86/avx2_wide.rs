@@ -202,6 +202,8 @@ unsafe fn rows_x4<const KIND: u8, const R: usize>(
             } else {
                 x
             };
+            // `j` indexes the accumulators and gives the token's offsets.
+            #[allow(clippy::needless_range_loop)]
             for j in 0..4 {
                 let t = t0 + j;
                 let yv = _mm256_loadu_si256(yb.add(32 * t) as *const __m256i);
@@ -221,7 +223,10 @@ unsafe fn rows_x4<const KIND: u8, const R: usize>(
                             ones,
                         )
                     } else {
-                        _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(x[r], yv), ones), corr)
+                        _mm256_add_epi32(
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(x[r], yv), ones),
+                            corr,
+                        )
                     };
                     acc[r][j] =
                         _mm256_fmadd_ps(_mm256_mul_ps(dw[r], dy), _mm256_cvtepi32_ps(p), acc[r][j]);

@@ -1,0 +1,643 @@
+//! Attention of a prompt's queries in the float order of llama.cpp's tiled CPU flash
+//! attention (`ggml_compute_forward_flash_attn_ext_tiled`, built for AVX-512), which
+//! llama.cpp takes for a batch of at least [`TILED_MIN_QUERIES`] queries over an f32 or
+//! f16 cache; fewer queries (decode among them) take the one-query kernel of
+//! [`super::attend_head_reference`].
+//!
+//! For one query that kernel: keeps the query and a running sum of values in f32; cuts
+//! the cached rows into tiles of [`KV_TILE`] (from the first row of the view); per tile
+//! that the query sees at least one key of, takes each score as one FMA chain over the
+//! head (`simd_gemm`), times the scale, masked keys `-inf`; takes the tile's maximum,
+//! and when it raises the running maximum rescales the sum of values and of weights by
+//! `expf` of the difference; turns the scores into weights with ggml's vector `expf`
+//! (`ggml_v_expf`, AVX-512 form, [`expf_ggml`]) and adds their total to the running
+//! sum in f64 (sixteen lanes at a time, each group summed as `_mm512_reduce_add_ps`
+//! does); adds the weighted values to the running sum with one FMA chain over the tile's
+//! rows (`simd_gemm` again); and at the end multiplies by the inverse of the sum.
+//!
+//! Against the one-query kernel it needs no f16 rounding per key and no `expf` call per
+//! key, and a tile's keys and values are converted once for every query of a block:
+//! [`attend_block`] computes a block of queries of every head that shares a key/value
+//! head, with AVX2 where the CPU has it (same results, bit for bit), else the reference
+//! ([`attend_tiled_reference`]).
+
+use crate::kv::{KvRows, KvView, MASKED_POSITION};
+use crate::quant::SimdLevel;
+
+use super::{skipped, HeadSlot};
+
+/// Queries in one batch from which llama.cpp's CPU flash attention takes the tiled path
+/// (its `GGML_FA_TILE_Q`).
+pub const TILED_MIN_QUERIES: usize = 64;
+
+/// Cached rows per tile (llama.cpp's `GGML_FA_TILE_KV`).
+pub const KV_TILE: usize = 64;
+
+/// `j * 2^n` rounded once (AVX-512's `vscalefps` for an integral `n`): the product is
+/// exact in f64, and the conversion rounds it to f32 (to a subnormal or infinity where
+/// it lands there).
+fn scalef(j: f32, n: f32) -> f32 {
+    ((j as f64) * 2f64.powi(n as i32)) as f32
+}
+
+/// llama.cpp's `ggml_v_expf` as built for AVX-512, for one lane: `e^x` from a degree-5
+/// polynomial of the reduced argument (ARM's optimized routine), scaled by `2^n`; `0`
+/// below about -104 and infinity above about 88.
+pub fn expf_ggml(x: f32) -> f32 {
+    let r = f32::from_bits(0x4b40_0000); // 0x1.8p23
+    let z = x.mul_add(f32::from_bits(0x3fb8_aa3b), r); // 0x1.715476p+0
+    let n = z - r;
+    let b = (-n).mul_add(
+        f32::from_bits(0x35bf_be8e),                  // 0x1.7f7d1cp-20
+        (-n).mul_add(f32::from_bits(0x3f31_7200), x), // 0x1.62e4p-1
+    );
+    let u = b * b;
+    let j = f32::from_bits(0x3c07_2010) // 0x1.0e4020p-7
+        .mul_add(b, f32::from_bits(0x3d2b_9f17)) // 0x1.573e2ep-5
+        .mul_add(
+            u,
+            f32::from_bits(0x3e2a_af33).mul_add(b, f32::from_bits(0x3eff_fedb)), // 0x1.555e66p-3, 0x1.fffdb6p-2
+        )
+        .mul_add(u, f32::from_bits(0x3f7f_fff6).mul_add(b, 1.0)); // 0x1.ffffecp-1
+    if n.abs() > 192.0 {
+        if n <= 0.0 {
+            0.0
+        } else {
+            f32::INFINITY
+        }
+    } else {
+        scalef(j, n)
+    }
+}
+
+/// Sixteen lanes summed in the order of gcc's `_mm512_reduce_add_ps`: halves, then
+/// quarters, then `(0 + 2) + (1 + 3)`.
+fn reduce_add16(v: &[f32]) -> f32 {
+    let t8: [f32; 8] = std::array::from_fn(|i| v[i] + v[i + 8]);
+    let t4: [f32; 4] = std::array::from_fn(|i| t8[i] + t8[i + 4]);
+    (t4[0] + t4[2]) + (t4[1] + t4[3])
+}
+
+/// One cached row of the view: its keys and values and where the head starts in them,
+/// and its position.
+#[derive(Clone, Copy)]
+struct Row<'a> {
+    keys: KvRows<'a>,
+    values: KvRows<'a>,
+    start: usize,
+    pos: u32,
+}
+
+/// The view's rows in order, cut into tiles of [`KV_TILE`].
+fn tiles<'a>(kv: &KvView<'a>, slot: HeadSlot) -> Vec<Vec<Row<'a>>> {
+    let rows = kv.segments.iter().flat_map(|seg| {
+        seg.positions.iter().enumerate().map(move |(i, &pos)| Row {
+            keys: seg.keys,
+            values: seg.values,
+            start: i * slot.row_len + slot.offset,
+            pos,
+        })
+    });
+    let mut tiles = Vec::new();
+    let mut tile = Vec::with_capacity(KV_TILE);
+    for row in rows {
+        tile.push(row);
+        if tile.len() == KV_TILE {
+            tiles.push(std::mem::replace(&mut tile, Vec::with_capacity(KV_TILE)));
+        }
+    }
+    if !tile.is_empty() {
+        tiles.push(tile);
+    }
+    tiles
+}
+
+/// How much of a tile a query sees.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Sight {
+    /// No key.
+    None,
+    /// Some keys.
+    Some,
+    /// Every row (no masked slot, none later than the query or out of its window).
+    All,
+}
+
+/// The positions a tile spans, to tell most queries' [`Sight`] without a look at every
+/// row.
+struct TileSpan {
+    min: u32,
+    max: u32,
+    masked: bool,
+}
+
+impl TileSpan {
+    fn of(tile: &[Row<'_>]) -> TileSpan {
+        let live = tile.iter().map(|r| r.pos).filter(|&p| p != MASKED_POSITION);
+        TileSpan {
+            min: live.clone().min().unwrap_or(u32::MAX),
+            max: live.max().unwrap_or(0),
+            masked: tile.iter().any(|r| r.pos == MASKED_POSITION),
+        }
+    }
+
+    /// What a query at `q_pos` sees of `tile`, with a sliding window `window`.
+    fn sight(&self, tile: &[Row<'_>], q_pos: u32, window: u32) -> Sight {
+        if !self.masked && self.max <= q_pos && q_pos - self.min < window {
+            Sight::All
+        } else if tile.iter().any(|r| !skipped(r.pos, q_pos, window)) {
+            Sight::Some
+        } else {
+            Sight::None
+        }
+    }
+}
+
+/// The running state of one query: its sum of weighted values, maximum score and sum of
+/// weights.
+struct Running<'s> {
+    acc: &'s mut [f32],
+    max: f32,
+    sum: f32,
+}
+
+impl Running<'_> {
+    /// Takes a tile's masked, scaled scores (`-inf` where masked or past the tile's
+    /// rows): raises the maximum (rescaling what was summed) and turns the scores into
+    /// weights, in place, adding their total to the sum. False if the query sees no key
+    /// of the tile (nothing changes).
+    fn weigh(&mut self, scores: &mut [f32; KV_TILE], level: SimdLevel) -> bool {
+        let tile_max = scores
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &s| if m > s { m } else { s });
+        if tile_max == f32::NEG_INFINITY {
+            return false;
+        }
+        let new_max = self.max.max(tile_max);
+        if new_max > self.max {
+            let ms = (self.max - new_max).exp();
+            for a in self.acc.iter_mut() {
+                *a *= ms;
+            }
+            self.sum *= ms;
+        }
+        self.max = new_max;
+        let total = exp_scores(scores, new_max, level);
+        self.sum = (self.sum as f64 + total) as f32;
+        true
+    }
+
+    /// The output: the sum of values times the inverse of the sum of weights.
+    fn finish(&self, out: &mut [f32]) {
+        let inv = if self.sum == 0.0 { 0.0 } else { 1.0 / self.sum };
+        for (o, &a) in out.iter_mut().zip(self.acc.iter()) {
+            *o = a * inv;
+        }
+    }
+}
+
+/// `scores[i] = expf_ggml(scores[i] - max)`, returning their total as
+/// `ggml_vec_soft_max_f32` sums it (groups of sixteen, each reduced in f32, added in
+/// f64).
+fn exp_scores(scores: &mut [f32; KV_TILE], max: f32, level: SimdLevel) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512) && level.is_supported() {
+        // SAFETY: AVX2, FMA and F16C were just checked.
+        return unsafe { x86::exp_scores(scores, max) };
+    }
+    let _ = level;
+    let mut total = 0f64;
+    for group in scores.chunks_exact_mut(16) {
+        for s in group.iter_mut() {
+            *s = expf_ggml(*s - max);
+        }
+        total += reduce_add16(group) as f64;
+    }
+    total
+}
+
+/// The scaled, masked scores of query `q` (at `q_pos`) against one tile.
+fn scores_reference(
+    q: &[f32],
+    q_pos: u32,
+    tile: &[Row<'_>],
+    slot: HeadSlot,
+    scale: f32,
+    row: &mut [f32],
+) -> [f32; KV_TILE] {
+    let mut scores = [f32::NEG_INFINITY; KV_TILE];
+    for (s, r) in scores.iter_mut().zip(tile) {
+        if skipped(r.pos, q_pos, slot.window) {
+            continue;
+        }
+        r.keys.read_f32(r.start, row);
+        let dot = q
+            .iter()
+            .zip(row.iter())
+            .fold(0f32, |acc, (&a, &b)| a.mul_add(b, acc));
+        // `+ 0.0`: the mask's zero, as ggml adds it.
+        *s = dot * scale + 0.0;
+    }
+    scores
+}
+
+/// The plain statement of the tiled kernel for one query head `q` (at `q_pos`); `out`
+/// gets the head's output. `tmp` is scratch.
+pub fn attend_tiled_reference(
+    q: &[f32],
+    q_pos: u32,
+    kv: &KvView<'_>,
+    slot: HeadSlot,
+    scale: f32,
+    tmp: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let hd = slot.head_dim;
+    tmp.resize(2 * hd, 0.0);
+    let (acc, row) = tmp.split_at_mut(hd);
+    acc.fill(0.0);
+    let mut run = Running {
+        acc,
+        max: f32::NEG_INFINITY,
+        sum: 0.0,
+    };
+    for tile in tiles(kv, slot) {
+        let mut scores = scores_reference(&q[..hd], q_pos, &tile, slot, scale, row);
+        if !run.weigh(&mut scores, SimdLevel::Scalar) {
+            continue;
+        }
+        // Every row of the tile, a masked one with weight 0, as ggml's product does.
+        for (&w, r) in scores.iter().zip(&tile) {
+            r.values.read_f32(r.start, row);
+            for (a, &v) in run.acc.iter_mut().zip(row.iter()) {
+                *a = w.mul_add(v, *a);
+            }
+        }
+    }
+    run.finish(&mut out[..hd]);
+}
+
+/// Whether the tiled path takes a batch of `n_queries` over `kv`: llama.cpp's rule (at
+/// least [`TILED_MIN_QUERIES`] queries, keys and values f32 or f16 alike).
+pub fn takes(n_queries: usize, kv: &KvView<'_>) -> bool {
+    n_queries >= TILED_MIN_QUERIES
+        && kv.segments.iter().all(|s| {
+            matches!(
+                (s.keys, s.values),
+                (KvRows::F32(_), KvRows::F32(_)) | (KvRows::F16(_), KvRows::F16(_))
+            )
+        })
+}
+
+/// Scratch of [`attend_block`], reused across calls.
+#[derive(Default)]
+pub struct BlockScratch {
+    /// The tile's keys, transposed: element `d` of row `j` at `d * KV_TILE + j`.
+    keys_t: Vec<f32>,
+    /// The tile's values, row-major.
+    values: Vec<f32>,
+    /// Each query's running sum of values.
+    acc: Vec<f32>,
+    /// A row read from the cache.
+    row: Vec<f32>,
+}
+
+/// Queries `queries[i]` (one head each, at `positions[i]`) against one key/value head
+/// of `kv` (`slot`), in the tiled order at `level`: AVX2 (on AVX2 and AVX-512) where
+/// the CPU has it and the head size is a multiple of 8, else the reference. `out[i]`
+/// gets query `i`'s output. The tile's keys and values are converted once for all
+/// queries.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_block(
+    level: SimdLevel,
+    queries: &[&[f32]],
+    positions: &[u32],
+    kv: &KvView<'_>,
+    slot: HeadSlot,
+    scale: f32,
+    scratch: &mut BlockScratch,
+    out: &mut [&mut [f32]],
+) {
+    let hd = slot.head_dim;
+    let n = queries.len();
+    assert!(positions.len() == n && out.len() == n);
+    assert!(queries.iter().all(|q| q.len() >= hd) && out.iter().all(|o| o.len() >= hd));
+    let vector = cfg!(target_arch = "x86_64")
+        && matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512)
+        && level.is_supported()
+        && hd % 8 == 0;
+    let BlockScratch {
+        keys_t,
+        values,
+        acc,
+        row,
+    } = scratch;
+    keys_t.resize(hd * KV_TILE, 0.0);
+    values.resize(hd * KV_TILE, 0.0);
+    row.resize(hd, 0.0);
+    acc.clear();
+    acc.resize(n * hd, 0.0);
+    let mut runs: Vec<Running<'_>> = acc
+        .chunks_exact_mut(hd)
+        .map(|acc| Running {
+            acc,
+            max: f32::NEG_INFINITY,
+            sum: 0.0,
+        })
+        .collect();
+    for tile in tiles(kv, slot) {
+        let span = TileSpan::of(&tile);
+        let seen: Vec<Sight> = positions
+            .iter()
+            .map(|&p| span.sight(&tile, p, slot.window))
+            .collect();
+        if seen.iter().all(|&s| s == Sight::None) {
+            continue;
+        }
+        for (j, r) in tile.iter().enumerate() {
+            r.keys.read_f32(r.start, row);
+            for (d, &k) in row.iter().enumerate() {
+                keys_t[d * KV_TILE + j] = k;
+            }
+            r.values
+                .read_f32(r.start, &mut values[j * hd..(j + 1) * hd]);
+        }
+        for (i, run) in runs.iter_mut().enumerate() {
+            if seen[i] == Sight::None {
+                continue;
+            }
+            let q = &queries[i][..hd];
+            // Scaled, plus the mask's zero; then the keys the query does not see.
+            let mut scores = scores_at(vector, q, keys_t, scale);
+            scores[tile.len()..].fill(f32::NEG_INFINITY);
+            if seen[i] == Sight::Some {
+                for (s, r) in scores.iter_mut().zip(&tile) {
+                    if skipped(r.pos, positions[i], slot.window) {
+                        *s = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            if !run.weigh(&mut scores, level) {
+                continue;
+            }
+            add_weighted_at(vector, run.acc, &scores[..tile.len()], values, hd);
+        }
+    }
+    for (run, o) in runs.iter().zip(out.iter_mut()) {
+        run.finish(&mut o[..hd]);
+    }
+}
+
+/// The scaled scores of query `q` against the tile's transposed keys (`keys_t`, `q.len()`
+/// rows of [`KV_TILE`]), plus the mask's zero, with AVX2 if `vector` (checked by the
+/// caller).
+fn scores_at(vector: bool, q: &[f32], keys_t: &[f32], scale: f32) -> [f32; KV_TILE] {
+    #[cfg(target_arch = "x86_64")]
+    if vector {
+        assert!(keys_t.len() >= q.len() * KV_TILE);
+        // SAFETY: the caller checked AVX2, FMA and F16C (`vector`); the transposed keys
+        // hold `q.len()` rows of KV_TILE (asserted).
+        return unsafe { x86::scores(q, keys_t, scale) };
+    }
+    let _ = vector;
+    let mut scores = [0f32; KV_TILE];
+    for (j, s) in scores.iter_mut().enumerate() {
+        let mut dot = 0f32;
+        for (d, &qd) in q.iter().enumerate() {
+            dot = qd.mul_add(keys_t[d * KV_TILE + j], dot);
+        }
+        *s = dot * scale + 0.0;
+    }
+    scores
+}
+
+/// `acc += Σ_j weights[j] · values[j]` (rows of `hd`), one FMA chain over the rows per
+/// element, with AVX2 if `vector` (checked by the caller, with `hd` a multiple of 8).
+fn add_weighted_at(vector: bool, acc: &mut [f32], weights: &[f32], values: &[f32], hd: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if vector {
+        assert!(acc.len() == hd && hd % 8 == 0 && values.len() >= weights.len() * hd);
+        // SAFETY: the caller checked AVX2, FMA and F16C; the lengths were just asserted.
+        return unsafe { x86::add_weighted(acc, weights, values, hd) };
+    }
+    let _ = vector;
+    for (j, &w) in weights.iter().enumerate() {
+        for (a, &v) in acc.iter_mut().zip(&values[j * hd..(j + 1) * hd]) {
+            *a = w.mul_add(v, *a);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::KV_TILE;
+
+    /// [`super::expf_ggml`] on eight lanes. `vscalefps` is AVX-512; here the scaling by
+    /// `2^n` is one product with a power of two where that is a normal float (one
+    /// rounding, the same as `vscalefps`, subnormal results included), else an exact
+    /// product by `2^(n ± 100)` and a second, rounding, by `2^∓100`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn expf8(x: __m256) -> __m256 {
+        let set = |bits: u32| _mm256_set1_ps(f32::from_bits(bits));
+        let r = set(0x4b40_0000);
+        let z = _mm256_fmadd_ps(x, set(0x3fb8_aa3b), r);
+        let n = _mm256_sub_ps(z, r);
+        let b = _mm256_fnmadd_ps(
+            n,
+            set(0x35bf_be8e),
+            _mm256_fnmadd_ps(n, set(0x3f31_7200), x),
+        );
+        let u = _mm256_mul_ps(b, b);
+        let j = _mm256_fmadd_ps(
+            _mm256_fmadd_ps(
+                _mm256_fmadd_ps(set(0x3c07_2010), b, set(0x3d2b_9f17)),
+                u,
+                _mm256_fmadd_ps(set(0x3e2a_af33), b, set(0x3eff_fedb)),
+            ),
+            u,
+            _mm256_fmadd_ps(set(0x3f7f_fff6), b, _mm256_set1_ps(1.0)),
+        );
+        // n is integral; lanes past ±192 are replaced below, and NaN lanes stay NaN
+        // through `j`.
+        let ni = _mm256_cvtps_epi32(_mm256_max_ps(
+            _mm256_min_ps(n, _mm256_set1_ps(192.0)),
+            _mm256_set1_ps(-192.0),
+        ));
+        let low = _mm256_cmpgt_epi32(_mm256_set1_epi32(-126), ni);
+        let high = _mm256_cmpgt_epi32(ni, _mm256_set1_epi32(127));
+        let shift = _mm256_sub_epi32(
+            _mm256_and_si256(low, _mm256_set1_epi32(100)),
+            _mm256_and_si256(high, _mm256_set1_epi32(100)),
+        );
+        let pow2 = |e: __m256i| {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+                e,
+                _mm256_set1_epi32(127),
+            )))
+        };
+        let first = pow2(_mm256_add_epi32(ni, shift));
+        let second = pow2(_mm256_sub_epi32(_mm256_setzero_si256(), shift));
+        let res = _mm256_mul_ps(_mm256_mul_ps(j, first), second);
+        let abs_n = _mm256_andnot_ps(_mm256_set1_ps(-0.0), n);
+        let out_of_range = _mm256_cmp_ps::<_CMP_GT_OQ>(abs_n, _mm256_set1_ps(192.0));
+        let alt = _mm256_andnot_ps(
+            _mm256_cmp_ps::<_CMP_LE_OQ>(n, _mm256_setzero_ps()),
+            _mm256_set1_ps(f32::INFINITY),
+        );
+        _mm256_blendv_ps(res, alt, out_of_range)
+    }
+
+    /// [`super::exp_scores`] eight lanes at a time; each group of sixteen reduced as
+    /// `_mm512_reduce_add_ps` (halves, quarters, then `(0 + 2) + (1 + 3)`).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn exp_scores(scores: &mut [f32; KV_TILE], max: f32) -> f64 {
+        let m = _mm256_set1_ps(max);
+        let mut total = 0f64;
+        for group in scores.chunks_exact_mut(16) {
+            let p = group.as_mut_ptr();
+            // SAFETY: the group holds sixteen f32.
+            unsafe {
+                let lo = expf8(_mm256_sub_ps(_mm256_loadu_ps(p), m));
+                let hi = expf8(_mm256_sub_ps(_mm256_loadu_ps(p.add(8)), m));
+                _mm256_storeu_ps(p, lo);
+                _mm256_storeu_ps(p.add(8), hi);
+                let t8 = _mm256_add_ps(lo, hi);
+                let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
+                let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+                total += _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2))) as f64;
+            }
+        }
+        total
+    }
+
+    /// The scaled scores of query `q` against the tile's transposed keys: one FMA chain
+    /// over the head per key, eight keys to a vector.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `keys_t` holds `q.len()` rows of
+    /// [`KV_TILE`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scores(q: &[f32], keys_t: &[f32], scale: f32) -> [f32; KV_TILE] {
+        let mut acc = [_mm256_setzero_ps(); KV_TILE / 8];
+        for (d, &qd) in q.iter().enumerate() {
+            let qv = _mm256_set1_ps(qd);
+            let k = keys_t[d * KV_TILE..].as_ptr();
+            for (v, a) in acc.iter_mut().enumerate() {
+                // SAFETY: row d of the transposed keys holds KV_TILE values.
+                *a = _mm256_fmadd_ps(qv, unsafe { _mm256_loadu_ps(k.add(8 * v)) }, *a);
+            }
+        }
+        let mut out = [0f32; KV_TILE];
+        let s = _mm256_set1_ps(scale);
+        for (v, a) in acc.iter().enumerate() {
+            // Plus the mask's zero, as ggml adds it (-0 becomes +0).
+            let scaled = _mm256_add_ps(_mm256_mul_ps(*a, s), _mm256_setzero_ps());
+            // SAFETY: `out` holds KV_TILE values.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * v), scaled) };
+        }
+        out
+    }
+
+    /// `acc += Σ_j weights[j] · values[j]`, one FMA chain over the rows per element, eight
+    /// elements to a vector, up to eight vectors held at once.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `acc.len() == hd`, a multiple of 8, and
+    /// `values` holds `weights.len()` rows of `hd`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn add_weighted(acc: &mut [f32], weights: &[f32], values: &[f32], hd: usize) {
+        const HELD: usize = 8;
+        let mut d0 = 0;
+        while d0 < hd {
+            let nv = ((hd - d0) / 8).min(HELD);
+            let mut a = [_mm256_setzero_ps(); HELD];
+            // SAFETY: elements d0..d0 + 8 * nv of `acc` and of each value row exist.
+            unsafe {
+                for (v, a) in a.iter_mut().enumerate().take(nv) {
+                    *a = _mm256_loadu_ps(acc.as_ptr().add(d0 + 8 * v));
+                }
+                for (j, &w) in weights.iter().enumerate() {
+                    let wv = _mm256_set1_ps(w);
+                    let row = values.as_ptr().add(j * hd + d0);
+                    for (v, a) in a.iter_mut().enumerate().take(nv) {
+                        *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row.add(8 * v)), *a);
+                    }
+                }
+                for (v, a) in a.iter().enumerate().take(nv) {
+                    _mm256_storeu_ps(acc.as_mut_ptr().add(d0 + 8 * v), *a);
+                }
+            }
+            d0 += 8 * nv;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Inputs across the whole range: normal results, subnormal ones (below about
+    /// -87.3), zeros, overflow, the specials.
+    fn inputs() -> Vec<f32> {
+        let mut x: Vec<f32> = (-4200..=1000).map(|i| i as f32 * 0.025 + 0.0031).collect();
+        x.extend([
+            0.0, -0.0, 1.0, -1.0, -87.3, -88.0, -103.9, -104.5, 88.3, 89.0, 200.0,
+        ]);
+        x.extend([f32::NEG_INFINITY, f32::INFINITY, -1e30, 1e30]);
+        x
+    }
+
+    /// The ggml `expf` stays within the error its source states (1.45 + 0.5 ulp) of
+    /// `e^x` wherever the result is a normal float, and flushes as stated.
+    #[test]
+    fn expf_ggml_is_close_to_exp() {
+        for x in inputs() {
+            let got = expf_ggml(x);
+            let want = (x as f64).exp();
+            if want >= f32::MIN_POSITIVE as f64 && want <= f32::MAX as f64 {
+                let ulp = (want as f32).to_bits().abs_diff(got.to_bits());
+                assert!(ulp <= 2, "expf_ggml({x}) = {got}, e^x = {want}: {ulp} ulp");
+            }
+        }
+        assert_eq!(expf_ggml(f32::NEG_INFINITY), 0.0);
+        assert_eq!(expf_ggml(-200.0), 0.0);
+        assert_eq!(expf_ggml(f32::INFINITY), f32::INFINITY);
+        assert!(expf_ggml(f32::NAN).is_nan());
+        // A subnormal result, rounded once.
+        let tiny = expf_ggml(-95.0);
+        assert!(tiny > 0.0 && tiny < f32::MIN_POSITIVE);
+    }
+
+    /// The AVX2 weights and their total are the scalar ones, bit for bit, subnormal
+    /// weights and the specials included.
+    #[test]
+    fn vector_weights_match_scalar() {
+        let level = SimdLevel::Avx2;
+        if !level.is_supported() {
+            return;
+        }
+        let xs = inputs();
+        for (c, chunk) in xs.chunks(KV_TILE).enumerate() {
+            let mut scores = [f32::NEG_INFINITY; KV_TILE];
+            scores[..chunk.len()].copy_from_slice(chunk);
+            // Half the tiles against a maximum above every score, as the softmax has.
+            let max = if c % 2 == 0 { 0.0 } else { 3.0 };
+            let (mut a, mut b) = (scores, scores);
+            let ta = exp_scores(&mut a, max, SimdLevel::Scalar);
+            let tb = exp_scores(&mut b, max, level);
+            assert_eq!(ta.to_bits(), tb.to_bits(), "total of tile {c}");
+            for (x, (p, q)) in scores.iter().zip(a.iter().zip(&b)) {
+                assert!(
+                    p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan()),
+                    "{x}: {p} vs {q}"
+                );
+            }
+        }
+    }
+}
