@@ -1,8 +1,8 @@
 //! Reference tests of the quantized kernels against independent bit unpacking and f64 math.
 
 use ballast_runtime::backend::cpu_kernels::{
-    attend_block, attend_head_at, attend_head_reference, attend_tiled_reference, swiglu_at,
-    BlockScratch, HeadSlot,
+    attend_block, attend_head_at, attend_head_reference, attend_heads_at, attend_tiled_reference,
+    swiglu_at, BlockScratch, HeadSlot,
 };
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::kv::{KvRows, KvSegment, KvView, MASKED_POSITION};
@@ -430,10 +430,29 @@ proptest! {
         let mut want = vec![f32::NAN; hd];
         attend_head_reference(&q, q_pos, &view, slot, scale, &mut tmp, &mut want);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        // Query heads sharing the key/value head, computed together: each as alone.
+        let group: Vec<Vec<f32>> = (0..1 + r.below(4))
+            .map(|i| q.iter().map(|&x| x * (1.0 - 0.3 * i as f32)).collect())
+            .collect();
+        let group_want: Vec<Vec<f32>> = group
+            .iter()
+            .map(|g| {
+                let mut o = vec![f32::NAN; hd];
+                attend_head_reference(g, q_pos, &view, slot, scale, &mut tmp, &mut o);
+                o
+            })
+            .collect();
         for level in quant::available_simd_levels() {
             let mut got = vec![f32::NAN; hd];
             attend_head_at(level, &q, q_pos, &view, slot, scale, &mut tmp, &mut got);
             prop_assert_eq!(bits(&got), bits(&want), "{:?} head_dim {} dtype {}", level, hd, dtype);
+            let qs: Vec<&[f32]> = group.iter().map(|g| g.as_slice()).collect();
+            let mut outs = vec![vec![f32::NAN; hd]; group.len()];
+            let mut out_refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+            attend_heads_at(level, &qs, q_pos, &view, slot, scale, &mut tmp, &mut out_refs);
+            for (i, (g, w)) in outs.iter().zip(&group_want).enumerate() {
+                prop_assert_eq!(bits(g), bits(w), "{:?} head_dim {} dtype {} group head {}", level, hd, dtype, i);
+            }
         }
     }
 

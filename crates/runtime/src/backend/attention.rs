@@ -13,7 +13,7 @@
 //! That is llama.cpp's kernel for batches of fewer than 64 queries (decode among them);
 //! from 64 it takes a tiled one, which [`tiled`] follows.
 //!
-//! [`attend_head_reference`] is the plain statement of it; [`attend_head`] picks an
+//! [`attend_head_reference`] is the plain statement of it; [`attend_head_at`] picks an
 //! AVX2 or NEON version with the same results when the CPU has it (AVX2 keeps ggml's
 //! 16-lane accumulators as pairs of 8-lane ones, NEON as quadruples of 4-lane ones, so
 //! they add the same lanes in the same order). AVX-512 machines run the AVX2 version: a
@@ -142,26 +142,18 @@ pub fn attend_head_reference(
     }
 }
 
-/// [`attend_head_reference`] at the SIMD level in use ([`attend_head_at`]).
-pub(crate) fn attend_head(
-    q: &[f32],
+/// [`attend_heads_at`] at the SIMD level in use.
+pub(crate) fn attend_heads(
+    qs: &[&[f32]],
     q_pos: u32,
     kv: &KvView<'_>,
     slot: HeadSlot,
     scale: f32,
     tmp: &mut Vec<f32>,
-    out: &mut [f32],
+    outs: &mut [&mut [f32]],
 ) {
-    attend_head_at(
-        crate::quant::current_simd_level(),
-        q,
-        q_pos,
-        kv,
-        slot,
-        scale,
-        tmp,
-        out,
-    )
+    let level = crate::quant::current_simd_level();
+    attend_heads_at(level, qs, q_pos, kv, slot, scale, tmp, outs)
 }
 
 /// True if every segment of `kv` holds a whole row for each of its positions, its keys
@@ -181,7 +173,8 @@ fn fits(q: &[f32], kv: &KvView<'_>, slot: HeadSlot, out: &[f32]) -> bool {
 
 /// [`attend_head_reference`] at `level`, in its float order (same results, bit for
 /// bit): the AVX2 version on AVX2 and AVX-512, NEON's on NEON, when the CPU has it
-/// and the head size is a multiple of 64 (at most 256), else the reference. A level the CPU lacks runs the reference.
+/// and the head size is a multiple of 64 (at most 256), else the reference. A level the
+/// CPU lacks runs the reference.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_head_at(
     level: crate::quant::SimdLevel,
@@ -193,17 +186,41 @@ pub fn attend_head_at(
     tmp: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    attend_heads_at(level, &[q], q_pos, kv, slot, scale, tmp, &mut [out])
+}
+
+/// [`attend_head_at`] for several query heads that share one key/value head (`slot`):
+/// `outs[i]` gets head `qs[i]`'s output, the same bits as each head alone. The AVX2
+/// version reads each cached row once for all of them.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_heads_at(
+    level: crate::quant::SimdLevel,
+    qs: &[&[f32]],
+    q_pos: u32,
+    kv: &KvView<'_>,
+    slot: HeadSlot,
+    scale: f32,
+    tmp: &mut Vec<f32>,
+    outs: &mut [&mut [f32]],
+) {
+    assert_eq!(qs.len(), outs.len(), "one output per query head");
+    let all_fit = || {
+        qs.iter()
+            .zip(outs.iter())
+            .all(|(q, o)| fits(q, kv, slot, o))
+    };
     #[cfg(target_arch = "x86_64")]
     {
         use crate::quant::SimdLevel;
         let vector = slot.head_dim % STEP == 0
             && slot.head_dim <= x86::MAX_HEAD
             && level.is_supported()
-            && fits(q, kv, slot, out);
-        if vector && matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512) {
+            && matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512)
+            && all_fit();
+        if vector {
             // SAFETY: AVX2 (with FMA and F16C) support was just checked, and `fits`
-            // that every row read and the head written are in bounds.
-            unsafe { x86::attend_head_avx2(q, q_pos, kv, slot, scale, out) };
+            // that every row read and every head written are in bounds.
+            unsafe { x86::attend_heads_avx2(qs, q_pos, kv, slot, scale, outs) };
             return;
         }
     }
@@ -212,16 +229,20 @@ pub fn attend_head_at(
         && slot.head_dim % STEP == 0
         && slot.head_dim <= arm::MAX_HEAD
         && level.is_supported()
-        && fits(q, kv, slot, out)
+        && all_fit()
     {
-        // SAFETY: NEON support was just checked, and `fits` that every row read and
-        // the head written are in bounds.
-        unsafe { arm::attend_head_neon(q, q_pos, kv, slot, scale, out) };
+        for (q, out) in qs.iter().zip(outs.iter_mut()) {
+            // SAFETY: NEON support was just checked, and `fits` that every row read and
+            // the head written are in bounds.
+            unsafe { arm::attend_head_neon(q, q_pos, kv, slot, scale, out) };
+        }
         return;
     }
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-    let _ = (level, fits);
-    attend_head_reference(q, q_pos, kv, slot, scale, tmp, out)
+    let _ = (level, all_fit);
+    for (q, out) in qs.iter().zip(outs.iter_mut()) {
+        attend_head_reference(q, q_pos, kv, slot, scale, tmp, out)
+    }
 }
 
 #[cfg(target_arch = "aarch64")]
@@ -239,6 +260,8 @@ mod x86 {
     pub(super) const MAX_HEAD: usize = 256;
     /// Most 8-lane vectors a head holds on the AVX2 path.
     const MAX_VECS8: usize = MAX_HEAD / 8;
+    /// Keys per run of [`segment`]'s three passes.
+    const RUN: usize = 256;
 
     /// Rows of one element type, read eight elements at a time (one code path per type,
     /// so the kernel's loop holds no match).
@@ -313,7 +336,7 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn segment<const NV: usize, R: Rows8>(
-        st: &mut State<NV>,
+        states: &mut [State<NV>],
         keys: R,
         values: R,
         positions: &[u32],
@@ -323,42 +346,75 @@ mod x86 {
         half: bool,
     ) {
         let zero = _mm256_setzero_ps();
-        for (i, &p) in positions.iter().enumerate() {
-            if super::skipped(p, q_pos, slot.window) {
-                continue;
-            }
-            let start = i * slot.row_len + slot.offset;
-            let mut s8 = [zero; 8];
-            for j in 0..NV {
-                // SAFETY: the segment holds this row (checked by the dispatcher).
-                let k = unsafe { keys.load8(start + 8 * j) };
-                s8[j % 8] = _mm256_fmadd_ps(k, st.q[j], s8[j % 8]);
-            }
-            // The halves of (acc0 + acc2) + (acc1 + acc3), then lower + upper half.
-            let lo = _mm256_add_ps(_mm256_add_ps(s8[0], s8[4]), _mm256_add_ps(s8[2], s8[6]));
-            let hi = _mm256_add_ps(_mm256_add_ps(s8[1], s8[5]), _mm256_add_ps(s8[3], s8[7]));
-            let t8 = _mm256_add_ps(lo, hi);
-            let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
-            let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-            let s = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2))) * scale;
-            let (mut ms, mut vs) = (1f32, 1f32);
-            if s > st.max {
-                ms = (st.max - s).exp();
-                st.max = s;
-                let m = _mm256_set1_ps(ms);
-                for a in st.acc.iter_mut() {
-                    *a = round8(_mm256_mul_ps(*a, m), half);
+        // Three passes over each run of keys, so that no `expf` call sits between the
+        // vector state and its registers (a call clobbers every vector register): the
+        // scores; then, in order, the running maximum and each key's two factors; then
+        // the sums. Each key's and value's row is read once for every head of the group
+        // (they share it). The same operations in the same order as one head alone in
+        // one pass.
+        let g = states.len();
+        let mut scores = vec![0f32; g * RUN];
+        let mut factors = vec![(1f32, 1f32, false); g * RUN];
+        let mut rows = [0usize; RUN];
+        for run in (0..positions.len()).step_by(RUN) {
+            let mut n = 0;
+            for (i, &p) in positions.iter().enumerate().skip(run).take(RUN) {
+                if super::skipped(p, q_pos, slot.window) {
+                    continue;
                 }
-            } else {
-                vs = (s - st.max).exp();
-            }
-            let w = _mm256_set1_ps(vs);
-            for (j, a) in st.acc.iter_mut().enumerate() {
+                let start = i * slot.row_len + slot.offset;
                 // SAFETY: the segment holds this row (checked by the dispatcher).
-                let v = unsafe { values.load8(start + 8 * j) };
-                *a = round8(_mm256_fmadd_ps(v, w, *a), half);
+                let k: [__m256; NV] = std::array::from_fn(|j| unsafe { keys.load8(start + 8 * j) });
+                for (h, st) in states.iter().enumerate() {
+                    let mut s8 = [zero; 8];
+                    for j in 0..NV {
+                        s8[j % 8] = _mm256_fmadd_ps(k[j], st.q[j], s8[j % 8]);
+                    }
+                    // The halves of (acc0 + acc2) + (acc1 + acc3), then lower + upper half.
+                    let lo =
+                        _mm256_add_ps(_mm256_add_ps(s8[0], s8[4]), _mm256_add_ps(s8[2], s8[6]));
+                    let hi =
+                        _mm256_add_ps(_mm256_add_ps(s8[1], s8[5]), _mm256_add_ps(s8[3], s8[7]));
+                    let t8 = _mm256_add_ps(lo, hi);
+                    let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
+                    let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+                    scores[h * RUN + n] =
+                        _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2))) * scale;
+                }
+                rows[n] = start;
+                n += 1;
             }
-            st.sum = st.sum.mul_add(ms, vs);
+            for (h, st) in states.iter_mut().enumerate() {
+                let (sc, fs) = (&scores[h * RUN..], &mut factors[h * RUN..]);
+                for (&s, f) in sc.iter().zip(fs.iter_mut()).take(n) {
+                    *f = if s > st.max {
+                        let ms = (st.max - s).exp();
+                        st.max = s;
+                        (ms, 1.0, true)
+                    } else {
+                        (1.0, (s - st.max).exp(), false)
+                    };
+                }
+            }
+            for (m, &start) in rows.iter().enumerate().take(n) {
+                // SAFETY: the segment holds this row (checked by the dispatcher).
+                let v: [__m256; NV] =
+                    std::array::from_fn(|j| unsafe { values.load8(start + 8 * j) });
+                for (h, st) in states.iter_mut().enumerate() {
+                    let (ms, vs, rescale) = factors[h * RUN + m];
+                    if rescale {
+                        let f = _mm256_set1_ps(ms);
+                        for a in st.acc.iter_mut() {
+                            *a = round8(_mm256_mul_ps(*a, f), half);
+                        }
+                    }
+                    let w = _mm256_set1_ps(vs);
+                    for (a, &v) in st.acc.iter_mut().zip(&v) {
+                        *a = round8(_mm256_fmadd_ps(v, w, *a), half);
+                    }
+                    st.sum = st.sum.mul_add(ms, vs);
+                }
+            }
         }
     }
 
@@ -368,57 +424,60 @@ mod x86 {
     /// the same lanes in the same order as `_mm512_reduce_add_ps`. One code path per
     /// head size and element type, so the state stays in registers where it fits.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn attend_head_avx2(
-        q: &[f32],
+    pub(super) unsafe fn attend_heads_avx2(
+        qs: &[&[f32]],
         q_pos: u32,
         kv: &KvView<'_>,
         slot: HeadSlot,
         scale: f32,
-        out: &mut [f32],
+        outs: &mut [&mut [f32]],
     ) {
-        // SAFETY: the caller's contract, passed on; `head` takes only these sizes.
+        // SAFETY: the caller's contract, passed on; `heads` takes only these sizes.
         unsafe {
             match slot.head_dim / 8 {
-                8 => head::<8>(q, q_pos, kv, slot, scale, out),
-                16 => head::<16>(q, q_pos, kv, slot, scale, out),
-                24 => head::<24>(q, q_pos, kv, slot, scale, out),
-                _ => head::<{ MAX_VECS8 }>(q, q_pos, kv, slot, scale, out),
+                8 => heads::<8>(qs, q_pos, kv, slot, scale, outs),
+                16 => heads::<16>(qs, q_pos, kv, slot, scale, outs),
+                24 => heads::<24>(qs, q_pos, kv, slot, scale, outs),
+                _ => heads::<{ MAX_VECS8 }>(qs, q_pos, kv, slot, scale, outs),
             }
         }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn head<const NV: usize>(
-        q: &[f32],
+    unsafe fn heads<const NV: usize>(
+        qs: &[&[f32]],
         q_pos: u32,
         kv: &KvView<'_>,
         slot: HeadSlot,
         scale: f32,
-        out: &mut [f32],
+        outs: &mut [&mut [f32]],
     ) {
         debug_assert!(slot.head_dim == 8 * NV && NV <= MAX_VECS8);
         let half = matches!(kv.segments.first().map(|s| s.keys), Some(KvRows::F16(_)));
         let zero = _mm256_setzero_ps();
-        let mut st = State::<NV> {
-            q: [zero; NV],
-            acc: [zero; NV],
-            max: f32::NEG_INFINITY,
-            sum: 0.0,
-        };
-        for (j, v) in st.q.iter_mut().enumerate() {
-            // SAFETY: q holds hd values.
-            *v = round8(unsafe { _mm256_loadu_ps(q.as_ptr().add(8 * j)) }, half);
-        }
+        let mut states: Vec<State<NV>> = qs
+            .iter()
+            .map(|q| State::<NV> {
+                q: std::array::from_fn(|j| {
+                    // SAFETY: q holds hd values (the caller's contract).
+                    let v = unsafe { _mm256_loadu_ps(q.as_ptr().add(8 * j)) };
+                    round8(v, half)
+                }),
+                acc: [zero; NV],
+                max: f32::NEG_INFINITY,
+                sum: 0.0,
+            })
+            .collect();
         for seg in &kv.segments {
-            let (pos, sl) = (seg.positions, slot);
+            let (pos, sl, st) = (seg.positions, slot, &mut states[..]);
             // SAFETY: the dispatcher checked that every segment holds its rows.
             unsafe {
                 match (seg.keys, seg.values) {
                     (KvRows::F32(k), KvRows::F32(v)) => {
-                        segment(&mut st, k, v, pos, q_pos, sl, scale, half)
+                        segment(st, k, v, pos, q_pos, sl, scale, half)
                     }
                     (KvRows::F16(k), KvRows::F16(v)) => {
-                        segment(&mut st, k, v, pos, q_pos, sl, scale, half)
+                        segment(st, k, v, pos, q_pos, sl, scale, half)
                     }
                     (
                         KvRows::Q8 {
@@ -430,7 +489,7 @@ mod x86 {
                             scales: vs,
                         },
                     ) => segment(
-                        &mut st,
+                        st,
                         Q8Rows(kq, ks),
                         Q8Rows(vq, vs),
                         pos,
@@ -445,10 +504,12 @@ mod x86 {
                 }
             }
         }
-        let inv = _mm256_set1_ps(if st.sum == 0.0 { 0.0 } else { 1.0 / st.sum });
-        for (j, a) in st.acc.iter().enumerate() {
-            // SAFETY: out holds hd values.
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * j), _mm256_mul_ps(*a, inv)) };
+        for (st, out) in states.iter().zip(outs.iter_mut()) {
+            let inv = _mm256_set1_ps(if st.sum == 0.0 { 0.0 } else { 1.0 / st.sum });
+            for (j, a) in st.acc.iter().enumerate() {
+                // SAFETY: out holds hd values (the caller's contract).
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * j), _mm256_mul_ps(*a, inv)) };
+            }
         }
     }
 }

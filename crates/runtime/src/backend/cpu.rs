@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, RwLock};
 use std::time::Instant;
 
-use super::attention::{attend_head, tiled, HeadSlot};
+use super::attention::{attend_heads, tiled, HeadSlot};
 use super::elementwise;
 use super::ops::*;
 use super::{AttentionShape, Backend, MatmulJob, OpKind, OpTimes, Rope, Telemetry};
@@ -363,38 +363,61 @@ impl AttentionOps for CpuBackend {
             self.times.add(OpKind::Attention, start.elapsed());
             return Ok(());
         }
-        let work = n_tokens * shape.n_heads;
-        // llama.cpp's `kq_scale`.
-        let scale = shape.scale;
+        // Items of one token x some query heads of one key/value head (they read its
+        // rows once), taken by the threads as they come free, latest tokens first
+        // (under a causal mask they attend to the most keys). A group is cut into parts
+        // when there would be fewer than two items per thread.
+        let n_kv = shape.n_kv_heads;
+        let group = shape.n_heads / n_kv;
+        let threads = self.pool.n_threads().max(1);
+        let parts = (2 * threads).div_ceil(n_tokens * n_kv).clamp(1, group);
+        let per_part = group.div_ceil(parts);
+        let parts = group.div_ceil(per_part);
+        let work = n_tokens * n_kv * parts;
+        let next = AtomicUsize::new(0);
         let out_ptr = SyncPtr(out.as_mut_ptr());
-        let waited = self.pool.run(&|thread, n_threads| {
-            // Items dealt out in turn, not in contiguous ranges: under a causal mask a
-            // later token attends to more keys, so a batch's last tokens cost the most.
-            let items = (thread..work).step_by(n_threads.max(1));
+        let hd = shape.head_dim;
+        let waited = self.pool.run(&|_, _| {
             SCRATCH.with(|s| {
                 let mut scratch = s.borrow_mut();
-                for item in items {
-                    let (t, h) = (item / shape.n_heads, item % shape.n_heads);
-                    let off = (t * shape.n_heads + h) * shape.head_dim;
-                    // SAFETY: head h of token t is written by this thread alone.
-                    let dst = unsafe {
-                        std::slice::from_raw_parts_mut(out_ptr.get().add(off), shape.head_dim)
-                    };
-                    let kv_head = h / (shape.n_heads / shape.n_kv_heads).max(1);
+                loop {
+                    let item = next.fetch_add(1, Ordering::Relaxed);
+                    if item >= work {
+                        break;
+                    }
+                    let t = n_tokens - 1 - item / (n_kv * parts);
+                    let (kv_head, part) = ((item / parts) % n_kv, item % parts);
+                    let first = kv_head * group + part * per_part;
+                    let heads = first..(first + per_part).min((kv_head + 1) * group);
+                    let qs: Vec<&[f32]> = heads
+                        .clone()
+                        .map(|h| {
+                            let off = (t * shape.n_heads + h) * hd;
+                            &q[off..off + hd]
+                        })
+                        .collect();
+                    let mut outs: Vec<&mut [f32]> = heads
+                        .map(|h| {
+                            let off = (t * shape.n_heads + h) * hd;
+                            // SAFETY: head h of token t belongs to this item alone, and
+                            // `out` holds every token's heads (checked above).
+                            unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(off), hd) }
+                        })
+                        .collect();
                     let slot = HeadSlot {
-                        offset: kv_head * shape.head_dim,
-                        row_len: shape.n_kv_heads * shape.head_dim,
-                        head_dim: shape.head_dim,
+                        offset: kv_head * hd,
+                        row_len: n_kv * hd,
+                        head_dim: hd,
                         window: window_of(shape),
                     };
-                    attend_head(
-                        &q[off..off + shape.head_dim],
+                    attend_heads(
+                        &qs,
                         q_positions[t],
                         kv,
                         slot,
-                        scale,
+                        shape.scale,
                         &mut scratch,
-                        dst,
+                        &mut outs,
                     );
                 }
             });

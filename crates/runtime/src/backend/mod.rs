@@ -29,6 +29,6 @@ pub mod cpu_kernels {
     pub use super::attention::tiled::{
         attend_block, attend_tiled_reference, expf_ggml, BlockScratch, KV_TILE, TILED_MIN_QUERIES,
     };
-    pub use super::attention::{attend_head_at, attend_head_reference, HeadSlot};
+    pub use super::attention::{attend_head_at, attend_head_reference, attend_heads_at, HeadSlot};
     pub use super::elementwise::swiglu_at;
 }
