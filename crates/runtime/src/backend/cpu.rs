@@ -120,8 +120,44 @@ impl CpuBackend {
     }
 }
 
-/// Values from which SwiGLU is worth a parallel region (a prompt batch's, not a token's).
-const SWIGLU_PARALLEL: usize = 1 << 16;
+/// Values from which an elementwise op or a norm is worth a parallel region (a prompt
+/// batch's, not a token's).
+const ELEMENTWISE_PARALLEL: usize = 1 << 16;
+
+impl CpuBackend {
+    /// `f` over `0..n` items in one range, or, when `values` (what the items hold) reach
+    /// [`ELEMENTWISE_PARALLEL`], over one range per thread (aligned to `align` items).
+    fn par_ranges(
+        &self,
+        n: usize,
+        align: usize,
+        values: usize,
+        f: &(dyn Fn(std::ops::Range<usize>) + Sync),
+    ) {
+        if values < ELEMENTWISE_PARALLEL || self.pool.n_threads() < 2 {
+            return f(0..n);
+        }
+        let waited = self.pool.run(&|thread, n_threads| {
+            f(split_range(n, align, thread, n_threads));
+        });
+        if let Some(waited) = waited {
+            self.times.add_region_wait(waited);
+        }
+    }
+
+    /// A gated activation (`op(gate, up, out)`, elementwise) over the threads in chunks
+    /// of whole vectors when the batch is large.
+    fn gated(&self, gate: &[f32], up: &[f32], out: &mut [f32], op: fn(&[f32], &[f32], &mut [f32])) {
+        let out_ptr = SyncPtr(out.as_mut_ptr());
+        self.par_ranges(out.len(), 16, out.len(), &|range| {
+            // SAFETY: the threads' ranges are disjoint parts of `out`.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(out_ptr.get().add(range.start), range.len())
+            };
+            op(&gate[range.clone()], &up[range], dst);
+        });
+    }
+}
 
 thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
@@ -304,14 +340,25 @@ impl NormOps for CpuBackend {
         check_len("RMSNorm output", x.len(), out.len())?;
         self.timed(OpKind::Other, || {
             let n = scale.len();
-            for (row, dst) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-                // Summed in f64 as ggml does, so long rows round the same way.
-                let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
-                let inv = 1.0 / ((sum / n as f64) as f32 + eps).sqrt();
-                for ((d, &v), &s) in dst.iter_mut().zip(row).zip(scale) {
-                    *d = (v * inv) * s;
+            let out_ptr = SyncPtr(out.as_mut_ptr());
+            self.par_ranges(x.len() / n.max(1), 1, x.len(), &|rows| {
+                // SAFETY: the threads' row ranges are disjoint parts of `out`.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        out_ptr.get().add(rows.start * n),
+                        rows.len() * n,
+                    )
+                };
+                let src = &x[rows.start * n..rows.end * n];
+                for (row, dst) in src.chunks_exact(n).zip(dst.chunks_exact_mut(n)) {
+                    // Summed in f64 as ggml does, so long rows round the same way.
+                    let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
+                    let inv = 1.0 / ((sum / n as f64) as f32 + eps).sqrt();
+                    for ((d, &v), &s) in dst.iter_mut().zip(row).zip(scale) {
+                        *d = (v * inv) * s;
+                    }
                 }
-            }
+            });
         });
         Ok(())
     }
@@ -716,24 +763,7 @@ impl ElementwiseOps for CpuBackend {
         check_len("SwiGLU up", gate.len(), up.len())?;
         check_len("SwiGLU output", gate.len(), out.len())?;
         self.timed(OpKind::Other, || {
-            // A batch's SwiGLU (hundreds of thousands of values) on every thread, in
-            // chunks of whole vectors; one token's on the calling thread alone.
-            if out.len() < SWIGLU_PARALLEL || self.pool.n_threads() < 2 {
-                return elementwise::swiglu(gate, up, out);
-            }
-            let out_ptr = SyncPtr(out.as_mut_ptr());
-            let n = out.len();
-            let waited = self.pool.run(&|thread, n_threads| {
-                let range = split_range(n, 16, thread, n_threads);
-                // SAFETY: the ranges of the threads are disjoint parts of `out`.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(out_ptr.get().add(range.start), range.len())
-                };
-                elementwise::swiglu(&gate[range.clone()], &up[range], dst);
-            });
-            if let Some(waited) = waited {
-                self.times.add_region_wait(waited);
-            }
+            self.gated(gate, up, out, elementwise::swiglu)
         });
         Ok(())
     }
@@ -741,7 +771,9 @@ impl ElementwiseOps for CpuBackend {
     fn geglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
         check_len("GeGLU up", gate.len(), up.len())?;
         check_len("GeGLU output", gate.len(), out.len())?;
-        self.timed(OpKind::Other, || elementwise::geglu(gate, up, out));
+        self.timed(OpKind::Other, || {
+            self.gated(gate, up, out, elementwise::geglu)
+        });
         Ok(())
     }
 
