@@ -20,7 +20,7 @@ mod arm;
 
 /// `exp(x)` as ggml's AVX-512 `ggml_v_expf` computes it.
 #[inline(always)]
-fn expf_ggml(x: f32) -> f32 {
+pub(crate) fn expf_ggml(x: f32) -> f32 {
     let f = f32::from_bits;
     let r = f(0x4b40_0000); // 0x1.8p23: adding it rounds to an integer
     let z = x.mul_add(f(0x3fb8_aa3b), r); // x * log2(e)
@@ -167,6 +167,9 @@ mod avx512 {
 }
 
 #[cfg(target_arch = "x86_64")]
+pub(crate) use avx2::expf as expf_ggml8;
+
+#[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
@@ -199,7 +202,7 @@ mod avx2 {
     /// [`super::expf_ggml`] eight lanes at a time, operation for operation.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn expf(x: __m256) -> __m256 {
+    pub(crate) fn expf(x: __m256) -> __m256 {
         let c = |bits: u32| _mm256_set1_ps(f32::from_bits(bits));
         let r = c(0x4b40_0000);
         let z = _mm256_fmadd_ps(x, c(0x3fb8_aa3b), r);

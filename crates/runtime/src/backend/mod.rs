@@ -27,7 +27,7 @@ pub use cpu::CpuBackend;
 /// level to the scalar reference (each gives the same bits at every level).
 pub mod cpu_kernels {
     pub use super::attention::tiled::{
-        attend_block, attend_tiled_reference, expf_ggml, BlockScratch, KV_TILE, TILED_MIN_QUERIES,
+        attend_block, attend_tiled_reference, BlockScratch, KV_TILE, TILED_MIN_QUERIES,
     };
     pub use super::attention::{attend_head_at, attend_head_reference, attend_heads_at, HeadSlot};
     pub use super::elementwise::swiglu_at;

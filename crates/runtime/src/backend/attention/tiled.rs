@@ -10,7 +10,7 @@
 //! head (`simd_gemm`), times the scale, masked keys `-inf`; takes the tile's maximum,
 //! and when it raises the running maximum rescales the sum of values and of weights by
 //! `expf` of the difference; turns the scores into weights with ggml's vector `expf`
-//! (`ggml_v_expf`, AVX-512 form, [`expf_ggml`]) and adds their total to the running
+//! (`ggml_v_expf`, AVX-512 form, as SiLU takes it) and adds their total to the running
 //! sum in f64 (sixteen lanes at a time, each group summed as `_mm512_reduce_add_ps`
 //! does); adds the weighted values to the running sum with one FMA chain over the tile's
 //! rows (`simd_gemm` again); and at the end multiplies by the inverse of the sum.
@@ -25,6 +25,7 @@ use crate::kv::{KvRows, KvView, MASKED_POSITION};
 use crate::quant::SimdLevel;
 
 use super::{skipped, HeadSlot};
+use crate::backend::elementwise::expf_ggml;
 
 /// Queries in one batch from which llama.cpp's CPU flash attention takes the tiled path
 /// (its `GGML_FA_TILE_Q`).
@@ -32,43 +33,6 @@ pub const TILED_MIN_QUERIES: usize = 64;
 
 /// Cached rows per tile (llama.cpp's `GGML_FA_TILE_KV`).
 pub const KV_TILE: usize = 64;
-
-/// `j * 2^n` rounded once (AVX-512's `vscalefps` for an integral `n`): the product is
-/// exact in f64, and the conversion rounds it to f32 (to a subnormal or infinity where
-/// it lands there).
-fn scalef(j: f32, n: f32) -> f32 {
-    ((j as f64) * 2f64.powi(n as i32)) as f32
-}
-
-/// llama.cpp's `ggml_v_expf` as built for AVX-512, for one lane: `e^x` from a degree-5
-/// polynomial of the reduced argument (ARM's optimized routine), scaled by `2^n`; `0`
-/// below about -104 and infinity above about 88.
-pub fn expf_ggml(x: f32) -> f32 {
-    let r = f32::from_bits(0x4b40_0000); // 0x1.8p23
-    let z = x.mul_add(f32::from_bits(0x3fb8_aa3b), r); // 0x1.715476p+0
-    let n = z - r;
-    let b = (-n).mul_add(
-        f32::from_bits(0x35bf_be8e),                  // 0x1.7f7d1cp-20
-        (-n).mul_add(f32::from_bits(0x3f31_7200), x), // 0x1.62e4p-1
-    );
-    let u = b * b;
-    let j = f32::from_bits(0x3c07_2010) // 0x1.0e4020p-7
-        .mul_add(b, f32::from_bits(0x3d2b_9f17)) // 0x1.573e2ep-5
-        .mul_add(
-            u,
-            f32::from_bits(0x3e2a_af33).mul_add(b, f32::from_bits(0x3eff_fedb)), // 0x1.555e66p-3, 0x1.fffdb6p-2
-        )
-        .mul_add(u, f32::from_bits(0x3f7f_fff6).mul_add(b, 1.0)); // 0x1.ffffecp-1
-    if n.abs() > 192.0 {
-        if n <= 0.0 {
-            0.0
-        } else {
-            f32::INFINITY
-        }
-    } else {
-        scalef(j, n)
-    }
-}
 
 /// Sixteen lanes summed in the order of gcc's `_mm512_reduce_add_ps`: halves, then
 /// quarters, then `(0 + 2) + (1 + 3)`.
@@ -433,62 +397,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::KV_TILE;
-
-    /// [`super::expf_ggml`] on eight lanes. `vscalefps` is AVX-512; here the scaling by
-    /// `2^n` is one product with a power of two where that is a normal float (one
-    /// rounding, the same as `vscalefps`, subnormal results included), else an exact
-    /// product by `2^(n ± 100)` and a second, rounding, by `2^∓100`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn expf8(x: __m256) -> __m256 {
-        let set = |bits: u32| _mm256_set1_ps(f32::from_bits(bits));
-        let r = set(0x4b40_0000);
-        let z = _mm256_fmadd_ps(x, set(0x3fb8_aa3b), r);
-        let n = _mm256_sub_ps(z, r);
-        let b = _mm256_fnmadd_ps(
-            n,
-            set(0x35bf_be8e),
-            _mm256_fnmadd_ps(n, set(0x3f31_7200), x),
-        );
-        let u = _mm256_mul_ps(b, b);
-        let j = _mm256_fmadd_ps(
-            _mm256_fmadd_ps(
-                _mm256_fmadd_ps(set(0x3c07_2010), b, set(0x3d2b_9f17)),
-                u,
-                _mm256_fmadd_ps(set(0x3e2a_af33), b, set(0x3eff_fedb)),
-            ),
-            u,
-            _mm256_fmadd_ps(set(0x3f7f_fff6), b, _mm256_set1_ps(1.0)),
-        );
-        // n is integral; lanes past ±192 are replaced below, and NaN lanes stay NaN
-        // through `j`.
-        let ni = _mm256_cvtps_epi32(_mm256_max_ps(
-            _mm256_min_ps(n, _mm256_set1_ps(192.0)),
-            _mm256_set1_ps(-192.0),
-        ));
-        let low = _mm256_cmpgt_epi32(_mm256_set1_epi32(-126), ni);
-        let high = _mm256_cmpgt_epi32(ni, _mm256_set1_epi32(127));
-        let shift = _mm256_sub_epi32(
-            _mm256_and_si256(low, _mm256_set1_epi32(100)),
-            _mm256_and_si256(high, _mm256_set1_epi32(100)),
-        );
-        let pow2 = |e: __m256i| {
-            _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
-                e,
-                _mm256_set1_epi32(127),
-            )))
-        };
-        let first = pow2(_mm256_add_epi32(ni, shift));
-        let second = pow2(_mm256_sub_epi32(_mm256_setzero_si256(), shift));
-        let res = _mm256_mul_ps(_mm256_mul_ps(j, first), second);
-        let abs_n = _mm256_andnot_ps(_mm256_set1_ps(-0.0), n);
-        let out_of_range = _mm256_cmp_ps::<_CMP_GT_OQ>(abs_n, _mm256_set1_ps(192.0));
-        let alt = _mm256_andnot_ps(
-            _mm256_cmp_ps::<_CMP_LE_OQ>(n, _mm256_setzero_ps()),
-            _mm256_set1_ps(f32::INFINITY),
-        );
-        _mm256_blendv_ps(res, alt, out_of_range)
-    }
+    use crate::backend::elementwise::expf_ggml8;
 
     /// [`super::exp_scores`] eight lanes at a time; each group of sixteen reduced as
     /// `_mm512_reduce_add_ps` (halves, quarters, then `(0 + 2) + (1 + 3)`).
@@ -503,8 +412,8 @@ mod x86 {
             let p = group.as_mut_ptr();
             // SAFETY: the group holds sixteen f32.
             unsafe {
-                let lo = expf8(_mm256_sub_ps(_mm256_loadu_ps(p), m));
-                let hi = expf8(_mm256_sub_ps(_mm256_loadu_ps(p.add(8)), m));
+                let lo = expf_ggml8(_mm256_sub_ps(_mm256_loadu_ps(p), m));
+                let hi = expf_ggml8(_mm256_sub_ps(_mm256_loadu_ps(p.add(8)), m));
                 _mm256_storeu_ps(p, lo);
                 _mm256_storeu_ps(p.add(8), hi);
                 let t8 = _mm256_add_ps(lo, hi);
@@ -582,38 +491,6 @@ mod x86 {
 mod tests {
     use super::*;
 
-    /// Inputs across the whole range: normal results, subnormal ones (below about
-    /// -87.3), zeros, overflow, the specials.
-    fn inputs() -> Vec<f32> {
-        let mut x: Vec<f32> = (-4200..=1000).map(|i| i as f32 * 0.025 + 0.0031).collect();
-        x.extend([
-            0.0, -0.0, 1.0, -1.0, -87.3, -88.0, -103.9, -104.5, 88.3, 89.0, 200.0,
-        ]);
-        x.extend([f32::NEG_INFINITY, f32::INFINITY, -1e30, 1e30]);
-        x
-    }
-
-    /// The ggml `expf` stays within the error its source states (1.45 + 0.5 ulp) of
-    /// `e^x` wherever the result is a normal float, and flushes as stated.
-    #[test]
-    fn expf_ggml_is_close_to_exp() {
-        for x in inputs() {
-            let got = expf_ggml(x);
-            let want = (x as f64).exp();
-            if want >= f32::MIN_POSITIVE as f64 && want <= f32::MAX as f64 {
-                let ulp = (want as f32).to_bits().abs_diff(got.to_bits());
-                assert!(ulp <= 2, "expf_ggml({x}) = {got}, e^x = {want}: {ulp} ulp");
-            }
-        }
-        assert_eq!(expf_ggml(f32::NEG_INFINITY), 0.0);
-        assert_eq!(expf_ggml(-200.0), 0.0);
-        assert_eq!(expf_ggml(f32::INFINITY), f32::INFINITY);
-        assert!(expf_ggml(f32::NAN).is_nan());
-        // A subnormal result, rounded once.
-        let tiny = expf_ggml(-95.0);
-        assert!(tiny > 0.0 && tiny < f32::MIN_POSITIVE);
-    }
-
     /// The AVX2 weights and their total are the scalar ones, bit for bit, subnormal
     /// weights and the specials included.
     #[test]
@@ -622,7 +499,10 @@ mod tests {
         if !level.is_supported() {
             return;
         }
-        let xs = inputs();
+        // Normal results, subnormal ones (below about -87.3), zeros, the specials.
+        let mut xs: Vec<f32> = (-4200..=1000).map(|i| i as f32 * 0.025 + 0.0031).collect();
+        xs.extend([0.0, -0.0, -87.3, -88.0, -103.9, -104.5, 88.3, 89.0, 200.0]);
+        xs.extend([f32::NEG_INFINITY, f32::INFINITY, -1e30, 1e30]);
         for (c, chunk) in xs.chunks(KV_TILE).enumerate() {
             let mut scores = [f32::NEG_INFINITY; KV_TILE];
             scores[..chunk.len()].copy_from_slice(chunk);
