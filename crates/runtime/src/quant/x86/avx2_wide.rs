@@ -73,9 +73,9 @@ macro_rules! wide_fn {
     };
 }
 
-wide_fn!(wide_q8_0_avx2, q8_0_like_wide_avx2::<0>, 34);
-wide_fn!(wide_q4_0_avx2, q8_0_like_wide_avx2::<1>, 18);
-wide_fn!(wide_q5_0_avx2, q8_0_like_wide_avx2::<2>, 22);
+wide_fn!(wide_q8_0_avx2, wide_avx2::<Q8_0Like<0>>, 34);
+wide_fn!(wide_q4_0_avx2, wide_avx2::<Q8_0Like<1>>, 18);
+wide_fn!(wide_q5_0_avx2, wide_avx2::<Q8_0Like<2>>, 22);
 wide_or_narrow!(tile_q8_0_avx2, wide_q8_0_avx2, tile_q8_0_avx2_narrow);
 wide_or_narrow!(tile_q4_0_avx2, wide_q4_0_avx2, tile_q4_0_avx2_narrow);
 wide_or_narrow!(tile_q5_0_avx2, wide_q5_0_avx2, tile_q5_0_avx2_narrow);
@@ -104,17 +104,90 @@ unsafe fn decode<const KIND: u8>(row: *const u8, b: usize) -> (__m256i, f32) {
     }
 }
 
-/// Rows `w` (whole rows of `rb` bytes, `nb` blocks each) against `groups` groups of 8
-/// packed tokens (group `g` at `y(g)`), written through `out`. The rows are decoded in
-/// chunks that fit [`DECODED_L1_BYTES`] (at least two); each chunk meets every group,
-/// 4 tokens and 2 rows at a time (8 accumulators).
+/// What the wide driver needs of a format: its blocks decoded (quants and the side
+/// data its f32 step reads), and `R` decoded rows against 4 packed tokens.
+trait Wide {
+    /// A decoded block's scale (and min).
+    type Side: Copy;
+
+    /// Block `b` of the row at `row` decoded.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; block `b` must be in bounds.
+    unsafe fn decode(row: *const u8, b: usize) -> (__m256i, Self::Side);
+
+    /// `R` decoded rows (quants at `q`, sides at `side`, `nb` blocks a row) against tokens
+    /// `t0..t0 + 4` of the group packed at `yg`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `q` and `side` hold `R * nb` blocks; the
+    /// packed group holds the 4 tokens.
+    unsafe fn rows_x4<const R: usize>(
+        q: *const __m256i,
+        side: *const Self::Side,
+        nb: usize,
+        yg: *const u8,
+        t0: usize,
+    ) -> [[f32; 4]; R];
+}
+
+/// Q8_0, Q4_0 or Q5_0 (`KIND` 0, 1, 2) against Q8_0.
+struct Q8_0Like<const KIND: u8>;
+
+impl<const KIND: u8> Wide for Q8_0Like<KIND> {
+    type Side = f32;
+
+    unsafe fn decode(row: *const u8, b: usize) -> (__m256i, f32) {
+        // SAFETY: forwarded from the caller.
+        unsafe { decode::<KIND>(row, b) }
+    }
+
+    unsafe fn rows_x4<const R: usize>(
+        q: *const __m256i,
+        side: *const f32,
+        nb: usize,
+        yg: *const u8,
+        t0: usize,
+    ) -> [[f32; 4]; R] {
+        // SAFETY: forwarded from the caller.
+        unsafe { rows_x4::<KIND, R>(q, side, nb, yg, t0) }
+    }
+}
+
+/// Q4_1 or Q5_1 (`FIVE`) against Q8_1.
+struct Q41Like<const FIVE: bool>;
+
+impl<const FIVE: bool> Wide for Q41Like<FIVE> {
+    type Side = u64;
+
+    unsafe fn decode(row: *const u8, b: usize) -> (__m256i, u64) {
+        // SAFETY: forwarded from the caller.
+        unsafe { decode_q41::<FIVE>(row, b) }
+    }
+
+    unsafe fn rows_x4<const R: usize>(
+        q: *const __m256i,
+        side: *const u64,
+        nb: usize,
+        yg: *const u8,
+        t0: usize,
+    ) -> [[f32; 4]; R] {
+        // SAFETY: forwarded from the caller.
+        unsafe { q41_rows_x4::<R>(q, side, nb, yg, t0) }
+    }
+}
+
+/// Rows `w` (whole rows of `rb` bytes, `nb` blocks each) of format `F` against `groups`
+/// groups of 8 packed tokens (group `g` at `y(g)`), written through `out`. The rows are
+/// decoded in chunks that fit [`DECODED_L1_BYTES`] (at least two); each chunk meets every
+/// group, 4 tokens and 2 rows at a time (8 accumulators).
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `w` holds `w.len() / rb` rows, at most
 /// [`WIDE_ROWS`], of `nb` blocks with `2 * nb <= DECODED_BLOCKS`; every packed group
 /// holds `nb` blocks; `out` is valid for every row and token.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0_like_wide_avx2<const KIND: u8>(
+unsafe fn wide_avx2<F: Wide>(
     w: &[u8],
     rb: usize,
     nb: usize,
@@ -123,27 +196,28 @@ unsafe fn q8_0_like_wide_avx2<const KIND: u8>(
     out: TileOut,
 ) {
     let rr = w.len() / rb;
-    let chunk = (DECODED_L1_BYTES / (36 * nb)).clamp(2, WIDE_ROWS);
+    let decoded = 32 + std::mem::size_of::<F::Side>();
+    let chunk = (DECODED_L1_BYTES / (decoded * nb)).clamp(2, WIDE_ROWS);
     let mut quants = [MaybeUninit::<__m256i>::uninit(); DECODED_BLOCKS];
-    let mut scales = [MaybeUninit::<f32>::uninit(); DECODED_BLOCKS];
+    let mut sides = [MaybeUninit::<F::Side>::uninit(); DECODED_BLOCKS];
     for c0 in (0..rr).step_by(chunk) {
         let c1 = (c0 + chunk).min(rr);
         for i in c0..c1 {
             for b in 0..nb {
                 // SAFETY: (i - c0) * nb + b < chunk * nb <= DECODED_BLOCKS (the chunk
                 // is at most two rows or DECODED_L1_BYTES); block b of row i is in bounds.
-                let (q, d) = unsafe { decode::<KIND>(w.as_ptr().add(i * rb), b) };
+                let (q, side) = unsafe { F::decode(w.as_ptr().add(i * rb), b) };
                 quants[(i - c0) * nb + b].write(q);
-                scales[(i - c0) * nb + b].write(d);
+                sides[(i - c0) * nb + b].write(side);
             }
         }
-        let (q, d) = (
+        let (q, side) = (
             quants.as_ptr() as *const __m256i,
-            scales.as_ptr() as *const f32,
+            sides.as_ptr() as *const F::Side,
         );
         for g in 0..groups {
+            let yg = y(g);
             for half in 0..2 {
-                let yg = y(g);
                 let mut i = c0;
                 while i < c1 {
                     let rows = if c1 - i >= 2 { 2 } else { 1 };
@@ -152,9 +226,9 @@ unsafe fn q8_0_like_wide_avx2<const KIND: u8>(
                     // group packed at yg holds tokens 4 * half .. + 4.
                     let res = unsafe {
                         if rows == 2 {
-                            rows_x4::<KIND, 2>(q.add(at), d.add(at), nb, yg, 4 * half)
+                            F::rows_x4::<2>(q.add(at), side.add(at), nb, yg, 4 * half)
                         } else {
-                            let [r] = rows_x4::<KIND, 1>(q.add(at), d.add(at), nb, yg, 4 * half);
+                            let [r] = F::rows_x4::<1>(q.add(at), side.add(at), nb, yg, 4 * half);
                             [r, [0.0; 4]]
                         }
                     };
@@ -243,8 +317,8 @@ unsafe fn rows_x4<const KIND: u8, const R: usize>(
     res
 }
 
-wide_fn!(wide_q4_1_avx2, q41_like_wide_avx2::<false>, 20);
-wide_fn!(wide_q5_1_avx2, q41_like_wide_avx2::<true>, 24);
+wide_fn!(wide_q4_1_avx2, wide_avx2::<Q41Like<false>>, 20);
+wide_fn!(wide_q5_1_avx2, wide_avx2::<Q41Like<true>>, 24);
 wide_or_narrow!(tile_q4_1_avx2, wide_q4_1_avx2, tile_q4_1_avx2_narrow);
 wide_or_narrow!(tile_q5_1_avx2, wide_q5_1_avx2, tile_q5_1_avx2_narrow);
 
@@ -271,74 +345,11 @@ unsafe fn decode_q41<const FIVE: bool>(row: *const u8, b: usize) -> (__m256i, u6
     }
 }
 
-/// The wide kernel of Q4_1 / Q5_1 x Q8_1: as [`q8_0_like_wide_avx2`], rows decoded once
-/// in chunks, each chunk against every packed group 4 tokens and 2 rows at a time, with
-/// the narrow kernel's f32 operations: per block and lane `acc += (d_w * d_a) * sum`, and
-/// beside it `m_w * s_a` accumulated by FMA, here for the 4 tokens at once (lanes
-/// `2t + 1` of one vector per row).
-///
-/// # Safety
-/// As for [`q8_0_like_wide_avx2`], with packed Q8_1 groups.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q41_like_wide_avx2<const FIVE: bool>(
-    w: &[u8],
-    rb: usize,
-    nb: usize,
-    y: impl Fn(usize) -> *const u8,
-    groups: usize,
-    out: TileOut,
-) {
-    let rr = w.len() / rb;
-    let chunk = (DECODED_L1_BYTES / (40 * nb)).clamp(2, WIDE_ROWS);
-    let mut quants = [MaybeUninit::<__m256i>::uninit(); DECODED_BLOCKS];
-    let mut dms = [MaybeUninit::<u64>::uninit(); DECODED_BLOCKS];
-    for c0 in (0..rr).step_by(chunk) {
-        let c1 = (c0 + chunk).min(rr);
-        for i in c0..c1 {
-            for b in 0..nb {
-                // SAFETY: as in `q8_0_like_wide_avx2`.
-                let (q, dm) = unsafe { decode_q41::<FIVE>(w.as_ptr().add(i * rb), b) };
-                quants[(i - c0) * nb + b].write(q);
-                dms[(i - c0) * nb + b].write(dm);
-            }
-        }
-        let (q, dm) = (
-            quants.as_ptr() as *const __m256i,
-            dms.as_ptr() as *const u64,
-        );
-        for g in 0..groups {
-            let yg = y(g);
-            for half in 0..2 {
-                let mut i = c0;
-                while i < c1 {
-                    let rows = if c1 - i >= 2 { 2 } else { 1 };
-                    let at = (i - c0) * nb;
-                    // SAFETY: rows i..i + rows of the chunk were decoded above; the
-                    // group packed at yg holds tokens 4 * half .. + 4.
-                    let res = unsafe {
-                        if rows == 2 {
-                            q41_rows_x4::<2>(q.add(at), dm.add(at), nb, yg, 4 * half)
-                        } else {
-                            let [r] = q41_rows_x4::<1>(q.add(at), dm.add(at), nb, yg, 4 * half);
-                            [r, [0.0; 4]]
-                        }
-                    };
-                    for (r, row) in res.iter().enumerate().take(rows) {
-                        for (t, &v) in row.iter().enumerate() {
-                            // SAFETY: row i + r, token 8g + 4half + t of the tile: in
-                            // `out` by the contract.
-                            unsafe { out.put(i + r, PACK_TOKENS * g + 4 * half + t, v) };
-                        }
-                    }
-                    i += rows;
-                }
-            }
-        }
-    }
-}
-
 /// `R` decoded Q4_1 / Q5_1 rows (quants at `q`, `d` and `m` at `dm`, `nb` blocks a row)
-/// against tokens `t0..t0 + 4` of the Q8_1 group packed at `yg`.
+/// against tokens `t0..t0 + 4` of the Q8_1 group packed at `yg`, with the narrow kernel's
+/// f32 operations: per block and lane `acc += (d_w * d_a) * sum`, and beside it
+/// `m_w * s_a` accumulated by FMA, here for the 4 tokens at once (lanes `2t + 1` of one
+/// vector per row).
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `q` and `dm` hold `R * nb` blocks; the
