@@ -451,12 +451,7 @@ impl AttentionOps for CpuBackend {
                             unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(off), hd) }
                         })
                         .collect();
-                    let slot = HeadSlot {
-                        offset: kv_head * hd,
-                        row_len: n_kv * hd,
-                        head_dim: hd,
-                        window: window_of(shape),
-                    };
+                    let slot = slot_of(shape, kv_head);
                     attend_heads(
                         &qs,
                         q_positions[t],
@@ -532,12 +527,7 @@ impl CpuBackend {
                             });
                         }
                     }
-                    let slot = HeadSlot {
-                        offset: kv_head * hd,
-                        row_len: n_kv * hd,
-                        head_dim: hd,
-                        window: window_of(shape),
-                    };
+                    let slot = slot_of(shape, kv_head);
                     tiled::attend_block(
                         level,
                         &queries,
@@ -554,6 +544,16 @@ impl CpuBackend {
         if let Some(waited) = waited {
             self.times.add_region_wait(waited);
         }
+    }
+}
+
+/// Where key/value head `kv_head` of `shape` sits in a cached row.
+fn slot_of(shape: &AttentionShape, kv_head: usize) -> HeadSlot {
+    HeadSlot {
+        offset: kv_head * shape.head_dim,
+        row_len: shape.n_kv_heads * shape.head_dim,
+        head_dim: shape.head_dim,
+        window: window_of(shape),
     }
 }
 
