@@ -758,6 +758,25 @@ fn mismatched_lengths_case(be: &dyn Backend) {
     );
 }
 
+/// Attention over no queries does nothing and succeeds (the CPU backend sizes its work
+/// from the number of queries).
+#[test]
+fn attention_of_no_queries_is_empty() {
+    let be = CpuBackend::new(2);
+    let shape = AttentionShape::new(2, 1, 4);
+    let kv = DenseKv::new(
+        KvShape {
+            n_layers: 1,
+            n_kv_heads: 1,
+            head_dim: 4,
+        },
+        4,
+    );
+    let mut out: [f32; 0] = [];
+    be.attention(&[], &[], &kv.view(0), &shape, &mut out)
+        .unwrap();
+}
+
 backend_suite!(cpu_backend, cpu);
 #[cfg(feature = "gpu")]
 backend_suite!(wgpu_backend, wgpu);

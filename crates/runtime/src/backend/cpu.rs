@@ -404,6 +404,9 @@ impl AttentionOps for CpuBackend {
                 ),
             });
         }
+        if n_tokens == 0 {
+            return Ok(());
+        }
         let start = Instant::now();
         if tiled::takes(n_tokens, kv) {
             self.attention_tiled(q, q_positions, kv, shape, out);
