@@ -762,7 +762,7 @@ fn mismatched_lengths_case(be: &dyn Backend) {
 /// from the number of queries).
 #[test]
 fn attention_of_no_queries_is_empty() {
-    let be = CpuBackend::new(2);
+    let be = cpu().expect("the CPU backend");
     let shape = AttentionShape::new(2, 1, 4);
     let kv = DenseKv::new(
         KvShape {
