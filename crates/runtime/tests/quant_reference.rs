@@ -316,6 +316,28 @@ fn random_case(
     }
 }
 
+/// Positions for segments of `lens` tokens, in order, one slot in eight masked; and the
+/// position after the last.
+fn random_positions(r: &mut Rng, lens: &[usize]) -> (Vec<Vec<u32>>, u32) {
+    let mut next = 0u32;
+    let positions = lens
+        .iter()
+        .map(|&n| {
+            (0..n)
+                .map(|_| {
+                    next += 1;
+                    if r.below(8) == 0 {
+                        MASKED_POSITION
+                    } else {
+                        next - 1
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    (positions, next)
+}
+
 fn run(c: &Case, level: SimdLevel) -> Vec<f32> {
     let mut out = vec![f32::NAN; c.rows * c.n_tokens];
     quant::matmul_at(level, c.ty, &c.w, c.k, &c.acts, &mut out).unwrap();
@@ -402,14 +424,7 @@ proptest! {
         };
         let halves: Vec<_> = data.iter().map(|(k, v)| (f16s(k), f16s(v))).collect();
         let bytes: Vec<_> = data.iter().map(|(k, v)| (q8s(k), q8s(v))).collect();
-        let mut positions: Vec<Vec<u32>> = Vec::new();
-        let mut next = 0u32;
-        for &n in &lens {
-            positions.push((0..n).map(|_| {
-                next += 1;
-                if r.below(8) == 0 { MASKED_POSITION } else { next - 1 }
-            }).collect());
-        }
+        let (positions, next) = random_positions(&mut r, &lens);
         let rows = |s: usize, value: usize| match dtype {
             0 => KvRows::F32(if value == 0 { &data[s].0 } else { &data[s].1 }),
             1 => KvRows::F16(if value == 0 { &halves[s].0 } else { &halves[s].1 }),
@@ -478,14 +493,7 @@ proptest! {
         let queries: Vec<Vec<f32>> = (0..n_q).map(|_| vals(hd)).collect();
         let f16s = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
         let halves: Vec<_> = data.iter().map(|(k, v)| (f16s(k), f16s(v))).collect();
-        let mut positions: Vec<Vec<u32>> = Vec::new();
-        let mut next = 0u32;
-        for &n in &lens {
-            positions.push((0..n).map(|_| {
-                next += 1;
-                if r.below(8) == 0 { MASKED_POSITION } else { next - 1 }
-            }).collect());
-        }
+        let (positions, next) = random_positions(&mut r, &lens);
         let rows = |s: usize, value: usize| match (half, value) {
             (false, 0) => KvRows::F32(&data[s].0),
             (false, _) => KvRows::F32(&data[s].1),
