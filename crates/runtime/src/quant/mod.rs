@@ -666,33 +666,14 @@ fn scalar_tile(
     }
 }
 
-/// The tile kernel for `ty` at `level` over `n_tokens` tokens.
+/// The tile kernel for `ty` at `level`.
 ///
-/// Decode on AVX-512 takes the AVX2 kernels of the types they stream faster: with them
-/// Qwen2.5-Coder-0.5B (Q5_0, Q8_0 head) decoded at 27.4-27.5 tokens/s instead of
-/// 24.6-25.2 and the 1.5B Q4_K_M (Q4_K, Q6_K) at 13.6-13.7 instead of 12.5-12.9 on one
-/// thread (+3-7% on two), SmolLM2's Q4_1 unchanged (`ballast bench -p 0 -n 64 -r 2`,
-/// alternated, a Zen 4 EPYC). Both give the scalar reference's bits.
-fn tile_kernel(level: SimdLevel, ty: GgmlType, n_tokens: usize) -> Option<TileFn> {
-    // Only the x86 levels tell decode from prefill.
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = n_tokens;
+/// AVX-512 decode once took the AVX2 kernels of Q4_0, Q5_0, Q8_0 and the K-quants, which
+/// streamed faster then; the AVX-512 ones have since overtaken them (Q5_0 37 GB/s against
+/// 14, Q6_K 47 against 30, Q8_0 41 against 36 on Qwen2.5-Coder-0.5B's shapes,
+/// `BALLAST_BENCH_TABLE=1 cargo bench --bench quant`), so every level uses its own.
+fn tile_kernel(level: SimdLevel, ty: GgmlType) -> Option<TileFn> {
     match level {
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512
-            if n_tokens == 1
-                && matches!(
-                    ty,
-                    GgmlType::Q4_0
-                        | GgmlType::Q5_0
-                        | GgmlType::Q8_0
-                        | GgmlType::Q4_K
-                        | GgmlType::Q5_K
-                        | GgmlType::Q6_K
-                ) =>
-        {
-            x86::kernel_avx2(ty)
-        }
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx512 => x86::kernel_avx512(ty).or_else(|| x86::kernel_avx2(ty)),
         #[cfg(target_arch = "x86_64")]
@@ -738,7 +719,7 @@ pub fn matmul_at(
     } else {
         best_level()
     };
-    let kernel = tile_kernel(level, ty, n);
+    let kernel = tile_kernel(level, ty);
     let rows = weights.len() / rb;
     for_each_blocked_tile(level, ty, rows, acts, |r, rr, t0, nt| {
         let w = &weights[r * rb..(r + rr) * rb];
@@ -778,7 +759,7 @@ pub fn matmul_gathered<'a>(
         return Ok(());
     }
     let level = current_simd_level();
-    let kernel = tile_kernel(level, ty, n);
+    let kernel = tile_kernel(level, ty);
     let shape = tile_shape(level, ty, n);
     for (i, dst) in out.chunks_exact_mut(n).enumerate() {
         let w = row(i);
@@ -916,7 +897,7 @@ pub unsafe fn matmul_token_major(
         return Ok(());
     }
     let level = current_simd_level();
-    let kernel = tile_kernel(level, ty, n);
+    let kernel = tile_kernel(level, ty);
     let shape = tile_shape(level, ty, token_block(acts).min(n));
     // The tile's rows at stride `st` in `buf` (rr <= shape.0, nt <= st).
     let st = shape.1.max(4);
