@@ -4,7 +4,7 @@
 //! BF16). Separate from AVX-512 because it is a level of its own: the one every x86-64
 //! CPU since Haswell runs, and AVX-512's fallback for the types it has no kernel for.
 
-use super::{f16x1, f16x2, hsum256, k4_scales_mins, prefetch_tile_ahead, tile_fn, Rows};
+use super::{f16_table, f16x1, f16x2, hsum256, k4_scales_mins, prefetch_tile_ahead, tile_fn, Rows};
 use crate::quant::QuantizedActivations;
 use std::arch::x86_64::*;
 
@@ -19,13 +19,19 @@ tile_fn!(tile_q4_k_avx2, q45_k_avx2, [false], 144);
 tile_fn!(tile_q5_k_avx2, q45_k_avx2, [true], 176);
 tile_fn!(tile_q6_k_avx2, q6_k_avx2, [], 210);
 
+/// The 32 4-bit quants at `p` (16 bytes) as bytes in ggml's element order: the low
+/// nibbles, then the high ones.
+///
+/// The bytes are loaded into both 128-bit lanes (a load, no shuffle) and the high lane
+/// shifted by 4 in the same operation: two vector operations where a shift, a lane insert
+/// and a mask took three.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn nibbles16(p: *const u8) -> __m256i {
     // SAFETY: the caller keeps 16 bytes readable at `p`; the load is unaligned.
-    let qs = unsafe { _mm_loadu_si128(p as *const __m128i) };
+    let qs = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(p as *const __m128i) });
     _mm256_and_si256(
-        _mm256_set_m128i(_mm_srli_epi16::<4>(qs), qs),
+        _mm256_srlv_epi64(qs, _mm256_set_epi64x(4, 4, 0, 0)),
         _mm256_set1_epi8(0x0F),
     )
 }
@@ -102,6 +108,12 @@ unsafe fn q41_like_avx2<const RR: usize, const NT: usize, const FIVE: bool>(
 }
 
 /// Q8_0 / Q4_0 / Q5_0 (`KIND` 0, 1, 2) x Q8_0.
+///
+/// Q4_0 and Q5_0 multiply their stored quants (0..15, 0..31) unsigned by the activations
+/// and subtract `offset * (sum of each four activations)` (offset 8, 16), computed once
+/// per block and token for all rows: the same integers as `(q - offset) . y` without
+/// llama.cpp's two sign operations per row (Q8_0's quants reach 255 with the offset, and
+/// `maddubs` would saturate, so it keeps them).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q8_0_like_avx2<const RR: usize, const NT: usize, const KIND: u8>(
     w: Rows<RR>,
@@ -110,32 +122,53 @@ unsafe fn q8_0_like_avx2<const RR: usize, const NT: usize, const KIND: u8>(
     s: [*const f32; NT],
 ) -> [[f32; NT]; RR] {
     let ones = _mm256_set1_epi16(1);
+    let offset = _mm256_set1_epi8([0, 8, 16][KIND as usize]);
     let bb = [34, 18, 22][KIND as usize];
+    let f16s = f16_table();
     let mut acc = [[_mm256_setzero_ps(); NT]; RR];
     for b in 0..nb {
         // SAFETY: block b of each row and of each activation row is in bounds.
         unsafe {
+            let y: [__m256i; NT] =
+                std::array::from_fn(|t| _mm256_loadu_si256(a[t].add(b * 34 + 2) as *const __m256i));
+            let corr: [__m256i; NT] = std::array::from_fn(|t| {
+                if KIND == 0 {
+                    _mm256_setzero_si256()
+                } else {
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(offset, y[t]), ones)
+                }
+            });
+            let dy: [__m256; NT] = std::array::from_fn(|t| _mm256_set1_ps(*s[t].add(b)));
             for r in 0..RR {
                 let wb = w[r].add(b * bb);
                 prefetch_tile_ahead(&w, nb, bb, b, r);
-                let dx = f16x1(wb);
-                let x = match KIND {
-                    1 => _mm256_sub_epi8(nibbles16(wb.add(2)), _mm256_set1_epi8(8)),
+                // Broadcast from memory (a load, no shuffle); the product of two
+                // broadcasts is the broadcast product.
+                let dx = _mm256_set1_ps(f16s[(wb as *const u16).read_unaligned() as usize]);
+                let (x, signed) = match KIND {
+                    1 => (nibbles16(wb.add(2)), false),
                     2 => {
                         let qh = (wb.add(2) as *const u32).read_unaligned();
-                        let q = _mm256_or_si256(nibbles16(wb.add(6)), high_bits32(qh));
-                        _mm256_sub_epi8(q, _mm256_set1_epi8(16))
+                        (
+                            _mm256_or_si256(nibbles16(wb.add(6)), high_bits32(qh)),
+                            false,
+                        )
                     }
-                    _ => _mm256_loadu_si256(wb.add(2) as *const __m256i),
+                    _ => (_mm256_loadu_si256(wb.add(2) as *const __m256i), true),
                 };
-                let ax = _mm256_sign_epi8(x, x);
+                let ax = if signed { _mm256_sign_epi8(x, x) } else { x };
                 for t in 0..NT {
-                    let y = _mm256_loadu_si256(a[t].add(b * 34 + 2) as *const __m256i);
-                    let sy = _mm256_sign_epi8(y, x);
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones);
-                    let d = _mm_mul_ss(dx, _mm_load_ss(s[t].add(b)));
+                    let p = if signed {
+                        let sy = _mm256_sign_epi8(y[t], x);
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones)
+                    } else {
+                        _mm256_sub_epi32(
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(ax, y[t]), ones),
+                            corr[t],
+                        )
+                    };
                     acc[r][t] =
-                        _mm256_fmadd_ps(_mm256_broadcastss_ps(d), _mm256_cvtepi32_ps(p), acc[r][t]);
+                        _mm256_fmadd_ps(_mm256_mul_ps(dx, dy[t]), _mm256_cvtepi32_ps(p), acc[r][t]);
                 }
             }
         }

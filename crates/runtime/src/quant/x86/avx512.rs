@@ -5,7 +5,7 @@
 //! AVX2 kernels (another instruction set and register width) and from the AVX-512
 //! K-quants in [`super::avx512_k`] (another block layout and activation type).
 
-use super::{hsum256, prefetch_tile_ahead, tile_fn, Rows, PREFETCH};
+use super::{f16_table, hsum256, prefetch_tile_ahead, tile_fn, Rows, PREFETCH};
 use crate::quant::{QuantizedActivations, TileOut, PACKED_BLOCK, PACKED_BLOCK_Q8_1, PACK_TOKENS};
 use std::arch::x86_64::*;
 
@@ -121,20 +121,6 @@ unsafe fn nibbles_pair_high(pa: *const u8, pb: *const u8) -> __m512i {
 #[inline(always)]
 fn pair_rows<const RR: usize>(p: usize) -> (usize, usize) {
     (2 * p, (2 * p + 1).min(RR - 1))
-}
-
-/// Every f16 bit pattern's f32 value, as ggml keeps it (`ggml_table_f32_f16`): a block's
-/// scale is then a scalar load a broadcast can take from memory, where converting it
-/// in a vector register takes a lane shuffle (the port the dot products need too).
-fn f16_table() -> &'static [f32; 65536] {
-    static TABLE: std::sync::OnceLock<Box<[f32; 65536]>> = std::sync::OnceLock::new();
-    TABLE.get_or_init(|| {
-        let mut t = Box::new([0f32; 65536]);
-        for (i, v) in t.iter_mut().enumerate() {
-            *v = half::f16::from_bits(i as u16).to_f32();
-        }
-        t
-    })
 }
 
 /// The f16 scales at the start of blocks `wa` and `wb` as f32, `wa`'s in the low 256

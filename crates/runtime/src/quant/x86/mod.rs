@@ -283,6 +283,20 @@ unsafe fn f16x1(p: *const u8) -> __m128 {
     _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))
 }
 
+/// Every f16 bit pattern's f32 value, as ggml keeps it (`ggml_table_f32_f16`): a block's
+/// scale is then a scalar load a broadcast can take from memory, where converting it
+/// in a vector register takes a lane shuffle (the port the dot products need too).
+pub(super) fn f16_table() -> &'static [f32; 65536] {
+    static TABLE: std::sync::OnceLock<Box<[f32; 65536]>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        let mut t = Box::new([0f32; 65536]);
+        for (i, v) in t.iter_mut().enumerate() {
+            *v = half::f16::from_bits(i as u16).to_f32();
+        }
+        t
+    })
+}
+
 type Rows<const RR: usize> = [*const u8; RR];
 
 /// How far ahead of the current weight block to prefetch, in bytes (prefetching past the
