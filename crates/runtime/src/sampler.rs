@@ -133,7 +133,41 @@ pub fn apply_repeat_penalty(logits: &mut [f32], history: &[u32], penalty: f32, l
 }
 
 /// Index of the largest finite-or-not logit, lowest index on exact ties; 0 if empty.
+///
+/// A greedy step runs this over the whole vocabulary (Gemma 3's 262,144 logits): the
+/// one-at-a-time loop, whose every step waits on the previous best, took 8% of Gemma 3
+/// 270M's decoded token. Without NaNs it takes sixteen running maxima, which the compiler
+/// vectorizes, then the first index of their maximum: the same index. With a NaN the
+/// plain loop decides ([`argmax_in_order`]).
 pub fn argmax(logits: &[f32]) -> u32 {
+    const LANES: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut nan = false;
+    let chunks = logits.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (m, &x) in lanes.iter_mut().zip(chunk) {
+            nan |= x.is_nan();
+            *m = if x > *m { x } else { *m };
+        }
+    }
+    for &x in rest {
+        nan |= x.is_nan();
+        lanes[0] = if x > lanes[0] { x } else { lanes[0] };
+    }
+    if nan {
+        return argmax_in_order(logits);
+    }
+    let max = lanes
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    // -0.0 == 0.0: the first of either, as the in-order loop (neither is greater).
+    logits.iter().position(|&x| x == max).unwrap_or(0) as u32
+}
+
+/// [`argmax`] one logit at a time: a later logit wins when it is greater than the best so
+/// far, or when the best so far is NaN.
+pub fn argmax_in_order(logits: &[f32]) -> u32 {
     let mut best = 0usize;
     for (i, &l) in logits.iter().enumerate() {
         if l > logits[best] || logits[best].is_nan() {

@@ -1,6 +1,8 @@
 //! Sampler tests.
 
-use ballast_runtime::sampler::{apply_repeat_penalty, log_softmax_at, Sampler, SamplerConfig};
+use ballast_runtime::sampler::{
+    apply_repeat_penalty, argmax, argmax_in_order, log_softmax_at, Sampler, SamplerConfig,
+};
 use proptest::prelude::*;
 
 fn greedy() -> SamplerConfig {
@@ -102,7 +104,36 @@ fn probs(logits: &[f32]) -> Vec<f64> {
     e.into_iter().map(|x| x / s).collect()
 }
 
+/// A logit drawn mostly from a few values (so that ties are common), with infinities,
+/// signed zeros and, rarely, NaN.
+fn tricky_logit() -> impl Strategy<Value = f32> {
+    prop_oneof![
+        8 => (-3i32..4).prop_map(|v| v as f32),
+        4 => -100.0f32..100.0,
+        1 => Just(0.0f32),
+        1 => Just(-0.0f32),
+        1 => Just(f32::INFINITY),
+        1 => Just(f32::NEG_INFINITY),
+        1 => Just(f32::NAN),
+    ]
+}
+
 proptest! {
+    /// The vectorized argmax picks the index the in-order loop picks, ties, signed zeros,
+    /// infinities and NaNs included, at lengths around its 16-lane chunks.
+    #[test]
+    fn argmax_equals_the_in_order_loop(
+        logits in proptest::collection::vec(tricky_logit(), 0..80),
+        nan_free in any::<bool>(),
+    ) {
+        let logits: Vec<f32> = if nan_free {
+            logits.into_iter().map(|x| if x.is_nan() { 1.5 } else { x }).collect()
+        } else {
+            logits
+        };
+        prop_assert_eq!(argmax(&logits), argmax_in_order(&logits));
+    }
+
     #[test]
     fn sampled_token_survives_filters(
         logits in proptest::collection::vec(-10.0f32..10.0, 1..200),
