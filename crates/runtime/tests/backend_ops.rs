@@ -758,6 +758,118 @@ fn mismatched_lengths_case(be: &dyn Backend) {
     );
 }
 
+/// llama.cpp's merge of a head's chunk partials (`ggml_flash_attn_ext_reduce_partials`),
+/// stated in f32 as gcc compiles it: each sum of two products with the first fused.
+fn merge_like_llama_cpp(partials: &[Vec<f32>], hd: usize) -> Vec<f32> {
+    let (mut max, mut sum, mut acc) = (f32::NEG_INFINITY, 0f32, vec![0f32; hd]);
+    for p in partials {
+        if p[1] == 0.0 {
+            continue;
+        }
+        let m = max.max(p[0]);
+        let (old, new) = ((max - m).exp(), (p[0] - m).exp());
+        for (a, &v) in acc.iter_mut().zip(&p[2..]) {
+            *a = a.mul_add(old, v * new);
+        }
+        sum = sum.mul_add(old, p[1] * new);
+        max = m;
+    }
+    if sum != 0.0 {
+        acc.iter_mut().for_each(|a| *a *= 1.0 / sum);
+    }
+    acc
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// A decoded token over at least `SPLIT_FROM_CELLS` cached keys, on several threads,
+    /// is split as llama.cpp splits it: one chunk of its padded key count per thread,
+    /// each query head's chunk attended alone (the scalar statement's partial), the
+    /// partials merged in chunk order; on one thread, and below that many keys, nothing
+    /// is split.
+    #[test]
+    fn decode_attention_splits_the_keys_as_llama_cpp(
+        n_kv_heads in 1usize..4,
+        group in 1usize..4,
+        head_dim in prop_oneof![Just(64usize), Just(128), 1usize..80],
+        cells in 600usize..1400,
+        threads in 2usize..5,
+        half in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        use ballast_runtime::backend::cpu_kernels::{attend_heads_to, Finish, HeadSlot, SPLIT_FROM_CELLS};
+        let shape = AttentionShape::new(n_kv_heads * group, n_kv_heads, head_dim);
+        let kv_dim = n_kv_heads * head_dim;
+        let keys = values(seed, cells * kv_dim, 3.0);
+        let vals = values(seed + 1, cells * kv_dim, 1.0);
+        let (keys16, vals16): (Vec<f16>, Vec<f16>) = (
+            keys.iter().map(|&v| f16::from_f32(v)).collect(),
+            vals.iter().map(|&v| f16::from_f32(v)).collect(),
+        );
+        let rows = |r: std::ops::Range<usize>, k: bool| match (half, k) {
+            (true, true) => KvRows::F16(&keys16[r]),
+            (true, false) => KvRows::F16(&vals16[r]),
+            (false, true) => KvRows::F32(&keys[r]),
+            (false, false) => KvRows::F32(&vals[r]),
+        };
+        let positions: Vec<u32> = (0..cells as u32).collect();
+        let view_of = |r: std::ops::Range<usize>| KvView {
+            segments: vec![KvSegment {
+                keys: rows(r.start * kv_dim..r.end * kv_dim, true),
+                values: rows(r.start * kv_dim..r.end * kv_dim, false),
+                positions: &positions[r],
+            }],
+        };
+        let q = values(seed + 2, shape.n_heads * head_dim, 2.0);
+        let q_pos = cells as u32 - 1;
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut got = vec![f32::NAN; q.len()];
+        let be: Arc<dyn Backend> = Arc::new(CpuBackend::new(threads));
+        be.attention(&q, &[q_pos], &view_of(0..cells), &shape, &mut got).unwrap();
+        let mut alone = vec![f32::NAN; q.len()];
+        let one: Arc<dyn Backend> = Arc::new(CpuBackend::new(1));
+        one.attention(&q, &[q_pos], &view_of(0..cells), &shape, &mut alone).unwrap();
+        if cells < SPLIT_FROM_CELLS {
+            prop_assert_eq!(bits(&got), bits(&alone), "{} keys are not split", cells);
+            return Ok(());
+        }
+        // llama.cpp's chunks: ceil(n_kv / threads) of the padded count, n_kv = 256 *
+        // ceil(cells / 256).
+        let n_kv = cells.div_ceil(256) * 256;
+        let size = n_kv.div_ceil(threads);
+        let mut tmp = Vec::new();
+        let mut want = Vec::new();
+        for h in 0..shape.n_heads {
+            let kv_head = h / group;
+            let slot = HeadSlot {
+                offset: kv_head * head_dim,
+                row_len: kv_dim,
+                head_dim,
+                window: u32::MAX,
+            };
+            let qh = &q[h * head_dim..(h + 1) * head_dim];
+            let partials: Vec<Vec<f32>> = (0..threads)
+                .map(|c| {
+                    let r = (c * size).min(cells)..((c + 1) * size).min(cells);
+                    let mut p = vec![f32::NAN; 2 + head_dim];
+                    attend_heads_to(quant::SimdLevel::Scalar, &[qh], q_pos, &view_of(r), slot,
+                        shape.scale, &mut tmp, &mut [p.as_mut_slice()], Finish::Partial);
+                    p
+                })
+                .collect();
+            want.extend(merge_like_llama_cpp(&partials, head_dim));
+        }
+        prop_assert_eq!(bits(&got), bits(&want), "{} keys on {} threads", cells, threads);
+        // The same attention, up to rounding, as the one-thread order (an f16
+        // accumulator rounds at every key, in other places when split).
+        let tolerance = if half { 3e-2 } else { 1e-4 };
+        for (a, b) in got.iter().zip(&alone) {
+            prop_assert!((a - b).abs() <= tolerance * (1.0 + b.abs()), "{} against {}", a, b);
+        }
+    }
+}
+
 /// Attention over no queries does nothing and succeeds (the CPU backend sizes its work
 /// from the number of queries).
 #[test]

@@ -1,8 +1,8 @@
 //! Reference tests of the quantized kernels against independent bit unpacking and f64 math.
 
 use ballast_runtime::backend::cpu_kernels::{
-    attend_block, attend_head_at, attend_head_reference, attend_heads_at, attend_tiled_reference,
-    swiglu_at, BlockScratch, HeadSlot,
+    attend_block, attend_head_at, attend_head_reference, attend_heads_at, attend_heads_to,
+    attend_tiled_reference, merge_partials, swiglu_at, BlockScratch, Finish, HeadSlot,
 };
 use ballast_runtime::ggml_type::GgmlType;
 use ballast_runtime::kv::{KvRows, KvSegment, KvView, MASKED_POSITION};
@@ -467,6 +467,20 @@ proptest! {
             attend_heads_at(level, &qs, q_pos, &view, slot, scale, &mut tmp, &mut out_refs);
             for (i, (g, w)) in outs.iter().zip(&group_want).enumerate() {
                 prop_assert_eq!(bits(g), bits(w), "{:?} head_dim {} dtype {} group head {}", level, hd, dtype, i);
+            }
+            // The partial of all the keys (llama.cpp's split decode on one thread):
+            // the scalar statement's at every level, and merged alone it is the
+            // output itself.
+            let mut parts = vec![vec![f32::NAN; 2 + hd]; group.len()];
+            let mut part_refs: Vec<&mut [f32]> = parts.iter_mut().map(|o| o.as_mut_slice()).collect();
+            attend_heads_to(level, &qs, q_pos, &view, slot, scale, &mut tmp, &mut part_refs, Finish::Partial);
+            for (i, (p, w)) in parts.iter().zip(&group_want).enumerate() {
+                let mut want_part = vec![f32::NAN; 2 + hd];
+                attend_heads_to(SimdLevel::Scalar, &[group[i].as_slice()], q_pos, &view, slot, scale, &mut tmp, &mut [want_part.as_mut_slice()], Finish::Partial);
+                prop_assert_eq!(bits(p), bits(&want_part), "{:?} partial of group head {}", level, i);
+                let mut merged = vec![f32::NAN; hd];
+                merge_partials([p.as_slice()], &mut merged);
+                prop_assert_eq!(bits(&merged), bits(w), "{:?} one partial merged, group head {}", level, i);
             }
         }
     }

@@ -99,6 +99,21 @@ pub fn attend_head_reference(
     tmp: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    attend_head_reference_to(q, q_pos, kv, slot, scale, tmp, out, Finish::Normalized)
+}
+
+/// [`attend_head_reference`] with what it writes chosen by `finish`.
+#[allow(clippy::too_many_arguments)]
+fn attend_head_reference_to(
+    q: &[f32],
+    q_pos: u32,
+    kv: &KvView<'_>,
+    slot: HeadSlot,
+    scale: f32,
+    tmp: &mut Vec<f32>,
+    out: &mut [f32],
+    finish: Finish,
+) {
     let hd = slot.head_dim;
     tmp.resize(3 * hd, 0.0);
     let (qh, rest) = tmp.split_at_mut(hd);
@@ -136,9 +151,100 @@ pub fn attend_head_reference(
             sum = sum.mul_add(ms, vs);
         }
     }
-    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
-    for (o, &a) in out.iter_mut().zip(acc.iter()) {
-        *o = a * inv;
+    finish.write(max, sum, acc.iter().copied(), out);
+}
+
+/// What a head's kernel writes when its keys are done.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// The head's output: the weighted sum of the values times the reciprocal of the sum
+    /// of the weights.
+    Normalized,
+    /// llama.cpp's partial result of a chunk of the keys, `[max, sum, values...]`
+    /// (`2 + head_dim` floats; the f16 accumulator as f32), which [`merge_partials`]
+    /// combines.
+    Partial,
+}
+
+impl Finish {
+    /// Writes the end state of one head (`max`, `sum`, the accumulator `acc`) to `out`.
+    fn write(self, max: f32, sum: f32, acc: impl Iterator<Item = f32>, out: &mut [f32]) {
+        match self {
+            Finish::Normalized => {
+                let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+                for (o, a) in out.iter_mut().zip(acc) {
+                    *o = a * inv;
+                }
+            }
+            Finish::Partial => {
+                out[0] = max;
+                out[1] = sum;
+                for (o, a) in out[2..].iter_mut().zip(acc) {
+                    *o = a;
+                }
+            }
+        }
+    }
+}
+
+/// Fewest keys (llama.cpp's padded count, [`split_key_count`]) at which a decoded token's
+/// attention is split into one chunk of keys per thread, as llama.cpp's
+/// `use_split_kv_path`.
+pub const SPLIT_MIN_KEYS: usize = 512;
+
+/// Fewest cached cells at which a decoded token's attention is split. llama.cpp splits
+/// from 257 ([`SPLIT_MIN_KEYS`] once padded), but cuts its chunks from the padded count,
+/// so below some 700 cells the last chunk holds little and the split was slower than
+/// handing the query heads to the threads. One layer at SmolLM2's shape, f16 cache larger
+/// than the caches, two threads, split against not (`cargo bench --bench attention`,
+/// alternated, µs): 28.1 / 22.3 at 400 cells, 38 / 33 at 600, 37 / 44-47 at 768, 57 /
+/// 75-84 at 1,100, 105 / 181-201 at 2,000, 257 / 369-385 at 4,100. Between the two, two
+/// threads give the one-thread order's bits, not llama.cpp's split ones.
+pub const SPLIT_FROM_CELLS: usize = 768;
+
+/// The number of keys llama.cpp's flash attention sees for a cache of `cells` used cells
+/// (`llama_kv_cache::get_n_kv`: padded to a multiple of 256, at least 256). The chunks
+/// of a split decode are cut from this count; the padding is masked.
+pub fn split_key_count(cells: usize) -> usize {
+    cells.div_ceil(256).max(1) * 256
+}
+
+/// The keys `[start, end)` of chunk `chunk` of `n_chunks` of a split decode over `cells`
+/// cached cells (llama.cpp's `chunk_size = ceil(n_kv / nth)`), clipped to the cells:
+/// empty where the chunk holds only padding.
+pub fn split_chunk(cells: usize, chunk: usize, n_chunks: usize) -> std::ops::Range<usize> {
+    let size = split_key_count(cells).div_ceil(n_chunks);
+    let start = (chunk * size).min(cells);
+    start..((chunk + 1) * size).min(cells)
+}
+
+/// Combines the partials of one query head's chunks, in chunk order, into its output:
+/// llama.cpp's `ggml_flash_attn_ext_reduce_partials` operation for operation (each sum
+/// of two products contracted as gcc does, the first product fused:
+/// `fma(acc, scale_old, chunk * scale_new)`). Chunks whose sum is 0 (no key) are skipped.
+pub fn merge_partials<'p>(chunks: impl IntoIterator<Item = &'p [f32]>, out: &mut [f32]) {
+    let mut max = f32::NEG_INFINITY;
+    let mut sum = 0f32;
+    out.fill(0.0);
+    for partial in chunks {
+        let (m, s, acc) = (partial[0], partial[1], &partial[2..]);
+        if s == 0.0 {
+            continue;
+        }
+        let new_max = max.max(m);
+        let scale_old = (max - new_max).exp();
+        let scale_new = (m - new_max).exp();
+        for (o, &a) in out.iter_mut().zip(acc) {
+            *o = o.mul_add(scale_old, a * scale_new);
+        }
+        sum = sum.mul_add(scale_old, s * scale_new);
+        max = new_max;
+    }
+    if sum != 0.0 {
+        let inv = 1.0 / sum;
+        for o in out.iter_mut() {
+            *o *= inv;
+        }
     }
 }
 
@@ -203,7 +309,42 @@ pub fn attend_heads_at(
     tmp: &mut Vec<f32>,
     outs: &mut [&mut [f32]],
 ) {
+    attend_heads_to(
+        level,
+        qs,
+        q_pos,
+        kv,
+        slot,
+        scale,
+        tmp,
+        outs,
+        Finish::Normalized,
+    )
+}
+
+/// [`attend_heads_at`] with what each head writes chosen by `finish`
+/// ([`Finish::Partial`]: `outs[i]` holds `2 + head_dim` floats).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_heads_to(
+    level: crate::quant::SimdLevel,
+    qs: &[&[f32]],
+    q_pos: u32,
+    kv: &KvView<'_>,
+    slot: HeadSlot,
+    scale: f32,
+    tmp: &mut Vec<f32>,
+    outs: &mut [&mut [f32]],
+    finish: Finish,
+) {
     assert_eq!(qs.len(), outs.len(), "one output per query head");
+    let out_len = match finish {
+        Finish::Normalized => slot.head_dim,
+        Finish::Partial => 2 + slot.head_dim,
+    };
+    assert!(
+        outs.iter().all(|o| o.len() >= out_len),
+        "each output holds {out_len} floats"
+    );
     let all_fit = || {
         qs.iter()
             .zip(outs.iter())
@@ -220,7 +361,7 @@ pub fn attend_heads_at(
         if vector {
             // SAFETY: AVX2 (with FMA and F16C) support was just checked, and `fits`
             // that every row read and every head written are in bounds.
-            unsafe { x86::attend_heads_avx2(qs, q_pos, kv, slot, scale, outs) };
+            unsafe { x86::attend_heads_avx2(qs, q_pos, kv, slot, scale, outs, finish) };
             return;
         }
     }
@@ -234,14 +375,14 @@ pub fn attend_heads_at(
         for (q, out) in qs.iter().zip(outs.iter_mut()) {
             // SAFETY: NEON support was just checked, and `fits` that every row read and
             // the head written are in bounds.
-            unsafe { arm::attend_head_neon(q, q_pos, kv, slot, scale, out) };
+            unsafe { arm::attend_head_neon(q, q_pos, kv, slot, scale, out, finish) };
         }
         return;
     }
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let _ = (level, all_fit);
     for (q, out) in qs.iter().zip(outs.iter_mut()) {
-        attend_head_reference(q, q_pos, kv, slot, scale, tmp, out)
+        attend_head_reference_to(q, q_pos, kv, slot, scale, tmp, out, finish)
     }
 }
 
@@ -253,7 +394,7 @@ pub(crate) mod tiled;
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::HeadSlot;
+    use super::{Finish, HeadSlot};
     use crate::kv::{KvRows, KvView, Q8_BLOCK};
 
     /// Largest head size of the vector paths.
@@ -431,14 +572,15 @@ mod x86 {
         slot: HeadSlot,
         scale: f32,
         outs: &mut [&mut [f32]],
+        finish: Finish,
     ) {
         // SAFETY: the caller's contract, passed on; `heads` takes only these sizes.
         unsafe {
             match slot.head_dim / 8 {
-                8 => heads::<8>(qs, q_pos, kv, slot, scale, outs),
-                16 => heads::<16>(qs, q_pos, kv, slot, scale, outs),
-                24 => heads::<24>(qs, q_pos, kv, slot, scale, outs),
-                _ => heads::<{ MAX_VECS8 }>(qs, q_pos, kv, slot, scale, outs),
+                8 => heads::<8>(qs, q_pos, kv, slot, scale, outs, finish),
+                16 => heads::<16>(qs, q_pos, kv, slot, scale, outs, finish),
+                24 => heads::<24>(qs, q_pos, kv, slot, scale, outs, finish),
+                _ => heads::<{ MAX_VECS8 }>(qs, q_pos, kv, slot, scale, outs, finish),
             }
         }
     }
@@ -451,6 +593,7 @@ mod x86 {
         slot: HeadSlot,
         scale: f32,
         outs: &mut [&mut [f32]],
+        finish: Finish,
     ) {
         debug_assert!(slot.head_dim == 8 * NV && NV <= MAX_VECS8);
         let half = matches!(kv.segments.first().map(|s| s.keys), Some(KvRows::F16(_)));
@@ -505,6 +648,15 @@ mod x86 {
             }
         }
         for (st, out) in states.iter().zip(outs.iter_mut()) {
+            if finish == Finish::Partial {
+                let mut acc = [0f32; MAX_HEAD];
+                for (j, a) in st.acc.iter().enumerate() {
+                    // SAFETY: 8 * NV <= MAX_HEAD floats.
+                    unsafe { _mm256_storeu_ps(acc.as_mut_ptr().add(8 * j), *a) };
+                }
+                finish.write(st.max, st.sum, acc[..8 * NV].iter().copied(), out);
+                continue;
+            }
             let inv = _mm256_set1_ps(if st.sum == 0.0 { 0.0 } else { 1.0 / st.sum });
             for (j, a) in st.acc.iter().enumerate() {
                 // SAFETY: out holds hd values (the caller's contract).

@@ -7,13 +7,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, RwLock};
 use std::time::Instant;
 
-use super::attention::{attend_heads, tiled, HeadSlot};
+use super::attention::{
+    attend_heads, attend_heads_to, merge_partials, split_chunk, split_key_count, tiled, Finish,
+    HeadSlot, SPLIT_FROM_CELLS, SPLIT_MIN_KEYS,
+};
 use super::elementwise;
 use super::ops::*;
 use super::{AttentionShape, Backend, MatmulJob, OpKind, OpTimes, Rope, Telemetry};
 use crate::error::{Error, Result};
 use crate::ggml_type::GgmlType;
-use crate::kv::KvView;
+use crate::kv::{KvRows, KvSegment, KvView};
 use crate::quant::{self, QuantizedActivations};
 use crate::threadpool::{split_range, ThreadPool};
 use crate::weights::Weight;
@@ -413,6 +416,11 @@ impl AttentionOps for CpuBackend {
             self.times.add(OpKind::Attention, start.elapsed());
             return Ok(());
         }
+        if let Some(cells) = split_cells(n_tokens, kv, shape, self.pool.n_threads()) {
+            self.attention_split(q, q_positions[0], kv, shape, cells, out);
+            self.times.add(OpKind::Attention, start.elapsed());
+            return Ok(());
+        }
         // Items of one token x some query heads of one key/value head (they read its
         // rows once), taken by the threads as they come free, latest tokens first
         // (under a causal mask they attend to the most keys). A group is cut into parts
@@ -475,6 +483,51 @@ impl AttentionOps for CpuBackend {
     }
 }
 
+/// The cached cells of a decoded token's attention that are split as llama.cpp splits
+/// them, into one chunk of keys per thread (`use_split_kv_path`), or `None` where they are
+/// not: one query, more than one thread, keys and values both f32 or both f16, and at
+/// least [`SPLIT_FROM_CELLS`] cells. Only a view llama.cpp's cache of one sequence would
+/// give, one segment of positions `0, 1, ...` without a window, is split: llama.cpp's
+/// chunks of a window's or a ring's cells follow another layout, and those keep the
+/// one-thread order.
+fn split_cells(
+    n_tokens: usize,
+    kv: &KvView<'_>,
+    shape: &AttentionShape,
+    threads: usize,
+) -> Option<usize> {
+    let [seg] = kv.segments.as_slice() else {
+        return None;
+    };
+    let floats = matches!(
+        (seg.keys, seg.values),
+        (KvRows::F32(_), KvRows::F32(_)) | (KvRows::F16(_), KvRows::F16(_))
+    );
+    let cells = seg.positions.len();
+    let in_order = seg
+        .positions
+        .iter()
+        .enumerate()
+        .all(|(i, &p)| p as usize == i);
+    (n_tokens == 1
+        && threads > 1
+        && window_of(shape) == u32::MAX
+        && floats
+        && cells >= SPLIT_FROM_CELLS
+        && split_key_count(cells) >= SPLIT_MIN_KEYS
+        && in_order)
+        .then_some(cells)
+}
+
+/// Elements `range` of f32 or f16 rows (what [`split_cells`] lets through).
+fn float_rows<'a>(rows: KvRows<'a>, range: std::ops::Range<usize>) -> KvRows<'a> {
+    match rows {
+        KvRows::F32(v) => KvRows::F32(&v[range]),
+        KvRows::F16(v) => KvRows::F16(&v[range]),
+        KvRows::Q8 { .. } => unreachable!("split_cells lets only f32 and f16 rows through"),
+    }
+}
+
 /// Queries per work item of the tiled attention: few enough that a prompt's items
 /// spread over the threads (a later block sees more keys), enough that converting a
 /// tile's keys and values once serves many queries. 32 against 16: SmolLM2's pp1943 at
@@ -486,6 +539,93 @@ thread_local! {
 }
 
 impl CpuBackend {
+    /// [`AttentionOps::attention`] of one decoded token split as llama.cpp splits it
+    /// ([`split_cells`]): chunk `c` of the `cells` keys ([`split_chunk`], one per thread)
+    /// attended by every query head, each key/value head's group reading its rows once,
+    /// into a partial per head and chunk; then each head's partials merged in chunk order
+    /// ([`merge_partials`]). Each key's row is read once, where the query heads of one
+    /// key/value head split over the threads read it once per thread.
+    fn attention_split(
+        &self,
+        q: &[f32],
+        q_pos: u32,
+        kv: &KvView<'_>,
+        shape: &AttentionShape,
+        cells: usize,
+        out: &mut [f32],
+    ) {
+        let chunks = self.pool.n_threads();
+        let (hd, n_heads, n_kv) = (shape.head_dim, shape.n_heads, shape.n_kv_heads);
+        let group = n_heads / n_kv;
+        let part = 2 + hd;
+        let row_len = n_kv * hd;
+        let seg = kv.segments[0];
+        // Head h's partial of chunk c at (h * chunks + c) * part.
+        let mut partials = vec![0f32; n_heads * chunks * part];
+        let partials_ptr = SyncPtr(partials.as_mut_ptr());
+        // A chunk per item, every key/value head of it in turn, taken as threads come
+        // free. Items of (key/value head, chunk) spread a thread's work over both chunks
+        // and were slower: SmolLM2 at depth 4,096 on two threads decoded 74-77 tokens/s
+        // against 85-92 (`ballast bench -p 0 -n 32 -d 4096 -r 2 -t 2`, alternated).
+        let next = AtomicUsize::new(0);
+        let level = quant::current_simd_level();
+        let waited = self.pool.run(&|_, _| {
+            SCRATCH.with(|s| {
+                let mut scratch = s.borrow_mut();
+                loop {
+                    let chunk = next.fetch_add(1, Ordering::Relaxed);
+                    if chunk >= chunks {
+                        break;
+                    }
+                    let keys = split_chunk(cells, chunk, chunks);
+                    let rows = keys.start * row_len..keys.end * row_len;
+                    let view = KvView {
+                        segments: vec![KvSegment {
+                            keys: float_rows(seg.keys, rows.clone()),
+                            values: float_rows(seg.values, rows),
+                            positions: &seg.positions[keys],
+                        }],
+                    };
+                    for kv_head in 0..n_kv {
+                        let heads = kv_head * group..(kv_head + 1) * group;
+                        let qs: Vec<&[f32]> =
+                            heads.clone().map(|h| &q[h * hd..(h + 1) * hd]).collect();
+                        let mut outs: Vec<&mut [f32]> = heads
+                            .map(|h| {
+                                // SAFETY: the partial of head h and this chunk belongs to this
+                                // item alone, within `partials`.
+                                unsafe {
+                                    std::slice::from_raw_parts_mut(
+                                        partials_ptr.get().add((h * chunks + chunk) * part),
+                                        part,
+                                    )
+                                }
+                            })
+                            .collect();
+                        attend_heads_to(
+                            level,
+                            &qs,
+                            q_pos,
+                            &view,
+                            slot_of(shape, kv_head),
+                            shape.scale,
+                            &mut scratch,
+                            &mut outs,
+                            Finish::Partial,
+                        );
+                    }
+                }
+            });
+        });
+        if let Some(waited) = waited {
+            self.times.add_region_wait(waited);
+        }
+        for (h, head_out) in out.chunks_exact_mut(hd).enumerate().take(n_heads) {
+            let head = &partials[h * chunks * part..(h + 1) * chunks * part];
+            merge_partials(head.chunks_exact(part), head_out);
+        }
+    }
+
     /// [`AttentionOps::attention`] of a batch the tiled path takes ([`tiled::takes`]):
     /// items of [`TILED_BLOCK`] tokens x every query head of one key/value head, the
     /// heaviest (latest) first, taken by the threads as they come free. `q` and `out`

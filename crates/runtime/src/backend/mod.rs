@@ -29,6 +29,9 @@ pub mod cpu_kernels {
     pub use super::attention::tiled::{
         attend_block, attend_tiled_reference, BlockScratch, KV_TILE, TILED_MIN_QUERIES,
     };
-    pub use super::attention::{attend_head_at, attend_head_reference, attend_heads_at, HeadSlot};
+    pub use super::attention::{
+        attend_head_at, attend_head_reference, attend_heads_at, attend_heads_to, merge_partials,
+        split_chunk, split_key_count, Finish, HeadSlot, SPLIT_FROM_CELLS, SPLIT_MIN_KEYS,
+    };
     pub use super::elementwise::swiglu_at;
 }

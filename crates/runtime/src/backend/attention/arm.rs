@@ -13,7 +13,7 @@ use std::arch::asm;
 
 use half::f16;
 
-use super::HeadSlot;
+use super::{Finish, HeadSlot};
 use crate::kv::{KvRows, KvView, Q8_BLOCK};
 
 /// Largest head size of the vector path.
@@ -229,14 +229,15 @@ pub(super) unsafe fn attend_head_neon(
     slot: HeadSlot,
     scale: f32,
     out: &mut [f32],
+    finish: Finish,
 ) {
     // SAFETY: the caller's contract, passed on; `head` takes only these sizes.
     unsafe {
         match slot.head_dim / 16 {
-            4 => head::<4>(q, q_pos, kv, slot, scale, out),
-            8 => head::<8>(q, q_pos, kv, slot, scale, out),
-            12 => head::<12>(q, q_pos, kv, slot, scale, out),
-            _ => head::<{ MAX_GROUPS }>(q, q_pos, kv, slot, scale, out),
+            4 => head::<4>(q, q_pos, kv, slot, scale, out, finish),
+            8 => head::<8>(q, q_pos, kv, slot, scale, out, finish),
+            12 => head::<12>(q, q_pos, kv, slot, scale, out, finish),
+            _ => head::<{ MAX_GROUPS }>(q, q_pos, kv, slot, scale, out, finish),
         }
     }
 }
@@ -249,6 +250,7 @@ unsafe fn head<const NG: usize>(
     slot: HeadSlot,
     scale: f32,
     out: &mut [f32],
+    finish: Finish,
 ) {
     debug_assert!(slot.head_dim == 16 * NG && NG <= MAX_GROUPS);
     let half = matches!(kv.segments.first().map(|s| s.keys), Some(KvRows::F16(_)));
@@ -299,6 +301,17 @@ unsafe fn head<const NG: usize>(
                 _ => unreachable!("keys and values of one segment differ in type"),
             }
         }
+    }
+    if finish == Finish::Partial {
+        let mut acc = [0f32; MAX_HEAD];
+        for (j, a) in st.acc.iter().enumerate() {
+            for (m, a) in a.iter().enumerate() {
+                // SAFETY: 16 * NG <= MAX_HEAD floats.
+                unsafe { vst1q_f32(acc.as_mut_ptr().add(16 * j + 4 * m), *a) };
+            }
+        }
+        finish.write(st.max, st.sum, acc[..16 * NG].iter().copied(), out);
+        return;
     }
     let inv = vdupq_n_f32(if st.sum == 0.0 { 0.0 } else { 1.0 / st.sum });
     for (j, a) in st.acc.iter().enumerate() {
