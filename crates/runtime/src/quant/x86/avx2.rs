@@ -58,6 +58,10 @@ pub(super) fn high_bits32(qh: u32) -> __m256i {
 }
 
 /// Q4_1 (`FIVE == false`) or Q5_1 x Q8_1.
+///
+/// The scales come from ggml's f16 table as broadcast loads (no shuffle), `d_w * d_a` as
+/// the product of two broadcasts (the same product in every lane), and `m_w * s_a` is
+/// accumulated in scalar f32 by FMA, as gcc contracts llama.cpp's `summs += m * s`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q41_like_avx2<const RR: usize, const NT: usize, const FIVE: bool>(
     w: Rows<RR>,
@@ -67,15 +71,21 @@ unsafe fn q41_like_avx2<const RR: usize, const NT: usize, const FIVE: bool>(
 ) -> [[f32; NT]; RR] {
     let ones = _mm256_set1_epi16(1);
     let bb = if FIVE { 24 } else { 20 };
+    let f16s = f16_table();
     let mut acc = [[_mm256_setzero_ps(); NT]; RR];
-    let mut accm = [[_mm_setzero_ps(); NT]; RR];
+    let mut accm = [[0f32; NT]; RR];
     for b in 0..nb {
         // SAFETY: block b of each row and of each activation row is in bounds.
         unsafe {
+            let y: [__m256i; NT] =
+                std::array::from_fn(|t| _mm256_loadu_si256(a[t].add(b * 36 + 4) as *const __m256i));
+            let dy: [__m256; NT] = std::array::from_fn(|t| _mm256_set1_ps(*s[t].add(2 * b)));
+            let sy: [f32; NT] = std::array::from_fn(|t| *s[t].add(2 * b + 1));
             for r in 0..RR {
                 let wb = w[r].add(b * bb);
                 prefetch_tile_ahead(&w, nb, bb, b, r);
-                let dm = f16x2(wb);
+                let d = _mm256_set1_ps(f16s[(wb as *const u16).read_unaligned() as usize]);
+                let m = f16s[(wb.add(2) as *const u16).read_unaligned() as usize];
                 let q = if FIVE {
                     let qh = (wb.add(4) as *const u32).read_unaligned();
                     _mm256_or_si256(nibbles16(wb.add(8)), high_bits32(qh))
@@ -83,17 +93,10 @@ unsafe fn q41_like_avx2<const RR: usize, const NT: usize, const FIVE: bool>(
                     nibbles16(wb.add(4))
                 };
                 for t in 0..NT {
-                    let y = _mm256_loadu_si256(a[t].add(b * 36 + 4) as *const __m256i);
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
-                    let sy = _mm_castpd_ps(_mm_load_sd(s[t].add(2 * b) as *const f64));
-                    let ds = _mm_mul_ps(dm, sy);
-                    acc[r][t] = _mm256_fmadd_ps(
-                        _mm256_broadcastss_ps(ds),
-                        _mm256_cvtepi32_ps(p),
-                        acc[r][t],
-                    );
-                    // Lane 1: m_w * s_a, fused as gcc contracts llama.cpp's `summs += m * s`.
-                    accm[r][t] = _mm_fmadd_ps(dm, sy, accm[r][t]);
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y[t]), ones);
+                    acc[r][t] =
+                        _mm256_fmadd_ps(_mm256_mul_ps(d, dy[t]), _mm256_cvtepi32_ps(p), acc[r][t]);
+                    accm[r][t] = m.mul_add(sy[t], accm[r][t]);
                 }
             }
         }
@@ -101,7 +104,7 @@ unsafe fn q41_like_avx2<const RR: usize, const NT: usize, const FIVE: bool>(
     let mut res = [[0f32; NT]; RR];
     for r in 0..RR {
         for t in 0..NT {
-            res[r][t] = hsum256(acc[r][t]) + _mm_cvtss_f32(_mm_movehdup_ps(accm[r][t]));
+            res[r][t] = hsum256(acc[r][t]) + accm[r][t];
         }
     }
     res
