@@ -401,8 +401,12 @@ mod x86 {
     pub(super) const MAX_HEAD: usize = 256;
     /// Most 8-lane vectors a head holds on the AVX2 path.
     const MAX_VECS8: usize = MAX_HEAD / 8;
-    /// Keys per run of [`segment`]'s three passes.
-    const RUN: usize = 256;
+    /// Keys per run of [`segment`]'s three passes. Short runs: with 256, one layer at
+    /// SmolLM2's shape over 4,100 keys took 455 µs on one thread, with 8 340 (64: 419,
+    /// 16: 348, 4: 346, 2: 375; `cargo bench --bench attention`), and SmolLM2 at depth
+    /// 4,096 decoded 66-69 tokens/s instead of 53 (`ballast bench -p 0 -n 32 -d 4096`,
+    /// alternated).
+    const RUN: usize = 8;
 
     /// Rows of one element type, read eight elements at a time (one code path per type,
     /// so the kernel's loop holds no match).
