@@ -504,19 +504,21 @@ fn split_cells(
         (KvRows::F32(_), KvRows::F32(_)) | (KvRows::F16(_), KvRows::F16(_))
     );
     let cells = seg.positions.len();
-    let in_order = seg
-        .positions
-        .iter()
-        .enumerate()
-        .all(|(i, &p)| p as usize == i);
+    // The walk over the positions last: the cheap tests rule out most calls.
+    let in_order = || {
+        seg.positions
+            .iter()
+            .enumerate()
+            .all(|(i, &p)| p as usize == i)
+    };
     (n_tokens == 1
         && threads > 1
         && window_of(shape) == u32::MAX
         && floats
         && cells >= SPLIT_FROM_CELLS
         && split_key_count(cells) >= SPLIT_MIN_KEYS
-        && in_order)
-        .then_some(cells)
+        && in_order())
+    .then_some(cells)
 }
 
 /// Elements `range` of f32 or f16 rows (what [`split_cells`] lets through).
