@@ -787,7 +787,7 @@ proptest! {
     /// is split as llama.cpp splits it: one chunk of its padded key count per thread,
     /// each query head's chunk attended alone (the scalar statement's partial), the
     /// partials merged in chunk order; on one thread, and below that many keys, nothing
-    /// is split.
+    /// is split. Each query of a batch (fewer than 64) gets the bits of decoding it alone.
     #[test]
     fn decode_attention_splits_the_keys_as_llama_cpp(
         n_kv_heads in 1usize..4,
@@ -861,6 +861,21 @@ proptest! {
             want.extend(merge_like_llama_cpp(&partials, head_dim));
         }
         prop_assert_eq!(bits(&got), bits(&want), "{} keys on {} threads", cells, threads);
+        // A batch of the last few queries (a verification pass of speculative
+        // decoding) gives each query the bits of decoding it alone over the cells it
+        // had then.
+        let batch = 1 + (seed % 4) as usize;
+        let first = cells - batch;
+        let q_batch = values(seed + 5, batch * shape.n_heads * head_dim, 2.0);
+        let positions_batch: Vec<u32> = (first as u32..cells as u32).collect();
+        let mut together = vec![f32::NAN; q_batch.len()];
+        be.attention(&q_batch, &positions_batch, &view_of(0..cells), &shape, &mut together).unwrap();
+        let width = shape.n_heads * head_dim;
+        for (i, &p) in positions_batch.iter().enumerate() {
+            let mut single = vec![f32::NAN; width];
+            be.attention(&q_batch[i * width..(i + 1) * width], &[p], &view_of(0..p as usize + 1), &shape, &mut single).unwrap();
+            prop_assert_eq!(bits(&together[i * width..(i + 1) * width]), bits(&single), "query {} of a batch of {}", i, batch);
+        }
         // The same attention, up to rounding, as the one-thread order (an f16
         // accumulator rounds at every key, in other places when split).
         let tolerance = if half { 3e-2 } else { 1e-4 };

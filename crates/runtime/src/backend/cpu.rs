@@ -416,11 +416,117 @@ impl AttentionOps for CpuBackend {
             self.times.add(OpKind::Attention, start.elapsed());
             return Ok(());
         }
-        if let Some(cells) = split_cells(n_tokens, kv, shape, self.pool.n_threads()) {
-            self.attention_split(q, q_positions[0], kv, shape, cells, out);
-            self.times.add(OpKind::Attention, start.elapsed());
-            return Ok(());
+        // A query that decoding alone would split (on several threads, over a long
+        // enough prefix) is split here too, over the same prefix, whatever the batch:
+        // a verification pass of speculative decoding then gives plain decoding's bits.
+        let splits = |p: u32| split_prefix(kv, shape, p).is_some();
+        if self.pool.n_threads() > 1 && q_positions.iter().any(|&p| splits(p)) {
+            for (t, &p) in q_positions.iter().enumerate() {
+                let rows = t * width..(t + 1) * width;
+                match split_prefix(kv, shape, p) {
+                    Some((view, cells)) => self.attention_split(
+                        &q[rows.clone()],
+                        p,
+                        &view,
+                        shape,
+                        cells,
+                        &mut out[rows],
+                    ),
+                    None => self.attention_items(
+                        &q[rows.clone()],
+                        &q_positions[t..t + 1],
+                        kv,
+                        shape,
+                        &mut out[rows],
+                    ),
+                }
+            }
+        } else {
+            self.attention_items(q, q_positions, kv, shape, out);
         }
+        self.times.add(OpKind::Attention, start.elapsed());
+        Ok(())
+    }
+}
+
+/// The view a query at `q_pos` attends over when it is split as llama.cpp splits a
+/// decoded token's keys, one chunk per thread (`use_split_kv_path`), with its number of
+/// cells; `None` where it is not: keys and values both f32 or both f16, no window, and at
+/// least [`SPLIT_FROM_CELLS`] cells up to the query's. The cells are those decoding the
+/// token alone would have: positions `0..=q_pos`, one segment in order (llama.cpp's cache
+/// of one sequence; its chunks of a window's or a ring's cells follow another layout, and
+/// those keep the one-thread order). The caller checks that there are several threads.
+fn split_prefix<'a>(
+    kv: &KvView<'a>,
+    shape: &AttentionShape,
+    q_pos: u32,
+) -> Option<(KvView<'a>, usize)> {
+    let [seg] = kv.segments.as_slice() else {
+        return None;
+    };
+    let floats = matches!(
+        (seg.keys, seg.values),
+        (KvRows::F32(_), KvRows::F32(_)) | (KvRows::F16(_), KvRows::F16(_))
+    );
+    let cells = q_pos as usize + 1;
+    let row_len = shape.n_kv_heads * shape.head_dim;
+    let cheap = window_of(shape) == u32::MAX
+        && floats
+        && cells >= SPLIT_FROM_CELLS
+        && split_key_count(cells) >= SPLIT_MIN_KEYS
+        && cells <= seg.positions.len()
+        && seg.keys.len().min(seg.values.len()) >= cells * row_len;
+    // The walk over the positions last: the cheap tests rule out most calls.
+    if !cheap
+        || !seg.positions[..cells]
+            .iter()
+            .enumerate()
+            .all(|(i, &p)| p as usize == i)
+    {
+        return None;
+    }
+    let view = KvView {
+        segments: vec![KvSegment {
+            keys: float_rows(seg.keys, 0..cells * row_len),
+            values: float_rows(seg.values, 0..cells * row_len),
+            positions: &seg.positions[..cells],
+        }],
+    };
+    Some((view, cells))
+}
+
+/// Elements `range` of f32 or f16 rows (what [`split_prefix`] lets through).
+fn float_rows<'a>(rows: KvRows<'a>, range: std::ops::Range<usize>) -> KvRows<'a> {
+    match rows {
+        KvRows::F32(v) => KvRows::F32(&v[range]),
+        KvRows::F16(v) => KvRows::F16(&v[range]),
+        KvRows::Q8 { .. } => unreachable!("split_prefix lets only f32 and f16 rows through"),
+    }
+}
+
+/// Queries per work item of the tiled attention: few enough that a prompt's items
+/// spread over the threads (a later block sees more keys), enough that converting a
+/// tile's keys and values once serves many queries. 32 against 16: SmolLM2's pp1943 at
+/// 589-591 tokens/s instead of 559-570 (AVX2, 2 threads, alternated); 64 was no faster.
+const TILED_BLOCK: usize = 32;
+
+thread_local! {
+    static TILED_SCRATCH: RefCell<tiled::BlockScratch> = RefCell::new(Default::default());
+}
+
+impl CpuBackend {
+    /// [`AttentionOps::attention`] of a batch neither tiled nor split: items of one
+    /// token x some query heads of one key/value head. `q` and `out` were checked by
+    /// the caller.
+    fn attention_items(
+        &self,
+        q: &[f32],
+        q_positions: &[u32],
+        kv: &KvView<'_>,
+        shape: &AttentionShape,
+        out: &mut [f32],
+    ) {
+        let n_tokens = q_positions.len();
         // Items of one token x some query heads of one key/value head (they read its
         // rows once), taken by the threads as they come free, latest tokens first
         // (under a causal mask they attend to the most keys). A group is cut into parts
@@ -478,71 +584,10 @@ impl AttentionOps for CpuBackend {
         if let Some(waited) = waited {
             self.times.add_region_wait(waited);
         }
-        self.times.add(OpKind::Attention, start.elapsed());
-        Ok(())
     }
-}
 
-/// The cached cells of a decoded token's attention that are split as llama.cpp splits
-/// them, into one chunk of keys per thread (`use_split_kv_path`), or `None` where they are
-/// not: one query, more than one thread, keys and values both f32 or both f16, and at
-/// least [`SPLIT_FROM_CELLS`] cells. Only a view llama.cpp's cache of one sequence would
-/// give, one segment of positions `0, 1, ...` without a window, is split: llama.cpp's
-/// chunks of a window's or a ring's cells follow another layout, and those keep the
-/// one-thread order.
-fn split_cells(
-    n_tokens: usize,
-    kv: &KvView<'_>,
-    shape: &AttentionShape,
-    threads: usize,
-) -> Option<usize> {
-    let [seg] = kv.segments.as_slice() else {
-        return None;
-    };
-    let floats = matches!(
-        (seg.keys, seg.values),
-        (KvRows::F32(_), KvRows::F32(_)) | (KvRows::F16(_), KvRows::F16(_))
-    );
-    let cells = seg.positions.len();
-    // The walk over the positions last: the cheap tests rule out most calls.
-    let in_order = || {
-        seg.positions
-            .iter()
-            .enumerate()
-            .all(|(i, &p)| p as usize == i)
-    };
-    (n_tokens == 1
-        && threads > 1
-        && window_of(shape) == u32::MAX
-        && floats
-        && cells >= SPLIT_FROM_CELLS
-        && split_key_count(cells) >= SPLIT_MIN_KEYS
-        && in_order())
-    .then_some(cells)
-}
-
-/// Elements `range` of f32 or f16 rows (what [`split_cells`] lets through).
-fn float_rows<'a>(rows: KvRows<'a>, range: std::ops::Range<usize>) -> KvRows<'a> {
-    match rows {
-        KvRows::F32(v) => KvRows::F32(&v[range]),
-        KvRows::F16(v) => KvRows::F16(&v[range]),
-        KvRows::Q8 { .. } => unreachable!("split_cells lets only f32 and f16 rows through"),
-    }
-}
-
-/// Queries per work item of the tiled attention: few enough that a prompt's items
-/// spread over the threads (a later block sees more keys), enough that converting a
-/// tile's keys and values once serves many queries. 32 against 16: SmolLM2's pp1943 at
-/// 589-591 tokens/s instead of 559-570 (AVX2, 2 threads, alternated); 64 was no faster.
-const TILED_BLOCK: usize = 32;
-
-thread_local! {
-    static TILED_SCRATCH: RefCell<tiled::BlockScratch> = RefCell::new(Default::default());
-}
-
-impl CpuBackend {
-    /// [`AttentionOps::attention`] of one decoded token split as llama.cpp splits it
-    /// ([`split_cells`]): chunk `c` of the `cells` keys ([`split_chunk`], one per thread)
+    /// [`AttentionOps::attention`] of one query split as llama.cpp splits a decoded token
+    /// ([`split_prefix`]): chunk `c` of the `cells` keys ([`split_chunk`], one per thread)
     /// attended by every query head, each key/value head's group reading its rows once,
     /// into a partial per head and chunk; then each head's partials merged in chunk order
     /// ([`merge_partials`]). Each key's row is read once, where the query heads of one
