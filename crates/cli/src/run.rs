@@ -28,9 +28,9 @@ pub struct RunArgs {
     /// Context size in tokens (prompt plus generation).
     #[arg(short = 'c', long = "ctx", default_value_t = 2048)]
     pub ctx: usize,
-    /// Prompt tokens per forward pass. Default: 64 when the weights are resident; when
-    /// layers stream from disk up to 512, as the RAM budget allows, since every pass
-    /// reads the streamed layers once.
+    /// Prompt tokens per forward pass. Default: 256 when the weights are resident and
+    /// the RAM budget has room for it (else 64); when layers stream from disk up to 512,
+    /// as the RAM budget allows, since every pass reads the streamed layers once.
     #[arg(short = 'b', long = "batch")]
     pub batch: Option<usize>,
     /// Keep generating past end-of-generation tokens.
