@@ -419,11 +419,19 @@ impl AttentionOps for CpuBackend {
         // A query that decoding alone would split (on several threads, over a long
         // enough prefix) is split here too, over the same prefix, whatever the batch:
         // a verification pass of speculative decoding then gives plain decoding's bits.
-        let splits = |p: u32| split_prefix(kv, shape, p).is_some();
-        if self.pool.n_threads() > 1 && q_positions.iter().any(|&p| splits(p)) {
-            for (t, &p) in q_positions.iter().enumerate() {
+        // Each query's prefix is found once (finding it walks the positions).
+        let prefixes: Vec<_> = if self.pool.n_threads() > 1 {
+            q_positions
+                .iter()
+                .map(|&p| split_prefix(kv, shape, p))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        if prefixes.iter().any(Option::is_some) {
+            for (t, (&p, prefix)) in q_positions.iter().zip(prefixes).enumerate() {
                 let rows = t * width..(t + 1) * width;
-                match split_prefix(kv, shape, p) {
+                match prefix {
                     Some((view, cells)) => self.attention_split(
                         &q[rows.clone()],
                         p,
