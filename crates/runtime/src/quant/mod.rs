@@ -323,17 +323,18 @@ impl QuantizedActivations {
     /// kernels, computed once per batch instead of once per weight tile, and Q5_0's as it
     /// stands) and the 8 tokens' f32
     /// scales; for Q8_1 ([`PACKED_BLOCK_Q8_1`] bytes) the 8 tokens' f32 `d` and `s`
-    /// pairs. One pointer and constant offsets serve the whole tile. Empty unless Q8_0 or
-    /// Q8_1 with at least 8 tokens; `g` must be a whole group.
+    /// pairs; for Q8_K ([`PACKED_BLOCK_Q8_K`] bytes a superblock) the layout
+    /// [`q8_k_packed`] describes. One pointer and constant offsets serve the whole tile.
+    /// Empty unless Q8_0, Q8_1 or (on x86) Q8_K with at least 8 tokens; `g` must be a
+    /// whole group.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     #[inline]
     pub(crate) fn packed_group(&self, g: usize) -> &[u8] {
-        let block = if self.ty == GgmlType::Q8_1 {
-            PACKED_BLOCK_Q8_1
-        } else {
-            PACKED_BLOCK
+        let len = match self.ty {
+            GgmlType::Q8_1 => self.k / 32 * PACKED_BLOCK_Q8_1,
+            GgmlType::Q8_K => self.k / 256 * PACKED_BLOCK_Q8_K,
+            _ => self.k / 32 * PACKED_BLOCK,
         };
-        let len = self.k / 32 * block;
         &self.packed[g * len..(g + 1) * len]
     }
 
@@ -433,6 +434,7 @@ pub fn quantize_activations_at(
         if simd && ty == GgmlType::Q8_K {
             // SAFETY: the level guarantees AVX2/FMA/F16C; the sizes were validated above.
             unsafe { x86::quantize_q8_k_avx2(x, &mut out.bytes, &mut out.scales) };
+            out.fill_packed();
             return Ok(());
         }
     }
@@ -481,12 +483,39 @@ pub(crate) const PACK_TOKENS: usize = 8;
 pub(crate) const PACKED_BLOCK: usize = PACK_TOKENS * (32 + 32 + 4);
 /// Bytes per block of a packed Q8_1 group: quants, then `d` and `s` of each token.
 pub(crate) const PACKED_BLOCK_Q8_1: usize = PACK_TOKENS * (32 + 8);
+/// Bytes per superblock of a packed Q8_K group (see [`q8_k_packed`]).
+pub(crate) const PACKED_BLOCK_Q8_K: usize = q8_k_packed::DY + 4 * PACK_TOKENS;
+
+/// The layout of a superblock of 8 packed Q8_K tokens, for the K-quant prefill kernels
+/// that multiply one weight row's 8 quants by 8 tokens' at once (`x86::k_wide`):
+///
+/// - at [`QS`](q8_k_packed::QS): the quants in 32 chunks of 8 per token, chunk `c` of
+///   token `t` at `64 * c + 8 * t`, so one 64-byte load holds 8 tokens' chunk;
+/// - at [`SUMS32`](q8_k_packed::SUMS32): the sums of each 32-quant sub-block (Q4_K's and
+///   Q5_K's) as i16, in pairs of sub-blocks `(2p, 2p + 1)` per token: pair `p` of token
+///   `t` at `32 * p + 4 * t`, so that one `madd` with a pair of mins serves 8 tokens;
+/// - at [`SUMS16`](q8_k_packed::SUMS16): the stored sums of each 16 quants (Q6_K's
+///   sub-blocks), paired the same way: pair `p` of token `t` at `32 * p + 4 * t`;
+/// - at [`DY`](q8_k_packed::DY): the 8 tokens' f32 scales.
+pub(crate) mod q8_k_packed {
+    /// Offset of the chunked quants.
+    pub const QS: usize = 0;
+    /// Offset of the paired 32-quant sums.
+    pub const SUMS32: usize = 2048;
+    /// Offset of the paired 16-quant sums.
+    pub const SUMS16: usize = SUMS32 + 128;
+    /// Offset of the scales.
+    pub const DY: usize = SUMS16 + 256;
+}
 
 impl QuantizedActivations {
-    /// Builds `packed` from the quantized bytes and scales (Q8_0 only).
+    /// Builds `packed` from the quantized bytes and scales (Q8_0, Q8_1 and, on x86, Q8_K).
     fn fill_packed(&mut self) {
         if self.ty == GgmlType::Q8_1 && self.n_tokens >= PACK_TOKENS {
             return self.fill_packed_q8_1();
+        }
+        if self.ty == GgmlType::Q8_K && self.n_tokens >= PACK_TOKENS {
+            return self.fill_packed_q8_k();
         }
         if self.ty != GgmlType::Q8_0 || self.n_tokens < PACK_TOKENS {
             return;
@@ -509,6 +538,45 @@ impl QuantizedActivations {
                     }
                     let sc = self.scales[t * nb + b];
                     scales[4 * j..4 * j + 4].copy_from_slice(&sc.to_le_bytes());
+                }
+            }
+        }
+    }
+
+    /// [`Self::fill_packed`] for Q8_K: only the x86 kernels read it.
+    fn fill_packed_q8_k(&mut self) {
+        use q8_k_packed::{DY, QS, SUMS16, SUMS32};
+        if !cfg!(target_arch = "x86_64") {
+            return;
+        }
+        let nb = self.k / 256;
+        let groups = self.n_tokens / PACK_TOKENS;
+        self.packed.resize(groups * nb * PACKED_BLOCK_Q8_K, 0);
+        for (g, dst) in self
+            .packed
+            .chunks_exact_mut(nb * PACKED_BLOCK_Q8_K)
+            .enumerate()
+        {
+            for (b, blk) in dst.chunks_exact_mut(PACKED_BLOCK_Q8_K).enumerate() {
+                for t in 0..PACK_TOKENS {
+                    let tok = g * PACK_TOKENS + t;
+                    let src = &self.bytes[tok * self.row_bytes + b * 292..][..292];
+                    for (c, chunk) in src[4..260].chunks_exact(8).enumerate() {
+                        blk[QS + 64 * c + 8 * t..][..8].copy_from_slice(chunk);
+                    }
+                    let bsum = |i: usize| i16::from_le_bytes([src[260 + 2 * i], src[261 + 2 * i]]);
+                    for i in 0..16 {
+                        let at = SUMS16 + 32 * (i / 2) + 4 * t + 2 * (i % 2);
+                        blk[at..at + 2].copy_from_slice(&bsum(i).to_le_bytes());
+                    }
+                    for j in 0..8 {
+                        // At most 32 * 128 in magnitude: no overflow.
+                        let s = bsum(2 * j) + bsum(2 * j + 1);
+                        let at = SUMS32 + 32 * (j / 2) + 4 * t + 2 * (j % 2);
+                        blk[at..at + 2].copy_from_slice(&s.to_le_bytes());
+                    }
+                    let dy = self.scales[tok * nb + b];
+                    blk[DY + 4 * t..DY + 4 * t + 4].copy_from_slice(&dy.to_le_bytes());
                 }
             }
         }
@@ -963,16 +1031,18 @@ pub unsafe fn matmul_token_major(
 /// instead of 101-104 on one thread, Gemma 3 270M's at 431-449 instead of 319-326
 /// (`BALLAST_SIMD=avx2 ballast bench -p 128 -n 0 -r 3 -t 1`, alternated, a Zen 4 EPYC);
 /// fewer tokens keep 2 rows x 4 tokens. Q4_1 and Q5_1 too: SmolLM2's pp128 at 434-435
-/// tokens/s instead of 320-322. The AVX2 K-quants take 1 row x
-/// 8 tokens in prefill, a superblock unpacked once for 8 tokens: Qwen2.5-Coder-1.5B
-/// Q4_K_M's pp128 at 33.8-34.7 tokens/s instead of 28.0-29.3 on one thread, 62-65
-/// instead of 53-56 on two (`BALLAST_SIMD=avx2 ballast bench -p 128 -n 0`, alternated). Prefill reuses
+/// tokens/s instead of 320-322. The K-quants take 16 rows x every whole group of 8
+/// tokens at both levels (`x86::k_wide`: rows decoded once, a sub-block's products
+/// summed in 16 bits before its scale): Qwen2.5-Coder-1.5B Q4_K_M's pp128 at 125 tokens/s
+/// instead of 80 on one thread at AVX-512, 90 instead of 50 at AVX2 (`ballast bench -p
+/// 128 -n 0 -r 2`, a Zen 4 EPYC); a tail of fewer than 8 tokens goes as before. Prefill reuses
 /// each decoded weight block for several tokens: on AVX-512 the 32-element formats take 4 rows x all
 /// whole groups of 8 tokens (two 512-bit row pairs, sixteen accumulators per group; the
-/// Q8_0-like kernels decode the 4 rows once for every group), the K-quants 2 rows x all
+/// Q8_0-like kernels decode the 4 rows once for every group), a K-quant tail 2 rows x all
 /// tokens (the rows decoded once, the tokens taken 4 at a time). "All tokens" is a
 /// block of [`for_each_blocked_tile`]: as many as keep their activations in L2.
 fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
+    let is_k_quant = |ty| matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K);
     match (n, level) {
         (1, SimdLevel::Avx512) => (8, 1),
         (1, SimdLevel::Avx2) if !matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1) => (8, 1),
@@ -981,6 +1051,9 @@ fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
             if matches!(activation_type(ty), GgmlType::Q8_0 | GgmlType::Q8_1) =>
         {
             (4, (n / PACK_TOKENS * PACK_TOKENS).max(PACK_TOKENS))
+        }
+        (_, SimdLevel::Avx512 | SimdLevel::Avx2) if n >= PACK_TOKENS && is_k_quant(ty) => {
+            (16, n / PACK_TOKENS * PACK_TOKENS)
         }
         (_, SimdLevel::Avx512) => (2, n),
         (_, SimdLevel::Avx2) if n >= PACK_TOKENS && ty.block_len() == 32 => {

@@ -15,9 +15,9 @@ tile_fn!(tile_q4_1_avx2_narrow, q41_like_avx2, [false], 20);
 tile_fn!(tile_q8_0_avx2_narrow, q8_0_like_avx2, [0], 34);
 tile_fn!(tile_q5_0_avx2_narrow, q8_0_like_avx2, [2], 22);
 tile_fn!(tile_q5_1_avx2_narrow, q41_like_avx2, [true], 24);
-tile_fn!(tile_q4_k_avx2, q45_k_avx2, [false], 144);
-tile_fn!(tile_q5_k_avx2, q45_k_avx2, [true], 176);
-tile_fn!(tile_q6_k_avx2, q6_k_avx2, [], 210);
+tile_fn!(tile_q4_k_avx2_narrow, q45_k_avx2, [false], 144);
+tile_fn!(tile_q5_k_avx2_narrow, q45_k_avx2, [true], 176);
+tile_fn!(tile_q6_k_avx2_narrow, q6_k_avx2, [], 210);
 
 /// The 32 4-bit quants at `p` (16 bytes) as bytes in ggml's element order: the low
 /// nibbles, then the high ones.

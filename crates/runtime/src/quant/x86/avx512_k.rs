@@ -1,8 +1,10 @@
 //! The AVX-512 VNNI tile kernels of the K-quants (Q4_K, Q5_K, Q6_K x Q8_K): each
 //! superblock decoded once into vectors (quants as unsigned bytes, scales in the word
 //! lanes that meet them), then the integer dots of a tile's (row, token) pairs by
-//! `vpmaddubsw` + `vpdpwssd`, four pairs reduced together for the f32 step. The prefill
-//! tile decodes two rows once for all its tokens. Separate from [`super::avx512`]: the
+//! `vpmaddubsw` + `vpdpwssd`, four pairs reduced together for the f32 step: decode, and
+//! the tokens of a batch that are not a whole group of 8 (whole groups go to
+//! [`super::k_wide`]). Its two-row tile decodes the rows once for all its tokens.
+//! Separate from [`super::avx512`]: the
 //! 256-value superblocks share nothing with the 32-element formats but the level.
 
 use super::{
@@ -348,7 +350,7 @@ macro_rules! tile_k_wide_fn {
 }
 
 tile_k_wide_fn!(
-    tile_q4_k_avx512,
+    tile_q4_k_avx512_two_rows,
     tile_q4_k_avx512_narrow,
     K45Block,
     q45_k_decode::<false>,
@@ -356,7 +358,7 @@ tile_k_wide_fn!(
     144
 );
 tile_k_wide_fn!(
-    tile_q5_k_avx512,
+    tile_q5_k_avx512_two_rows,
     tile_q5_k_avx512_narrow,
     K45Block,
     q45_k_decode::<true>,
@@ -364,7 +366,7 @@ tile_k_wide_fn!(
     176
 );
 tile_k_wide_fn!(
-    tile_q6_k_avx512,
+    tile_q6_k_avx512_two_rows,
     tile_q6_k_avx512_narrow,
     K6Block,
     q6_k_decode,

@@ -15,6 +15,8 @@
 //! - [`avx512`]: the AVX-512 tiles of the 32-element formats, decode pairs and the wide
 //!   prefill kernels;
 //! - [`avx512_k`]: the AVX-512 K-quant tiles (superblock decode, rows, prefill tile);
+//! - [`k_wide`]: the K-quant prefill of whole groups of 8 packed tokens, AVX-512 and
+//!   AVX2 (a sub-block's products summed in 16 bits before its scale);
 //! - [`activations`]: quantizing f32 activations to Q8_0 / Q8_1 / Q8_K;
 //! - [`axpy`]: the sparse MLP's neuron axpy over Q8_0 rows.
 
@@ -24,6 +26,7 @@ mod avx2_wide;
 mod avx512;
 mod avx512_k;
 mod axpy;
+mod k_wide;
 
 pub(crate) use activations::{quantize_q8_avx2, quantize_q8_k_avx2};
 pub(crate) use axpy::{axpy_q8_0_avx2, axpy_q8_0_avx512};
@@ -54,9 +57,9 @@ pub(crate) fn kernel_avx2(ty: GgmlType) -> Option<TileFn> {
         GgmlType::Q8_0 => avx2_wide::tile_q8_0_avx2,
         GgmlType::Q5_0 => avx2_wide::tile_q5_0_avx2,
         GgmlType::Q5_1 => avx2_wide::tile_q5_1_avx2,
-        GgmlType::Q4_K => avx2::tile_q4_k_avx2,
-        GgmlType::Q5_K => avx2::tile_q5_k_avx2,
-        GgmlType::Q6_K => avx2::tile_q6_k_avx2,
+        GgmlType::Q4_K => k_wide::tile_q4_k_avx2,
+        GgmlType::Q5_K => k_wide::tile_q5_k_avx2,
+        GgmlType::Q6_K => k_wide::tile_q6_k_avx2,
         GgmlType::F32 => avx2::float_tile::<0>,
         GgmlType::F16 => avx2::float_tile::<1>,
         GgmlType::BF16 => avx2::float_tile::<2>,
@@ -71,9 +74,9 @@ pub(crate) fn kernel_avx512(ty: GgmlType) -> Option<TileFn> {
         GgmlType::Q8_0 => avx512::tile_q8_0_avx512,
         GgmlType::Q5_0 => avx512::tile_q5_0_avx512,
         GgmlType::Q5_1 => avx512::tile_q5_1_avx512,
-        GgmlType::Q4_K => avx512_k::tile_q4_k_avx512,
-        GgmlType::Q5_K => avx512_k::tile_q5_k_avx512,
-        GgmlType::Q6_K => avx512_k::tile_q6_k_avx512,
+        GgmlType::Q4_K => k_wide::tile_q4_k_avx512,
+        GgmlType::Q5_K => k_wide::tile_q5_k_avx512,
+        GgmlType::Q6_K => k_wide::tile_q6_k_avx512,
         _ => return None,
     })
 }
@@ -88,6 +91,9 @@ pub(crate) fn wide_avx512(ty: GgmlType) -> Option<WideFn> {
         GgmlType::Q8_0 => avx512::wide_q8_0_avx512,
         GgmlType::Q5_0 => avx512::wide_q5_0_avx512,
         GgmlType::Q5_1 => avx512::wide_q5_1_avx512,
+        GgmlType::Q4_K => k_wide::wide_q4_k_avx512,
+        GgmlType::Q5_K => k_wide::wide_q5_k_avx512,
+        GgmlType::Q6_K => k_wide::wide_q6_k_avx512,
         _ => return None,
     })
 }
@@ -101,6 +107,9 @@ pub(crate) fn wide_avx2(ty: GgmlType) -> Option<WideFn> {
         GgmlType::Q5_0 => avx2_wide::wide_q5_0_avx2,
         GgmlType::Q4_1 => avx2_wide::wide_q4_1_avx2,
         GgmlType::Q5_1 => avx2_wide::wide_q5_1_avx2,
+        GgmlType::Q4_K => k_wide::wide_q4_k_avx2,
+        GgmlType::Q5_K => k_wide::wide_q5_k_avx2,
+        GgmlType::Q6_K => k_wide::wide_q6_k_avx2,
         _ => return None,
     })
 }
@@ -446,16 +455,25 @@ mod tests {
             tokens = 1..26;
         }
         if level == "avx512" && bl == 256 {
-            // 2 rows x more than 4 tokens: the rows decoded once, the tokens 4 at a time
-            // and a tail; rows longer than that decodes (`K_MAX_BLOCKS`).
-            shapes.extend([(2, 5), (2, 8), (2, 9), (2, 7)]);
+            // 2 rows x more than 4 tokens that are not whole groups of 8: the rows
+            // decoded once, the tokens 4 at a time and a tail; rows longer than that
+            // decodes (`K_MAX_BLOCKS`).
+            shapes.extend([(2, 5), (2, 9), (2, 7)]);
             blocks.push(K_MAX_BLOCKS + 1);
+        }
+        if bl == 256 {
+            // Whole groups of 8 tokens (`k_wide`): rows 4 (AVX2: 2) at a time and a
+            // tail of 1 to 3; rows too long for 4 in the decode buffer (65 blocks) go
+            // one at a time, and past what it holds (257) the tile goes narrow.
+            shapes.extend([(16, 8), (16, 24), (5, 16), (1, 8), (3, 24), (2, 8), (16, 5)]);
+            blocks.extend([65, 257]);
+            tokens = 1..26;
         }
         for nb in blocks {
             let k = bl * nb;
             let rb = ty.block_bytes() * nb;
             // Long rows with a few token counts only: the scalar reference is slow.
-            let counts: Vec<usize> = if nb >= 100 {
+            let counts: Vec<usize> = if nb >= 65 {
                 vec![8, 17, 24]
             } else {
                 tokens.clone().collect()

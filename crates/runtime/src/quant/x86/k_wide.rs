@@ -1,0 +1,556 @@
+//! The prefill kernels of the K-quants (Q4_K, Q5_K, Q6_K x Q8_K) at AVX-512 and AVX2:
+//! a few rows decoded once against whole groups of 8 packed tokens, with the integer
+//! sums of a sub-block kept in 16 bits until its scale is applied.
+//!
+//! The narrow kernels ([`super::avx512_k`], [`super::avx2`]) multiply a row's 32 (or 64)
+//! quants by one token's, then apply the sub-block's scale: one `maddubs` and one
+//! `madd` (or `vpdpwssd`) for every 32 products, which is what bounds them (on Zen 4,
+//! two 512-bit multiplies per 64 products). llama.cpp's repacked Q4_K kernels sum four
+//! `maddubs` in 16 bits before the scale; their weights are interleaved by 8 rows at
+//! load, which Ballast does not do (ARCHITECTURE invariant 4). Here the activations are
+//! interleaved instead (`QuantizedActivations::packed_group`: 8 tokens' chunks of 8
+//! quants side by side), so one 8-quant chunk of a decoded row, broadcast, meets 8
+//! tokens in one 512-bit `maddubs`; the chunks of a sub-block add up in 16 bits (4 for
+//! Q4_K's and Q5_K's 32 quants: at most 4 * 2 * 31 * 128 = 31744; 2 for Q6_K's 16),
+//! then one `vpdpwssd` (AVX2: `madd` and an add) applies the scale for all 8 tokens.
+//! That is 5 multiplies per 256 products of Q4_K, not 8.
+//!
+//! The minimum (Q4_K, Q5_K) and Q6_K's offset of 32 come from the packed sub-block sums,
+//! 8 tokens per `madd`. The f32 step is the scalar kernel's, per superblock and
+//! (row, token): `acc += d * dy * sumi - dmin * dy * summ` (Q6_K: `acc += d * dy *
+//! sumi`), here on 8 tokens at once, so the bits are the same.
+
+use super::avx2::{tile_q4_k_avx2_narrow, tile_q5_k_avx2_narrow, tile_q6_k_avx2_narrow};
+use super::avx512_k::{
+    tile_q4_k_avx512_two_rows, tile_q5_k_avx512_two_rows, tile_q6_k_avx512_two_rows,
+};
+use super::{f16x1, f16x2, k4_scales_mins, whole_groups, wide_or_narrow};
+use crate::quant::q8_k_packed::{DY, QS, SUMS16, SUMS32};
+use crate::quant::{QuantizedActivations, TileOut, PACKED_BLOCK_Q8_K, PACK_TOKENS};
+use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
+
+/// A superblock of one row decoded: its 256 quants unsigned in element order (Q6_K's
+/// without the offset); each sub-block's scale (8 for Q4_K / Q5_K, 16 for Q6_K); the
+/// pairs of words that meet the packed sub-block sums (Q4_K / Q5_K: the mins, Q6_K: 32
+/// times the scales), two to an i32; `d` and `dmin`.
+#[derive(Clone, Copy)]
+#[repr(C, align(32))]
+struct Decoded {
+    q: [u8; 256],
+    scale: [i16; 16],
+    pairs: [i32; 8],
+    d: f32,
+    dmin: f32,
+}
+
+/// Superblocks the decode buffer holds (88 KiB): 4 rows of up to 64 (k = 16384), one row
+/// of up to 256.
+const DECODED_CAP: usize = 256;
+
+/// A K-quant format as the wide kernels see it.
+trait KFormat {
+    /// Bytes per superblock in the file.
+    const BYTES: usize;
+    /// Q6_K: sub-blocks of 16 with an offset; otherwise sub-blocks of 32 with a minimum.
+    const SIX: bool;
+
+    /// Decodes the superblock at `x`.
+    ///
+    /// # Safety
+    /// `x` must point to a whole superblock; the CPU must support AVX2.
+    unsafe fn decode(x: *const u8) -> Decoded;
+}
+
+/// Q4_K (`FIVE == false`) or Q5_K.
+struct Q45K<const FIVE: bool>;
+
+impl<const FIVE: bool> KFormat for Q45K<FIVE> {
+    const BYTES: usize = if FIVE { 176 } else { 144 };
+    const SIX: bool = false;
+
+    unsafe fn decode(x: *const u8) -> Decoded {
+        // SAFETY: forwarded from the caller.
+        unsafe { decode_q45_k::<FIVE>(x) }
+    }
+}
+
+/// Q6_K.
+struct Q6K;
+
+impl KFormat for Q6K {
+    const BYTES: usize = 210;
+    const SIX: bool = true;
+
+    unsafe fn decode(x: *const u8) -> Decoded {
+        // SAFETY: forwarded from the caller.
+        unsafe { decode_q6_k(x) }
+    }
+}
+
+/// The Q4_K / Q5_K superblock at `x` decoded.
+///
+/// # Safety
+/// `x` must point to a whole superblock; the CPU must support AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_q45_k<const FIVE: bool>(x: *const u8) -> Decoded {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let one = _mm256_set1_epi8(1);
+    let mut out = Decoded {
+        q: [0; 256],
+        scale: [0; 16],
+        pairs: [0; 8],
+        d: 0.0,
+        dmin: 0.0,
+    };
+    // SAFETY: a whole superblock at x (the contract); `out.q` holds 256 bytes.
+    unsafe {
+        let dd = f16x2(x);
+        out.d = _mm_cvtss_f32(dd);
+        out.dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+        let (sc, mn) = k4_scales_mins(x.add(4));
+        for j in 0..8 {
+            out.scale[j] = (sc >> (8 * j)) as u8 as i16;
+        }
+        for p in 0..4 {
+            let (lo, hi) = ((mn >> (16 * p)) as u8, (mn >> (16 * p + 8)) as u8);
+            out.pairs[p] = lo as i32 | (hi as i32) << 16;
+        }
+        let qs = x.add(if FIVE { 48 } else { 16 });
+        let qh = _mm256_loadu_si256(x.add(16) as *const __m256i);
+        let dst = out.q.as_mut_ptr();
+        for c in 0..4 {
+            // Byte l of chunk c: element 64c + l in the low nibble, 64c + 32 + l in the
+            // high one (Q5_K: their fifth bits are bits 2c and 2c + 1 of qh[l]).
+            let q = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+            let mut lo = _mm256_and_si256(q, m4);
+            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+            if FIVE {
+                let shift = _mm_cvtsi32_si128(2 * c as i32);
+                let b = _mm256_srl_epi16(qh, shift);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(_mm256_and_si256(b, one)));
+                let b = _mm256_srli_epi16::<1>(b);
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16::<4>(_mm256_and_si256(b, one)));
+            }
+            _mm256_storeu_si256(dst.add(64 * c) as *mut __m256i, lo);
+            _mm256_storeu_si256(dst.add(64 * c + 32) as *mut __m256i, hi);
+        }
+    }
+    out
+}
+
+/// The Q6_K superblock at `x` decoded.
+///
+/// # Safety
+/// `x` must point to a whole superblock; the CPU must support AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_q6_k(x: *const u8) -> Decoded {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let m30 = _mm256_set1_epi8(0x30);
+    let mut out = Decoded {
+        q: [0; 256],
+        scale: [0; 16],
+        pairs: [0; 8],
+        d: 0.0,
+        dmin: 0.0,
+    };
+    // SAFETY: a whole superblock at x (the contract); `out.q` holds 256 bytes.
+    unsafe {
+        out.d = _mm_cvtss_f32(f16x1(x.add(208)));
+        for g in 0..16 {
+            out.scale[g] = *x.add(192 + g) as i8 as i16;
+        }
+        for p in 0..8 {
+            let (lo, hi) = (32 * out.scale[2 * p], 32 * out.scale[2 * p + 1]);
+            out.pairs[p] = lo as u16 as i32 | (hi as i32) << 16;
+        }
+        let dst = out.q.as_mut_ptr();
+        for n in 0..2 {
+            // Elements 128n + l, + 32, + 64, + 96 (l < 32): the low and high nibbles of
+            // ql[64n + l] and ql[64n + 32 + l], with bit pairs 0, 2, 4, 6 of qh[32n + l].
+            let a = _mm256_loadu_si256(x.add(64 * n) as *const __m256i);
+            let b = _mm256_loadu_si256(x.add(64 * n + 32) as *const __m256i);
+            let h = _mm256_loadu_si256(x.add(128 + 32 * n) as *const __m256i);
+            let parts = [
+                (
+                    _mm256_and_si256(a, m4),
+                    _mm256_and_si256(_mm256_slli_epi16::<4>(h), m30),
+                ),
+                (
+                    _mm256_and_si256(b, m4),
+                    _mm256_and_si256(_mm256_slli_epi16::<2>(h), m30),
+                ),
+                (
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(a), m4),
+                    _mm256_and_si256(h, m30),
+                ),
+                (
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(b), m4),
+                    _mm256_and_si256(_mm256_srli_epi16::<2>(h), m30),
+                ),
+            ];
+            for (m, (low, top)) in parts.into_iter().enumerate() {
+                let v = _mm256_or_si256(low, top);
+                _mm256_storeu_si256(dst.add(128 * n + 32 * m) as *mut __m256i, v);
+            }
+        }
+    }
+    out
+}
+
+/// What a level gives the driver: `R` decoded rows against one packed group of 8 tokens.
+trait KLevel {
+    /// Most rows one call takes.
+    const ROWS: usize;
+
+    /// `R` decoded rows (row `r`'s superblock `b` at `x[r * nb + b]`) against the 8
+    /// tokens packed at `yg`: `[row][token]`.
+    ///
+    /// # Safety
+    /// The CPU must support the level; `x` holds `R * nb` decoded superblocks and `yg`
+    /// `nb` packed ones.
+    unsafe fn rows<const R: usize, const SIX: bool>(
+        x: *const Decoded,
+        nb: usize,
+        yg: *const u8,
+    ) -> [[f32; 8]; R];
+}
+
+/// The AVX-512 (VNNI) kernel: 4 rows.
+struct Avx512;
+
+impl KLevel for Avx512 {
+    const ROWS: usize = 4;
+
+    unsafe fn rows<const R: usize, const SIX: bool>(
+        x: *const Decoded,
+        nb: usize,
+        yg: *const u8,
+    ) -> [[f32; 8]; R] {
+        // SAFETY: forwarded from the caller.
+        unsafe { rows_avx512::<R, SIX>(x, nb, yg) }
+    }
+}
+
+/// The AVX2 kernel: 2 rows (each row takes four 256-bit accumulators).
+struct Avx2;
+
+impl KLevel for Avx2 {
+    const ROWS: usize = 2;
+
+    unsafe fn rows<const R: usize, const SIX: bool>(
+        x: *const Decoded,
+        nb: usize,
+        yg: *const u8,
+    ) -> [[f32; 8]; R] {
+        // SAFETY: forwarded from the caller.
+        unsafe { rows_avx2::<R, SIX>(x, nb, yg) }
+    }
+}
+
+/// The sums of a superblock's packed sub-block sums (pairs at `sums`, `NP` of them)
+/// weighted by the row's pairs of words: 8 tokens' `summ` (Q4_K / Q5_K) or offset
+/// correction (Q6_K), as i32.
+///
+/// # Safety
+/// The CPU must support AVX2; `NP` pairs of 8 tokens at `sums`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pair_sums<const NP: usize>(sums: *const u8, pairs: &[i32; 8]) -> __m256i {
+    let mut acc = _mm256_setzero_si256();
+    for (p, &w) in pairs.iter().enumerate().take(NP) {
+        // SAFETY: pair p of the 8 tokens is in bounds (the contract).
+        let s = unsafe { _mm256_loadu_si256(sums.add(32 * p) as *const __m256i) };
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi32(w)));
+    }
+    acc
+}
+
+/// The f32 step of one superblock for 8 tokens (packed at `yb`, with integer sums `si`),
+/// the scalar kernel's operations: `acc + ((d * dy) * sumi - (dmin * dy) * summ)`, or
+/// for Q6_K `acc + (d * dy) * (sumi - off)`.
+///
+/// # Safety
+/// The CPU must support AVX2; `yb` is a whole packed superblock.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f32_step<const SIX: bool>(
+    acc: __m256,
+    x: &Decoded,
+    yb: *const u8,
+    si: __m256i,
+) -> __m256 {
+    // SAFETY: the packed superblock at yb holds the sums and scales (the contract).
+    let (dy, sm) = unsafe {
+        let dy = _mm256_loadu_ps(yb.add(DY) as *const f32);
+        if SIX {
+            (dy, pair_sums::<8>(yb.add(SUMS16), &x.pairs))
+        } else {
+            (dy, pair_sums::<4>(yb.add(SUMS32), &x.pairs))
+        }
+    };
+    let dd = _mm256_mul_ps(_mm256_set1_ps(x.d), dy);
+    let v = if SIX {
+        _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_sub_epi32(si, sm)))
+    } else {
+        let dm = _mm256_mul_ps(_mm256_set1_ps(x.dmin), dy);
+        _mm256_sub_ps(
+            _mm256_mul_ps(dd, _mm256_cvtepi32_ps(si)),
+            _mm256_mul_ps(dm, _mm256_cvtepi32_ps(sm)),
+        )
+    };
+    _mm256_add_ps(acc, v)
+}
+
+/// Eight f32 lanes as an array.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lanes(v: __m256) -> [f32; 8] {
+    let mut out = [0f32; 8];
+    // SAFETY: `out` holds eight f32; the store is unaligned.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
+    out
+}
+
+/// [`KLevel::rows`] on AVX-512: per 8-quant chunk one 512-bit load of the 8 tokens, and
+/// per row a broadcast of its chunk and a `maddubs`; per sub-block per row one
+/// `vpdpwssd`.
+///
+/// # Safety
+/// As [`KLevel::rows`]; the CPU must support AVX-512 VNNI.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn rows_avx512<const R: usize, const SIX: bool>(
+    x: *const Decoded,
+    nb: usize,
+    yg: *const u8,
+) -> [[f32; 8]; R] {
+    let (subs, chunks) = if SIX { (16, 2) } else { (8, 4) };
+    let mut accf = [_mm256_setzero_ps(); R];
+    for b in 0..nb {
+        // SAFETY: superblock b of every row and of the packed group is in bounds (the
+        // contract); the packed group is byte-aligned, so its loads are unaligned.
+        unsafe {
+            let yb = yg.add(b * PACKED_BLOCK_Q8_K);
+            let xs: [&Decoded; R] = std::array::from_fn(|r| &*x.add(r * nb + b));
+            let mut acc = [_mm512_setzero_si512(); R];
+            for j in 0..subs {
+                let mut s16 = [_mm512_setzero_si512(); R];
+                for c in 0..chunks {
+                    let k = chunks * j + c;
+                    let a = _mm512_loadu_si512(yb.add(QS + 64 * k) as *const __m512i);
+                    for r in 0..R {
+                        let w8 = (xs[r].q.as_ptr().add(8 * k) as *const i64).read_unaligned();
+                        let p = _mm512_maddubs_epi16(_mm512_set1_epi64(w8), a);
+                        s16[r] = _mm512_add_epi16(s16[r], p);
+                    }
+                }
+                for r in 0..R {
+                    let sc = _mm512_set1_epi16(xs[r].scale[j]);
+                    acc[r] = _mm512_dpwssd_epi32(acc[r], s16[r], sc);
+                }
+            }
+            for r in 0..R {
+                // Lanes 2t and 2t + 1 are token t's: summed, then one per token.
+                let si = _mm512_cvtepi64_epi32(_mm512_add_epi32(
+                    acc[r],
+                    _mm512_srli_epi64::<32>(acc[r]),
+                ));
+                accf[r] = f32_step::<SIX>(accf[r], xs[r], yb, si);
+            }
+        }
+    }
+    accf.map(|v| lanes(v))
+}
+
+/// [`KLevel::rows`] on AVX2: as [`rows_avx512`] with each 512-bit vector as two 256-bit
+/// halves (tokens 0..4 and 4..8), and `madd` plus an add for `vpdpwssd`.
+///
+/// # Safety
+/// As [`KLevel::rows`]; the CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_avx2<const R: usize, const SIX: bool>(
+    x: *const Decoded,
+    nb: usize,
+    yg: *const u8,
+) -> [[f32; 8]; R] {
+    let (subs, chunks) = if SIX { (16, 2) } else { (8, 4) };
+    let mut accf = [_mm256_setzero_ps(); R];
+    for b in 0..nb {
+        // SAFETY: as in `rows_avx512`.
+        unsafe {
+            let yb = yg.add(b * PACKED_BLOCK_Q8_K);
+            let xs: [&Decoded; R] = std::array::from_fn(|r| &*x.add(r * nb + b));
+            let mut acc = [[_mm256_setzero_si256(); 2]; R];
+            for j in 0..subs {
+                let mut s16 = [[_mm256_setzero_si256(); 2]; R];
+                for c in 0..chunks {
+                    let k = chunks * j + c;
+                    let a = [
+                        _mm256_loadu_si256(yb.add(QS + 64 * k) as *const __m256i),
+                        _mm256_loadu_si256(yb.add(QS + 64 * k + 32) as *const __m256i),
+                    ];
+                    for r in 0..R {
+                        let w8 = (xs[r].q.as_ptr().add(8 * k) as *const i64).read_unaligned();
+                        let w = _mm256_set1_epi64x(w8);
+                        for h in 0..2 {
+                            let p = _mm256_maddubs_epi16(w, a[h]);
+                            s16[r][h] = _mm256_add_epi16(s16[r][h], p);
+                        }
+                    }
+                }
+                for r in 0..R {
+                    let sc = _mm256_set1_epi16(xs[r].scale[j]);
+                    for h in 0..2 {
+                        acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(s16[r][h], sc));
+                    }
+                }
+            }
+            for r in 0..R {
+                // hadd gives tokens [0, 1, 4, 5 | 2, 3, 6, 7]; the permute orders them.
+                let si = _mm256_permute4x64_epi64::<0xD8>(_mm256_hadd_epi32(acc[r][0], acc[r][1]));
+                accf[r] = f32_step::<SIX>(accf[r], xs[r], yb, si);
+            }
+        }
+    }
+    accf.map(|v| lanes(v))
+}
+
+/// Rows `w` (whole rows of `rb` bytes) of format `F` against tokens `t0..t0 + nt` (whole
+/// groups of 8) at level `L`, written through `out`. The rows are decoded `L::ROWS` at a
+/// time (one at a time when that many do not fit the buffer) and each batch meets every
+/// group. Returns false, computing nothing, for a tile it does not take.
+///
+/// # Safety
+/// The CPU must support the level; `w` and `acts` must be validated; `out` valid for
+/// every result of the tile.
+#[inline(always)]
+unsafe fn wide<F: KFormat, L: KLevel, const SIX: bool>(
+    w: &[u8],
+    rb: usize,
+    acts: &QuantizedActivations,
+    t0: usize,
+    nt: usize,
+    out: TileOut,
+) -> bool {
+    const { assert!(F::SIX == SIX) };
+    let (rr, nb) = (w.len() / rb, rb / F::BYTES);
+    if rr == 0 || nb == 0 || nb > DECODED_CAP || !whole_groups(t0, nt) {
+        return false;
+    }
+    let step = if L::ROWS * nb <= DECODED_CAP {
+        L::ROWS
+    } else {
+        1
+    };
+    let mut buf = [MaybeUninit::<Decoded>::uninit(); DECODED_CAP];
+    let g0 = t0 / PACK_TOKENS;
+    for i0 in (0..rr).step_by(step) {
+        let n = step.min(rr - i0);
+        for i in 0..n {
+            for b in 0..nb {
+                // SAFETY: superblock b of row i0 + i is in bounds; i * nb + b <
+                // step * nb <= DECODED_CAP.
+                buf[i * nb + b]
+                    .write(unsafe { F::decode(w.as_ptr().add((i0 + i) * rb + b * F::BYTES)) });
+            }
+        }
+        let x = buf.as_ptr() as *const Decoded;
+        for g in 0..nt / PACK_TOKENS {
+            let yg = acts.packed_group(g0 + g).as_ptr();
+            let mut res = [[0f32; 8]; 4];
+            // SAFETY: rows 0..n of the buffer were decoded above; the packed group holds
+            // nb superblocks of 8 tokens.
+            unsafe {
+                match n {
+                    4 => res = L::rows::<4, SIX>(x, nb, yg),
+                    3 => res[..3].copy_from_slice(&L::rows::<3, SIX>(x, nb, yg)),
+                    2 => res[..2].copy_from_slice(&L::rows::<2, SIX>(x, nb, yg)),
+                    _ => res[0] = L::rows::<1, SIX>(x, nb, yg)[0],
+                }
+            }
+            for (r, row) in res.iter().enumerate().take(n) {
+                for (t, &v) in row.iter().enumerate() {
+                    // SAFETY: row i0 + r, token 8g + t of the tile: in `out` by the
+                    // contract.
+                    unsafe { out.put(i0 + r, PACK_TOKENS * g + t, v) };
+                }
+            }
+        }
+    }
+    true
+}
+
+/// Expands the [`WideFn`](crate::quant::WideFn) of one format at one level, and the
+/// [`TileFn`](crate::quant::TileFn) that tries it before the narrow kernel.
+macro_rules! k_wide_fn {
+    ($wide:ident, $tile:ident, $narrow:ident, $format:ty, $level:ty, $six:expr) => {
+        /// # Safety
+        /// The CPU must support the level; `w` (whole rows of `rb` bytes) and `acts` must
+        /// be validated; `out` valid for every result of the tile.
+        pub(super) unsafe fn $wide(
+            w: &[u8],
+            rb: usize,
+            acts: &QuantizedActivations,
+            t0: usize,
+            nt: usize,
+            out: TileOut,
+        ) -> bool {
+            // SAFETY: forwarded from the caller.
+            unsafe { wide::<$format, $level, $six>(w, rb, acts, t0, nt, out) }
+        }
+        wide_or_narrow!($tile, $wide, $narrow);
+    };
+}
+
+k_wide_fn!(
+    wide_q4_k_avx512,
+    tile_q4_k_avx512,
+    tile_q4_k_avx512_two_rows,
+    Q45K<false>,
+    Avx512,
+    false
+);
+k_wide_fn!(
+    wide_q5_k_avx512,
+    tile_q5_k_avx512,
+    tile_q5_k_avx512_two_rows,
+    Q45K<true>,
+    Avx512,
+    false
+);
+k_wide_fn!(
+    wide_q6_k_avx512,
+    tile_q6_k_avx512,
+    tile_q6_k_avx512_two_rows,
+    Q6K,
+    Avx512,
+    true
+);
+k_wide_fn!(
+    wide_q4_k_avx2,
+    tile_q4_k_avx2,
+    tile_q4_k_avx2_narrow,
+    Q45K<false>,
+    Avx2,
+    false
+);
+k_wide_fn!(
+    wide_q5_k_avx2,
+    tile_q5_k_avx2,
+    tile_q5_k_avx2_narrow,
+    Q45K<true>,
+    Avx2,
+    false
+);
+k_wide_fn!(
+    wide_q6_k_avx2,
+    tile_q6_k_avx2,
+    tile_q6_k_avx2_narrow,
+    Q6K,
+    Avx2,
+    true
+);
