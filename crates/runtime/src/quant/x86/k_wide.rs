@@ -55,11 +55,12 @@ trait KFormat {
     /// Q6_K: sub-blocks of 16 with an offset; otherwise sub-blocks of 32 with a minimum.
     const SIX: bool;
 
-    /// Decodes the superblock at `x`.
+    /// Decodes the superblock at `x` into `out` (every field written).
     ///
     /// # Safety
-    /// `x` must point to a whole superblock; the CPU must support AVX2.
-    unsafe fn decode(x: *const u8) -> Decoded;
+    /// `x` must point to a whole superblock, `out` be valid for a write; the CPU must
+    /// support AVX2.
+    unsafe fn decode(x: *const u8, out: *mut Decoded);
 }
 
 /// Q4_K (`FIVE == false`) or Q5_K.
@@ -69,9 +70,9 @@ impl<const FIVE: bool> KFormat for Q45K<FIVE> {
     const BYTES: usize = if FIVE { 176 } else { 144 };
     const SIX: bool = false;
 
-    unsafe fn decode(x: *const u8) -> Decoded {
+    unsafe fn decode(x: *const u8, out: *mut Decoded) {
         // SAFETY: forwarded from the caller.
-        unsafe { decode_q45_k::<FIVE>(x) }
+        unsafe { decode_q45_k::<FIVE>(x, out) }
     }
 }
 
@@ -82,44 +83,36 @@ impl KFormat for Q6K {
     const BYTES: usize = 210;
     const SIX: bool = true;
 
-    unsafe fn decode(x: *const u8) -> Decoded {
+    unsafe fn decode(x: *const u8, out: *mut Decoded) {
         // SAFETY: forwarded from the caller.
-        unsafe { decode_q6_k(x) }
+        unsafe { decode_q6_k(x, out) }
     }
 }
 
-/// The Q4_K / Q5_K superblock at `x` decoded.
+/// The Q4_K / Q5_K superblock at `x` decoded into `out`.
 ///
 /// # Safety
-/// `x` must point to a whole superblock; the CPU must support AVX2.
+/// As [`KFormat::decode`].
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn decode_q45_k<const FIVE: bool>(x: *const u8) -> Decoded {
+unsafe fn decode_q45_k<const FIVE: bool>(x: *const u8, out: *mut Decoded) {
     let m4 = _mm256_set1_epi8(0x0F);
     let one = _mm256_set1_epi8(1);
-    let mut out = Decoded {
-        q: [0; 256],
-        scale: [0; 16],
-        pairs: [0; 8],
-        d: 0.0,
-        dmin: 0.0,
-    };
-    // SAFETY: a whole superblock at x (the contract); `out.q` holds 256 bytes.
+    // SAFETY: a whole superblock at x, and `out` writable (the contract); the stores
+    // write every byte of the arrays (scales and mins widened to words, then zeros: the
+    // mins' words in pairs are the i32 pairs).
     unsafe {
         let dd = f16x2(x);
-        out.d = _mm_cvtss_f32(dd);
-        out.dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+        (*out).d = _mm_cvtss_f32(dd);
+        (*out).dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
         let (sc, mn) = k4_scales_mins(x.add(4));
-        for j in 0..8 {
-            out.scale[j] = (sc >> (8 * j)) as u8 as i16;
-        }
-        for p in 0..4 {
-            let (lo, hi) = ((mn >> (16 * p)) as u8, (mn >> (16 * p + 8)) as u8);
-            out.pairs[p] = lo as i32 | (hi as i32) << 16;
-        }
+        // Eight bytes widened to words, the other eight words zero.
+        let widen = |v: u64| _mm256_cvtepu8_epi16(_mm_cvtsi64_si128(v as i64));
+        _mm256_storeu_si256((*out).scale.as_mut_ptr() as *mut __m256i, widen(sc));
+        _mm256_storeu_si256((*out).pairs.as_mut_ptr() as *mut __m256i, widen(mn));
         let qs = x.add(if FIVE { 48 } else { 16 });
         let qh = _mm256_loadu_si256(x.add(16) as *const __m256i);
-        let dst = out.q.as_mut_ptr();
+        let dst = (*out).q.as_mut_ptr();
         for c in 0..4 {
             // Byte l of chunk c: element 64c + l in the low nibble, 64c + 32 + l in the
             // high one (Q5_K: their fifth bits are bits 2c and 2c + 1 of qh[l]).
@@ -137,36 +130,28 @@ unsafe fn decode_q45_k<const FIVE: bool>(x: *const u8) -> Decoded {
             _mm256_storeu_si256(dst.add(64 * c + 32) as *mut __m256i, hi);
         }
     }
-    out
 }
 
-/// The Q6_K superblock at `x` decoded.
+/// The Q6_K superblock at `x` decoded into `out`.
 ///
 /// # Safety
-/// `x` must point to a whole superblock; the CPU must support AVX2.
+/// As [`KFormat::decode`].
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn decode_q6_k(x: *const u8) -> Decoded {
+unsafe fn decode_q6_k(x: *const u8, out: *mut Decoded) {
     let m4 = _mm256_set1_epi8(0x0F);
     let m30 = _mm256_set1_epi8(0x30);
-    let mut out = Decoded {
-        q: [0; 256],
-        scale: [0; 16],
-        pairs: [0; 8],
-        d: 0.0,
-        dmin: 0.0,
-    };
-    // SAFETY: a whole superblock at x (the contract); `out.q` holds 256 bytes.
+    // SAFETY: a whole superblock at x, and `out` writable (the contract); the stores
+    // write the arrays' bytes (the scales widened to words, and 32 times them, whose
+    // words in pairs are the i32 pairs).
     unsafe {
-        out.d = _mm_cvtss_f32(f16x1(x.add(208)));
-        for g in 0..16 {
-            out.scale[g] = *x.add(192 + g) as i8 as i16;
-        }
-        for p in 0..8 {
-            let (lo, hi) = (32 * out.scale[2 * p], 32 * out.scale[2 * p + 1]);
-            out.pairs[p] = lo as u16 as i32 | (hi as i32) << 16;
-        }
-        let dst = out.q.as_mut_ptr();
+        (*out).d = _mm_cvtss_f32(f16x1(x.add(208)));
+        (*out).dmin = 0.0;
+        let sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(x.add(192) as *const __m128i));
+        _mm256_storeu_si256((*out).scale.as_mut_ptr() as *mut __m256i, sc);
+        let sc32 = _mm256_slli_epi16::<5>(sc);
+        _mm256_storeu_si256((*out).pairs.as_mut_ptr() as *mut __m256i, sc32);
+        let dst = (*out).q.as_mut_ptr();
         for n in 0..2 {
             // Elements 128n + l, + 32, + 64, + 96 (l < 32): the low and high nibbles of
             // ql[64n + l] and ql[64n + 32 + l], with bit pairs 0, 2, 4, 6 of qh[32n + l].
@@ -197,7 +182,6 @@ unsafe fn decode_q6_k(x: *const u8) -> Decoded {
             }
         }
     }
-    out
 }
 
 /// What a level gives the driver: `R` decoded rows against one packed group of 8 tokens.
@@ -454,8 +438,12 @@ unsafe fn wide<F: KFormat, L: KLevel, const SIX: bool>(
             for b in 0..nb {
                 // SAFETY: superblock b of row i0 + i is in bounds; i * nb + b <
                 // step * nb <= DECODED_CAP.
-                buf[i * nb + b]
-                    .write(unsafe { F::decode(w.as_ptr().add((i0 + i) * rb + b * F::BYTES)) });
+                unsafe {
+                    F::decode(
+                        w.as_ptr().add((i0 + i) * rb + b * F::BYTES),
+                        buf[i * nb + b].as_mut_ptr(),
+                    )
+                };
             }
         }
         let x = buf.as_ptr() as *const Decoded;
