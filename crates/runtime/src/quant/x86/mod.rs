@@ -462,11 +462,12 @@ mod tests {
             blocks.push(K_MAX_BLOCKS + 1);
         }
         if bl == 256 {
-            // Whole groups of 8 tokens (`k_wide`): rows 4 (AVX2: 2) at a time and a
-            // tail of 1 to 3; rows too long for 4 in the decode buffer (65 blocks) go
-            // one at a time, and past what it holds (257) the tile goes narrow.
+            // Whole groups of 8 tokens (`k_wide`): rows 6 (AVX2: 2) at a time and a
+            // tail of 1 to 5; rows too long for 6 in the decode buffer go 3 at a time
+            // (65 blocks) or one at a time (129), and past what it holds (257) the tile
+            // goes narrow.
             shapes.extend([(16, 8), (16, 24), (5, 16), (1, 8), (3, 24), (2, 8), (16, 5)]);
-            blocks.extend([65, 257]);
+            blocks.extend([65, 129, 257]);
             tokens = 1..26;
         }
         for nb in blocks {
