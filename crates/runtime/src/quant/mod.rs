@@ -550,7 +550,9 @@ impl QuantizedActivations {
             return;
         }
         let nb = self.k / 256;
-        let groups = self.n_tokens / PACK_TOKENS;
+        // A last partial group too, its missing tokens all zero (quants, sums and
+        // scales), so the kernels can take a batch's tail as a group.
+        let groups = self.n_tokens.div_ceil(PACK_TOKENS);
         self.packed.resize(groups * nb * PACKED_BLOCK_Q8_K, 0);
         for (g, dst) in self
             .packed
@@ -558,7 +560,7 @@ impl QuantizedActivations {
             .enumerate()
         {
             for (b, blk) in dst.chunks_exact_mut(PACKED_BLOCK_Q8_K).enumerate() {
-                for t in 0..PACK_TOKENS {
+                for t in 0..PACK_TOKENS.min(self.n_tokens - g * PACK_TOKENS) {
                     let tok = g * PACK_TOKENS + t;
                     let src = &self.bytes[tok * self.row_bytes + b * 292..][..292];
                     for (c, chunk) in src[4..260].chunks_exact(8).enumerate() {
@@ -1064,9 +1066,7 @@ fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
         {
             (4, (n / PACK_TOKENS * PACK_TOKENS).max(PACK_TOKENS))
         }
-        (_, SimdLevel::Avx512 | SimdLevel::Avx2) if n >= PACK_TOKENS && is_k_quant(ty) => {
-            (16, n / PACK_TOKENS * PACK_TOKENS)
-        }
+        (_, SimdLevel::Avx512 | SimdLevel::Avx2) if n >= PACK_TOKENS && is_k_quant(ty) => (16, n),
         (_, SimdLevel::Avx512) => (2, n),
         (_, SimdLevel::Avx2) if n >= PACK_TOKENS && ty.block_len() == 32 => {
             (16, n / PACK_TOKENS * PACK_TOKENS)

@@ -24,9 +24,9 @@ use super::avx2::{tile_q4_k_avx2_narrow, tile_q5_k_avx2_narrow, tile_q6_k_avx2_n
 use super::avx512_k::{
     tile_q4_k_avx512_two_rows, tile_q5_k_avx512_two_rows, tile_q6_k_avx512_two_rows,
 };
-use super::{f16x1, f16x2, k4_scales_mins, whole_groups, wide_or_narrow};
+use super::{by_4_tokens, f16x1, f16x2, k4_scales_mins, wide_or_narrow};
 use crate::quant::q8_k_packed::{DY, QS, SUMS16, SUMS32};
-use crate::quant::{QuantizedActivations, TileOut, PACKED_BLOCK_Q8_K, PACK_TOKENS};
+use crate::quant::{QuantizedActivations, TileFn, TileOut, PACKED_BLOCK_Q8_K, PACK_TOKENS};
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
@@ -43,6 +43,13 @@ struct Decoded {
     d: f32,
     dmin: f32,
 }
+
+/// [`KLevel::PAD_MIN`] of both levels: Qwen2.5-Coder-1.5B's pp13 (a tail of 5) on 2
+/// threads at 152-160 tokens/s instead of 134 at AVX-512, 126-127 instead of 98-99 at
+/// AVX2; tails of 1 to 3 were slower as groups (pp9 114 instead of 138-145), and a tail
+/// of 4 about even.
+const PAD_MIN_AVX512: usize = 4;
+const PAD_MIN_AVX2: usize = 4;
 
 /// Bytes ahead of the superblock being decoded that the decoding asks the memory for.
 const PREFETCH_AHEAD: usize = 1024;
@@ -194,6 +201,9 @@ unsafe fn decode_q6_k(x: *const u8, out: *mut Decoded) {
 trait KLevel {
     /// Most rows one call takes.
     const ROWS: usize;
+    /// The shortest tail of a batch (after whole groups of 8) that goes as a group of 8
+    /// filled with zeros rather than through the narrow kernel.
+    const PAD_MIN: usize;
 
     /// `R` decoded rows (row `r`'s superblock `b` at `x[r * nb + b]`) against the 8
     /// tokens packed at `yg`: `[row][token]`.
@@ -214,6 +224,7 @@ struct Avx512;
 
 impl KLevel for Avx512 {
     const ROWS: usize = 6;
+    const PAD_MIN: usize = PAD_MIN_AVX512;
 
     unsafe fn rows<const R: usize, const SIX: bool>(
         x: *const Decoded,
@@ -230,6 +241,7 @@ struct Avx2;
 
 impl KLevel for Avx2 {
     const ROWS: usize = 2;
+    const PAD_MIN: usize = PAD_MIN_AVX2;
 
     unsafe fn rows<const R: usize, const SIX: bool>(
         x: *const Decoded,
@@ -419,6 +431,7 @@ unsafe fn rows_avx2<const R: usize, const SIX: bool>(
 /// The CPU must support the level; `w` and `acts` must be validated; `out` valid for
 /// every result of the tile.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn wide<F: KFormat, L: KLevel, const SIX: bool>(
     w: &[u8],
     rb: usize,
@@ -426,12 +439,34 @@ unsafe fn wide<F: KFormat, L: KLevel, const SIX: bool>(
     t0: usize,
     nt: usize,
     out: TileOut,
+    narrow: TileFn,
 ) -> bool {
     const { assert!(F::SIX == SIX) };
     let (rr, nb) = (w.len() / rb, rb / F::BYTES);
-    if rr == 0 || nb == 0 || nb > DECODED_CAP || !whole_groups(t0, nt) {
+    let (whole, tail) = (nt / PACK_TOKENS, nt % PACK_TOKENS);
+    if rr == 0 || nb == 0 || nb > DECODED_CAP || t0 % PACK_TOKENS != 0 || whole == 0 {
         return false;
     }
+    // A tail of the batch's last tokens (packed as a group filled with zeros) goes with
+    // the groups when it is long enough; a shorter one, or one inside the batch, through
+    // the narrow kernel.
+    let padded = tail >= L::PAD_MIN && t0 + nt == acts.n_tokens();
+    if tail > 0 && !padded {
+        // SAFETY: forwarded from the caller; tokens t0 + 8 * whole.. are the tail.
+        unsafe {
+            narrow_tail(
+                w,
+                rb,
+                acts,
+                t0 + PACK_TOKENS * whole,
+                tail,
+                out,
+                whole,
+                narrow,
+            )
+        };
+    }
+    let groups = whole + padded as usize;
     let step = (DECODED_CAP / nb).clamp(1, L::ROWS);
     let mut buf = [MaybeUninit::<Decoded>::uninit(); DECODED_CAP];
     let g0 = t0 / PACK_TOKENS;
@@ -457,7 +492,7 @@ unsafe fn wide<F: KFormat, L: KLevel, const SIX: bool>(
             }
         }
         let x = buf.as_ptr() as *const Decoded;
-        for g in 0..nt / PACK_TOKENS {
+        for g in 0..groups {
             let yg = acts.packed_group(g0 + g).as_ptr();
             let mut res = [[0f32; 8]; MAX_ROWS];
             macro_rules! call {
@@ -471,8 +506,9 @@ unsafe fn wide<F: KFormat, L: KLevel, const SIX: bool>(
             // SAFETY: rows 0..n of the buffer were decoded above; the packed group holds
             // nb superblocks of 8 tokens.
             unsafe { call!(1 2 3 4 5 6) }
+            let real = (nt - PACK_TOKENS * g).min(PACK_TOKENS);
             for (r, row) in res.iter().enumerate().take(n) {
-                for (t, &v) in row.iter().enumerate() {
+                for (t, &v) in row.iter().enumerate().take(real) {
                     // SAFETY: row i0 + r, token 8g + t of the tile: in `out` by the
                     // contract.
                     unsafe { out.put(i0 + r, PACK_TOKENS * g + t, v) };
@@ -481,6 +517,40 @@ unsafe fn wide<F: KFormat, L: KLevel, const SIX: bool>(
         }
     }
     true
+}
+
+/// The tail of a tile (tokens `t0..t0 + tail`, fewer than 8, after `groups` whole
+/// groups) through the narrow kernel (4 tokens at most a call), 16 rows at a time into a
+/// buffer, then through
+/// `out`.
+///
+/// # Safety
+/// As for the narrow kernel and the [`WideFn`](crate::quant::WideFn) that calls this.
+#[allow(clippy::too_many_arguments)]
+unsafe fn narrow_tail(
+    w: &[u8],
+    rb: usize,
+    acts: &QuantizedActivations,
+    t0: usize,
+    tail: usize,
+    out: TileOut,
+    groups: usize,
+    narrow: TileFn,
+) {
+    const ROWS: usize = 16;
+    let mut buf = [0f32; ROWS * PACK_TOKENS];
+    for (c, rows) in w.chunks(ROWS * rb).enumerate() {
+        // SAFETY: forwarded from the caller.
+        unsafe { by_4_tokens(narrow, rows, rb, acts, t0, tail, &mut buf, PACK_TOKENS) };
+        for r in 0..rows.len() / rb {
+            for t in 0..tail {
+                let v = buf[r * PACK_TOKENS + t];
+                // SAFETY: row 16c + r, token 8 * groups + t of the tile: in `out` by the
+                // contract.
+                unsafe { out.put(ROWS * c + r, PACK_TOKENS * groups + t, v) };
+            }
+        }
+    }
 }
 
 /// Expands the [`WideFn`](crate::quant::WideFn) of one format at one level, and the
@@ -499,7 +569,7 @@ macro_rules! k_wide_fn {
             out: TileOut,
         ) -> bool {
             // SAFETY: forwarded from the caller.
-            unsafe { wide::<$format, $level, $six>(w, rb, acts, t0, nt, out) }
+            unsafe { wide::<$format, $level, $six>(w, rb, acts, t0, nt, out, $narrow) }
         }
         wide_or_narrow!($tile, $wide, $narrow);
     };

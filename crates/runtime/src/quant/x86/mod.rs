@@ -462,11 +462,14 @@ mod tests {
             blocks.push(K_MAX_BLOCKS + 1);
         }
         if bl == 256 {
-            // Whole groups of 8 tokens (`k_wide`): rows 6 (AVX2: 2) at a time and a
+            // Groups of 8 tokens (`k_wide`): rows 6 (AVX2: 2) at a time and a
             // tail of 1 to 5; rows too long for 6 in the decode buffer go 3 at a time
             // (65 blocks) or one at a time (129), and past what it holds (257) the tile
             // goes narrow.
             shapes.extend([(16, 8), (16, 24), (5, 16), (1, 8), (3, 24), (2, 8), (16, 5)]);
+            // A tail after whole groups: as a group filled with zeros where it ends the
+            // batch (n equal to the tile's tokens), through the narrow kernel where not.
+            shapes.extend([(5, 10), (16, 13), (7, 23), (1, 9)]);
             blocks.extend([65, 129, 257]);
             tokens = 1..26;
         }
