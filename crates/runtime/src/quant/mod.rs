@@ -1045,16 +1045,17 @@ pub unsafe fn matmul_token_major(
 /// instead of 101-104 on one thread, Gemma 3 270M's at 431-449 instead of 319-326
 /// (`BALLAST_SIMD=avx2 ballast bench -p 128 -n 0 -r 3 -t 1`, alternated, a Zen 4 EPYC);
 /// fewer tokens keep 2 rows x 4 tokens. Q4_1 and Q5_1 too: SmolLM2's pp128 at 434-435
-/// tokens/s instead of 320-322. The K-quants take 16 rows x every whole group of 8
+/// tokens/s instead of 320-322. From 8 tokens the K-quants take 16 rows x all the block's
 /// tokens at both levels (`x86::k_wide`: rows decoded once, a sub-block's products
-/// summed in 16 bits before its scale): Qwen2.5-Coder-1.5B Q4_K_M's pp128 at 125 tokens/s
-/// instead of 80 on one thread at AVX-512, 90 instead of 50 at AVX2 (`ballast bench -p
-/// 128 -n 0 -r 2`, a Zen 4 EPYC); a tail of fewer than 8 tokens goes as before. Prefill reuses
-/// each decoded weight block for several tokens: on AVX-512 the 32-element formats take 4 rows x all
+/// summed in 16 bits before its scale, a tail of 1 to 7 tokens handled inside):
+/// Qwen2.5-Coder-1.5B Q4_K_M's pp128 at 125 tokens/s instead of 80 on one thread at
+/// AVX-512, 90 instead of 50 at AVX2 (`ballast bench -p 128 -n 0 -r 2`, a Zen 4 EPYC).
+/// Prefill reuses each decoded weight block for several tokens: on AVX-512 the 32-element formats take 4 rows x all
 /// whole groups of 8 tokens (two 512-bit row pairs, sixteen accumulators per group; the
-/// Q8_0-like kernels decode the 4 rows once for every group), a K-quant tail 2 rows x all
-/// tokens (the rows decoded once, the tokens taken 4 at a time). "All tokens" is a
-/// block of [`for_each_blocked_tile`]: as many as keep their activations in L2.
+/// Q8_0-like kernels decode the 4 rows once for every group), the K-quants under 8 tokens
+/// 2 rows x all tokens (the rows decoded once, the tokens taken 4 at a time). "All
+/// tokens" is a block of [`for_each_blocked_tile`]: as many as keep their activations in
+/// L2 (the K-quants' in 1 MiB).
 fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
     let is_k_quant = |ty| matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K);
     match (n, level) {
