@@ -430,7 +430,9 @@ unsafe fn rows_avx2<const R: usize, const SIX: bool>(
 /// # Safety
 /// The CPU must support the level; `w` and `acts` must be validated; `out` valid for
 /// every result of the tile.
-#[inline(always)]
+// Not inlined: its decode buffer (88 KiB) makes a frame whose stack probes cost a decode
+// tile (one token, 8 rows) a quarter of its time when the caller's frame held it.
+#[inline(never)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn wide<F: KFormat, L: KLevel, const SIX: bool>(
     w: &[u8],
@@ -568,6 +570,10 @@ macro_rules! k_wide_fn {
             nt: usize,
             out: TileOut,
         ) -> bool {
+            if nt < PACK_TOKENS {
+                // Decode and short batches: the narrow kernel, without a call to `wide`.
+                return false;
+            }
             // SAFETY: forwarded from the caller.
             unsafe { wide::<$format, $level, $six>(w, rb, acts, t0, nt, out, $narrow) }
         }
