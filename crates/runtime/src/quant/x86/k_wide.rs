@@ -1,6 +1,7 @@
 //! The prefill kernels of the K-quants (Q4_K, Q5_K, Q6_K x Q8_K) at AVX-512 and AVX2:
-//! a few rows decoded once against whole groups of 8 packed tokens, with the integer
-//! sums of a sub-block kept in 16 bits until its scale is applied.
+//! a few rows decoded once against groups of 8 packed tokens, with the integer sums of a
+//! sub-block kept in 16 bits until its scale is applied. A batch's tail of 4 to 7 tokens
+//! goes as a group filled with zeros, a shorter one through the narrow kernel.
 //!
 //! The narrow kernels ([`super::avx512_k`], [`super::avx2`]) multiply a row's 32 (or 64)
 //! quants by one token's, then apply the sub-block's scale: one `maddubs` and one
@@ -219,7 +220,7 @@ trait KLevel {
 }
 
 /// The AVX-512 (VNNI) kernel: 6 rows (Qwen2.5-Coder-1.5B's pp128 on one thread at 148-151
-/// tokens/s against 140-142 with 4; 2, 3, 5 and 7 rows were slower, and 8 spill).
+/// tokens/s against 140-142 with 4; 2, 3, 5 and 7 rows were slower, 8 no faster).
 struct Avx512;
 
 impl KLevel for Avx512 {
@@ -422,10 +423,11 @@ unsafe fn rows_avx2<const R: usize, const SIX: bool>(
     accf.map(|v| lanes(v))
 }
 
-/// Rows `w` (whole rows of `rb` bytes) of format `F` against tokens `t0..t0 + nt` (whole
-/// groups of 8) at level `L`, written through `out`. The rows are decoded `L::ROWS` at a
-/// time (fewer when that many do not fit the buffer) and each batch meets every
-/// group. Returns false, computing nothing, for a tile it does not take.
+/// Rows `w` (whole rows of `rb` bytes) of format `F` against tokens `t0..t0 + nt` (at
+/// least one whole group of 8, then a tail of up to 7) at level `L`, written through
+/// `out`. The rows are decoded `L::ROWS` at a time (fewer when that many do not fit the
+/// buffer) and each batch meets every group. Returns false, computing nothing, for a
+/// tile it does not take.
 ///
 /// # Safety
 /// The CPU must support the level; `w` and `acts` must be validated; `out` valid for
