@@ -546,52 +546,39 @@ impl CpuBackend {
         let per_part = group.div_ceil(parts);
         let parts = group.div_ceil(per_part);
         let work = n_tokens * n_kv * parts;
-        let next = AtomicUsize::new(0);
         let out_ptr = SyncPtr(out.as_mut_ptr());
         let hd = shape.head_dim;
-        let waited = self.pool.run(&|_, _| {
-            SCRATCH.with(|s| {
-                let mut scratch = s.borrow_mut();
-                loop {
-                    let item = next.fetch_add(1, Ordering::Relaxed);
-                    if item >= work {
-                        break;
-                    }
-                    let t = n_tokens - 1 - item / (n_kv * parts);
-                    let (kv_head, part) = ((item / parts) % n_kv, item % parts);
-                    let first = kv_head * group + part * per_part;
-                    let heads = first..(first + per_part).min((kv_head + 1) * group);
-                    let qs: Vec<&[f32]> = heads
-                        .clone()
-                        .map(|h| {
-                            let off = (t * shape.n_heads + h) * hd;
-                            &q[off..off + hd]
-                        })
-                        .collect();
-                    let mut outs: Vec<&mut [f32]> = heads
-                        .map(|h| {
-                            let off = (t * shape.n_heads + h) * hd;
-                            // SAFETY: head h of token t belongs to this item alone, and
-                            // `out` holds every token's heads (checked above).
-                            unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(off), hd) }
-                        })
-                        .collect();
-                    let slot = slot_of(shape, kv_head);
-                    attend_heads(
-                        &qs,
-                        q_positions[t],
-                        kv,
-                        slot,
-                        shape.scale,
-                        &mut scratch,
-                        &mut outs,
-                    );
-                }
-            });
+        self.run_items(&SCRATCH, work, |item, scratch| {
+            let t = n_tokens - 1 - item / (n_kv * parts);
+            let (kv_head, part) = ((item / parts) % n_kv, item % parts);
+            let first = kv_head * group + part * per_part;
+            let heads = first..(first + per_part).min((kv_head + 1) * group);
+            let qs: Vec<&[f32]> = heads
+                .clone()
+                .map(|h| {
+                    let off = (t * shape.n_heads + h) * hd;
+                    &q[off..off + hd]
+                })
+                .collect();
+            let mut outs: Vec<&mut [f32]> = heads
+                .map(|h| {
+                    let off = (t * shape.n_heads + h) * hd;
+                    // SAFETY: head h of token t belongs to this item alone, and
+                    // `out` holds every token's heads (checked above).
+                    unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(off), hd) }
+                })
+                .collect();
+            let slot = slot_of(shape, kv_head);
+            attend_heads(
+                &qs,
+                q_positions[t],
+                kv,
+                slot,
+                shape.scale,
+                scratch,
+                &mut outs,
+            );
         });
-        if let Some(waited) = waited {
-            self.times.add_region_wait(waited);
-        }
     }
 
     /// [`AttentionOps::attention`] of one query split as llama.cpp splits a decoded token
@@ -622,59 +609,45 @@ impl CpuBackend {
         // free. Items of (key/value head, chunk) spread a thread's work over both chunks
         // and were slower: SmolLM2 at depth 4,096 on two threads decoded 74-77 tokens/s
         // against 85-92 (`ballast bench -p 0 -n 32 -d 4096 -r 2 -t 2`, alternated).
-        let next = AtomicUsize::new(0);
         let level = quant::current_simd_level();
-        let waited = self.pool.run(&|_, _| {
-            SCRATCH.with(|s| {
-                let mut scratch = s.borrow_mut();
-                loop {
-                    let chunk = next.fetch_add(1, Ordering::Relaxed);
-                    if chunk >= chunks {
-                        break;
-                    }
-                    let keys = split_chunk(cells, chunk, chunks);
-                    let rows = keys.start * row_len..keys.end * row_len;
-                    let view = KvView {
-                        segments: vec![KvSegment {
-                            keys: float_rows(seg.keys, rows.clone()),
-                            values: float_rows(seg.values, rows),
-                            positions: &seg.positions[keys],
-                        }],
-                    };
-                    for kv_head in 0..n_kv {
-                        let heads = kv_head * group..(kv_head + 1) * group;
-                        let qs: Vec<&[f32]> =
-                            heads.clone().map(|h| &q[h * hd..(h + 1) * hd]).collect();
-                        let mut outs: Vec<&mut [f32]> = heads
-                            .map(|h| {
-                                // SAFETY: the partial of head h and this chunk belongs to this
-                                // item alone, within `partials`.
-                                unsafe {
-                                    std::slice::from_raw_parts_mut(
-                                        partials_ptr.get().add((h * chunks + chunk) * part),
-                                        part,
-                                    )
-                                }
-                            })
-                            .collect();
-                        attend_heads_to(
-                            level,
-                            &qs,
-                            q_pos,
-                            &view,
-                            slot_of(shape, kv_head),
-                            shape.scale,
-                            &mut scratch,
-                            &mut outs,
-                            Finish::Partial,
-                        );
-                    }
-                }
-            });
+        self.run_items(&SCRATCH, chunks, |chunk, scratch| {
+            let keys = split_chunk(cells, chunk, chunks);
+            let rows = keys.start * row_len..keys.end * row_len;
+            let view = KvView {
+                segments: vec![KvSegment {
+                    keys: float_rows(seg.keys, rows.clone()),
+                    values: float_rows(seg.values, rows),
+                    positions: &seg.positions[keys],
+                }],
+            };
+            for kv_head in 0..n_kv {
+                let heads = kv_head * group..(kv_head + 1) * group;
+                let qs: Vec<&[f32]> = heads.clone().map(|h| &q[h * hd..(h + 1) * hd]).collect();
+                let mut outs: Vec<&mut [f32]> = heads
+                    .map(|h| {
+                        // SAFETY: the partial of head h and this chunk belongs to this
+                        // item alone, within `partials`.
+                        unsafe {
+                            std::slice::from_raw_parts_mut(
+                                partials_ptr.get().add((h * chunks + chunk) * part),
+                                part,
+                            )
+                        }
+                    })
+                    .collect();
+                attend_heads_to(
+                    level,
+                    &qs,
+                    q_pos,
+                    &view,
+                    slot_of(shape, kv_head),
+                    shape.scale,
+                    scratch,
+                    &mut outs,
+                    Finish::Partial,
+                );
+            }
         });
-        if let Some(waited) = waited {
-            self.times.add_region_wait(waited);
-        }
         for (h, head_out) in out.chunks_exact_mut(hd).enumerate().take(n_heads) {
             let head = &partials[h * chunks * part..(h + 1) * chunks * part];
             merge_partials(head.chunks_exact(part), head_out);
@@ -697,46 +670,60 @@ impl CpuBackend {
         let group = shape.n_heads / n_kv;
         let n_tokens = q_positions.len();
         let blocks = n_tokens.div_ceil(TILED_BLOCK);
-        let next = AtomicUsize::new(0);
         let out_ptr = SyncPtr(out.as_mut_ptr());
         let level = crate::quant::current_simd_level();
+        self.run_items(&TILED_SCRATCH, blocks * n_kv, |item, scratch| {
+            let (block, kv_head) = (blocks - 1 - item / n_kv, item % n_kv);
+            let tokens = block * TILED_BLOCK..((block + 1) * TILED_BLOCK).min(n_tokens);
+            let heads = kv_head * group..(kv_head + 1) * group;
+            let mut queries = Vec::with_capacity(tokens.len() * group);
+            let mut positions = Vec::with_capacity(tokens.len() * group);
+            let mut outs = Vec::with_capacity(tokens.len() * group);
+            for t in tokens {
+                for h in heads.clone() {
+                    let off = (t * shape.n_heads + h) * hd;
+                    queries.push(&q[off..off + hd]);
+                    positions.push(q_positions[t]);
+                    // SAFETY: head h of token t belongs to this item alone, and
+                    // the caller checked that `out` holds every token's heads.
+                    outs.push(unsafe {
+                        std::slice::from_raw_parts_mut(out_ptr.get().add(off), hd)
+                    });
+                }
+            }
+            let slot = slot_of(shape, kv_head);
+            tiled::attend_block(
+                level,
+                &queries,
+                &positions,
+                kv,
+                slot,
+                shape.scale,
+                scratch,
+                &mut outs,
+            );
+        });
+    }
+
+    /// Runs `item(i, scratch)` for every `i` in `0..items` on the pool, each item taken
+    /// by the first thread to come free (in order), with that thread's `scratch`; the
+    /// threads' wait goes into the op times.
+    fn run_items<S: 'static>(
+        &self,
+        scratch: &'static std::thread::LocalKey<RefCell<S>>,
+        items: usize,
+        item: impl Fn(usize, &mut S) + Sync,
+    ) {
+        let next = AtomicUsize::new(0);
         let waited = self.pool.run(&|_, _| {
-            TILED_SCRATCH.with(|s| {
-                let mut scratch = s.borrow_mut();
+            scratch.with(|s| {
+                let mut s = s.borrow_mut();
                 loop {
-                    let item = next.fetch_add(1, Ordering::Relaxed);
-                    if item >= blocks * n_kv {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= items {
                         break;
                     }
-                    let (block, kv_head) = (blocks - 1 - item / n_kv, item % n_kv);
-                    let tokens = block * TILED_BLOCK..((block + 1) * TILED_BLOCK).min(n_tokens);
-                    let heads = kv_head * group..(kv_head + 1) * group;
-                    let mut queries = Vec::with_capacity(tokens.len() * group);
-                    let mut positions = Vec::with_capacity(tokens.len() * group);
-                    let mut outs = Vec::with_capacity(tokens.len() * group);
-                    for t in tokens {
-                        for h in heads.clone() {
-                            let off = (t * shape.n_heads + h) * hd;
-                            queries.push(&q[off..off + hd]);
-                            positions.push(q_positions[t]);
-                            // SAFETY: head h of token t belongs to this item alone, and
-                            // the caller checked that `out` holds every token's heads.
-                            outs.push(unsafe {
-                                std::slice::from_raw_parts_mut(out_ptr.get().add(off), hd)
-                            });
-                        }
-                    }
-                    let slot = slot_of(shape, kv_head);
-                    tiled::attend_block(
-                        level,
-                        &queries,
-                        &positions,
-                        kv,
-                        slot,
-                        shape.scale,
-                        &mut scratch,
-                        &mut outs,
-                    );
+                    item(i, &mut s);
                 }
             });
         });
