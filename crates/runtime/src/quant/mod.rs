@@ -477,6 +477,15 @@ pub fn quantize_activations_at(
     Ok(())
 }
 
+/// The fewest tokens of a batch that the K-quant prefill kernels (`x86::k_wide`) take as
+/// a group of 8 filled with zeros; shorter batches go to the narrow kernels. A
+/// speculative verification pass is such a batch. Qwen2.5-Coder-1.5B Q4_K_M on 2
+/// threads, tokens/s of batches of 4 to 7 as a group against narrow: AVX-512 pp4 76
+/// against 106, pp5 94 against 92, pp6 111 against 96-102, pp7 127-129 against 105;
+/// AVX2 pp2-pp4 worse as a group (31-68 against 58-74), pp5 83 against 64, pp6 97
+/// against 70, pp7 113 against 63-72.
+pub(crate) const K_GROUP_MIN_TOKENS: usize = 5;
+
 /// Tokens per group of [`QuantizedActivations::packed_group`].
 pub(crate) const PACK_TOKENS: usize = 8;
 /// Bytes per block of a packed group: quants, negated group sums (times 16), scales.
@@ -514,7 +523,7 @@ impl QuantizedActivations {
         if self.ty == GgmlType::Q8_1 && self.n_tokens >= PACK_TOKENS {
             return self.fill_packed_q8_1();
         }
-        if self.ty == GgmlType::Q8_K && self.n_tokens >= PACK_TOKENS {
+        if self.ty == GgmlType::Q8_K && self.n_tokens >= K_GROUP_MIN_TOKENS {
             return self.fill_packed_q8_k();
         }
         if self.ty != GgmlType::Q8_0 || self.n_tokens < PACK_TOKENS {
@@ -1067,7 +1076,9 @@ fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
         {
             (4, (n / PACK_TOKENS * PACK_TOKENS).max(PACK_TOKENS))
         }
-        (_, SimdLevel::Avx512 | SimdLevel::Avx2) if n >= PACK_TOKENS && is_k_quant(ty) => (16, n),
+        (_, SimdLevel::Avx512 | SimdLevel::Avx2) if n >= K_GROUP_MIN_TOKENS && is_k_quant(ty) => {
+            (16, n)
+        }
         (_, SimdLevel::Avx512) => (2, n),
         (_, SimdLevel::Avx2) if n >= PACK_TOKENS && ty.block_len() == 32 => {
             (16, n / PACK_TOKENS * PACK_TOKENS)

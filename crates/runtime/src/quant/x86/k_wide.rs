@@ -1,7 +1,8 @@
 //! The prefill kernels of the K-quants (Q4_K, Q5_K, Q6_K x Q8_K) at AVX-512 and AVX2:
 //! a few rows decoded once against groups of 8 packed tokens, with the integer sums of a
 //! sub-block kept in 16 bits until its scale is applied. A batch's tail of 4 to 7 tokens
-//! goes as a group filled with zeros, a shorter one through the narrow kernel.
+//! goes as a group filled with zeros, a shorter one through the narrow kernel; so does a
+//! batch of 5 to 7 tokens alone (`K_GROUP_MIN_TOKENS`: a speculative verification).
 //!
 //! The narrow kernels ([`super::avx512_k`], [`super::avx2`]) multiply a row's 32 (or 64)
 //! quants by one token's, then apply the sub-block's scale: one `maddubs` and one
@@ -423,8 +424,8 @@ unsafe fn rows_avx2<const R: usize, const SIX: bool>(
     accf.map(|v| lanes(v))
 }
 
-/// Rows `w` (whole rows of `rb` bytes) of format `F` against tokens `t0..t0 + nt` (at
-/// least one whole group of 8, then a tail of up to 7) at level `L`, written through
+/// Rows `w` (whole rows of `rb` bytes) of format `F` against tokens `t0..t0 + nt` (whole
+/// groups of 8, then a tail of up to 7; at least one group or a padded tail) at level `L`, written through
 /// `out`. The rows are decoded `L::ROWS` at a time (fewer when that many do not fit the
 /// buffer) and each batch meets every group. Returns false, computing nothing, for a
 /// tile it does not take.
@@ -448,13 +449,14 @@ unsafe fn wide<F: KFormat, L: KLevel, const SIX: bool>(
     const { assert!(F::SIX == SIX) };
     let (rr, nb) = (w.len() / rb, rb / F::BYTES);
     let (whole, tail) = (nt / PACK_TOKENS, nt % PACK_TOKENS);
-    if rr == 0 || nb == 0 || nb > DECODED_CAP || t0 % PACK_TOKENS != 0 || whole == 0 {
-        return false;
-    }
     // A tail of the batch's last tokens (packed as a group filled with zeros) goes with
     // the groups when it is long enough; a shorter one, or one inside the batch, through
     // the narrow kernel.
     let padded = tail >= L::PAD_MIN && t0 + nt == acts.n_tokens();
+    let groups = whole + padded as usize;
+    if rr == 0 || nb == 0 || nb > DECODED_CAP || t0 % PACK_TOKENS != 0 || groups == 0 {
+        return false;
+    }
     if tail > 0 && !padded {
         // SAFETY: forwarded from the caller; tokens t0 + 8 * whole.. are the tail.
         unsafe {
@@ -470,7 +472,6 @@ unsafe fn wide<F: KFormat, L: KLevel, const SIX: bool>(
             )
         };
     }
-    let groups = whole + padded as usize;
     let step = (DECODED_CAP / nb).clamp(1, L::ROWS);
     let mut buf = [MaybeUninit::<Decoded>::uninit(); DECODED_CAP];
     let g0 = t0 / PACK_TOKENS;
@@ -572,7 +573,7 @@ macro_rules! k_wide_fn {
             nt: usize,
             out: TileOut,
         ) -> bool {
-            if nt < PACK_TOKENS {
+            if nt < crate::quant::K_GROUP_MIN_TOKENS {
                 // Decode and short batches: the narrow kernel, without a call to `wide`.
                 return false;
             }

@@ -470,6 +470,8 @@ mod tests {
             // A tail after whole groups: as a group filled with zeros where it ends the
             // batch (n equal to the tile's tokens), through the narrow kernel where not.
             shapes.extend([(5, 10), (16, 13), (7, 23), (1, 9)]);
+            // A batch of 5 to 7 tokens alone: one group filled with zeros.
+            shapes.extend([(6, 6), (16, 7)]);
             blocks.extend([65, 129, 257]);
             tokens = 1..26;
         }
