@@ -161,6 +161,10 @@ pub struct PlanArgs {
     /// well: 0.8-0.9; prose: 0.5-0.7).
     #[arg(long, default_value_t = 0.8, value_parser = acceptance)]
     pub acceptance: f64,
+    /// With --draft: the draft model's logits over the first N tokens of the
+    /// vocabulary only, as `run --draft-vocab` (0: all).
+    #[arg(long = "draft-vocab", default_value_t = crate::draft::DEFAULT_DRAFT_VOCAB, value_name = "N")]
+    pub draft_vocab: usize,
     /// One JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -360,6 +364,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
                 draft_max: 16,
                 draft_min: 0,
                 draft_p_min: 0.75,
+                draft_vocab: args.draft_vocab,
             };
             // Prompt lookup holds nothing and drafts for free: the model keeps the
             // whole budget.
@@ -397,8 +402,10 @@ pub fn run(args: PlanArgs) -> Result<()> {
                 })?
             };
             let base = with_draft.predict(&speeds, args.ctx);
-            // The draft decodes from RAM at the backend's speed.
-            let draft_token_s = beside.bytes as f64 / compute;
+            // The draft decodes from RAM at the backend's speed, reading its layers and
+            // its head's first --draft-vocab rows.
+            let draft_read = draft_args.read_per_token()?.unwrap_or(0);
+            let draft_token_s = draft_read as f64 / compute;
             let rows: Vec<Speculative> = [1, 2, 4, 8, 16]
                 .into_iter()
                 .map(|k| Speculative::predict(k, args.acceptance, &base, draft_token_s))

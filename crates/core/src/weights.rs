@@ -310,6 +310,33 @@ impl Weight {
     }
 }
 
+impl Weight {
+    /// The first `rows` rows alone (all of them if there are fewer): a weight of its
+    /// own over the same bytes, with an id of its own, since a device must not take it
+    /// for the whole tensor. What a draft model's head over part of the vocabulary
+    /// multiplies by.
+    pub fn first_rows(&self, rows: usize) -> Result<Weight> {
+        let all = self.rows();
+        if rows >= all {
+            return Ok(self.clone());
+        }
+        let (&[cols, _], true) = (&self.dims[..], rows > 0) else {
+            return Err(Error::ShapeMismatch {
+                what: format!("the first {rows} rows of {} {:?}", self.name, self.dims),
+                expected: 2,
+                got: self.dims.len(),
+            });
+        };
+        Ok(Weight {
+            name: format!("{}[..{rows}]", self.name),
+            id: WeightId::fresh(),
+            ty: self.ty,
+            dims: vec![cols, rows],
+            bytes: self.bytes.slice(0..rows * self.row_bytes())?,
+        })
+    }
+}
+
 /// The weights of one transformer block, as a [`crate::WeightStore`] hands them to one
 /// forward pass: a table of named tensors, as the GGUF file names them without the
 /// `blk.N.` prefix (`attn_q.weight`, `attn_norm.weight`, `attn_q.bias`, ...).
@@ -522,6 +549,19 @@ impl GlobalWeights {
     /// The output head, to point its bytes elsewhere.
     pub fn output_mut(&mut self) -> &mut Weight {
         &mut self.matrices[self.output].1
+    }
+
+    /// Keeps the output head's first `rows` rows only (logits for the first `rows`
+    /// tokens of the vocabulary); see [`Weight::first_rows`]. A tied head keeps the
+    /// embedding table's name, so that the table is still counted once.
+    pub fn truncate_output(&mut self, rows: usize) -> Result<()> {
+        let tied = self.tied();
+        let mut head = self.output().first_rows(rows)?;
+        if tied {
+            head.name = self.token_embd().name.clone();
+        }
+        self.matrices[self.output].1 = head;
+        Ok(())
     }
 
     /// Whether the output head is the embedding table (one tensor, held once).

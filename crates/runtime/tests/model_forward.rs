@@ -952,3 +952,46 @@ fn gemma3_windowed_cache_equals_a_full_one() {
         full.feed(&ids[..12]).unwrap()
     );
 }
+
+/// A head over part of the vocabulary (a draft model's, `Model::load_with_vocab`) gives
+/// exactly the first logits of the whole head, tied to the embedding table or not, and
+/// none is refused.
+#[test]
+fn a_head_over_part_of_the_vocabulary_gives_the_first_logits() {
+    for tied in [false, true] {
+        let spec = TinyModelSpec {
+            tied,
+            seed: 11,
+            ..TinyModelSpec::default()
+        };
+        let file = Arc::new(GgufFile::from_bytes(spec.to_gguf_bytes().unwrap()).unwrap());
+        let backend = Arc::new(CpuBackend::new(2));
+        let mut full = Model::load(file.clone(), backend.clone(), false).unwrap();
+        let vocab = full.config().vocab_size;
+        let part = vocab / 3;
+        let mut head = Model::load_with_vocab(file.clone(), backend.clone(), false, part).unwrap();
+        assert_eq!(head.config().vocab_size, part);
+        // A separate head counts its part only; a tied one is inside the table, which
+        // is counted once, whole.
+        let (held, whole) = (
+            head.store().globals().byte_size(),
+            full.store().globals().byte_size(),
+        );
+        let head_row = full.store().globals().output().row_bytes();
+        match tied {
+            false => assert_eq!(held, whole - (vocab - part) * head_row),
+            true => assert_eq!(held, whole),
+        }
+        let ids = [3, 9, 27, 1, 40];
+        let all = all_logits(&mut full, &ids);
+        let got = all_logits(&mut head, &ids);
+        assert_eq!(got.len(), ids.len() * part);
+        for (row, want) in got.chunks(part).zip(all.chunks(vocab)) {
+            assert_eq!(row, &want[..part], "tied {tied}");
+        }
+        // A limit past the vocabulary keeps all of it; none at all is an error.
+        let same = Model::load_with_vocab(file.clone(), backend.clone(), false, vocab + 5).unwrap();
+        assert_eq!(same.config().vocab_size, vocab);
+        assert!(Model::load_with_vocab(file, backend, false, 0).is_err());
+    }
+}

@@ -231,9 +231,26 @@ fn a_draft_model_gives_the_targets_greedy_tokens() {
         0.0,
     )
     .unwrap();
+    // The target drafting for itself over the first half of the vocabulary
+    // (`Model::load_with_vocab`): it never drafts the rest, and the output is the same.
+    let half = tokenizer.vocab_size() / 2;
+    let half_model = Model::load_with_vocab(file(&target), backend.clone(), false, half).unwrap();
+    let half_drafter = DraftModel::new(
+        "itself, half the vocabulary",
+        Session::with_batch(half_model, 128, 8).unwrap(),
+        &tokenizer,
+        &tokenizer,
+        0.0,
+    )
+    .unwrap();
+    assert!(
+        want.iter().any(|&(id, _)| id as usize >= half),
+        "the run must need a token the half head cannot draft"
+    );
     for (drafter, all_accepted) in [
         (Box::new(drafter) as Box<dyn Drafter>, false),
         (Box::new(self_drafter), true),
+        (Box::new(half_drafter), false),
     ] {
         let options = DraftOptions {
             max: 4,

@@ -219,8 +219,28 @@ impl Model {
     /// Loads `file` with every weight resident ([`ResidentStore`]) and the exact MLP
     /// (dense, or the mixture of experts the file has).
     pub fn load(file: Arc<GgufFile>, backend: Arc<dyn Backend>, mapped: bool) -> Result<Model> {
-        let config = ModelConfig::from_gguf(&file)?;
-        let (globals, layers) = load_weights(&file, &config)?;
+        Model::load_with_vocab(file, backend, mapped, usize::MAX)
+    }
+
+    /// [`Model::load`] with a head that computes the logits of the first `vocab` tokens
+    /// only (all of them when the vocabulary is no larger), the model's configuration
+    /// then saying `vocab` tokens: a draft model's, which needs only its likeliest
+    /// tokens. A BPE or SentencePiece vocabulary numbers its tokens roughly from the
+    /// most frequent (merge order, or score), so the first tokens are the frequent ones
+    /// (FR-Spec, Zhao et al. 2025). The head is most of a small model's bytes per
+    /// token; a token past `vocab` is never drafted, so the model decodes it itself.
+    pub fn load_with_vocab(
+        file: Arc<GgufFile>,
+        backend: Arc<dyn Backend>,
+        mapped: bool,
+        vocab: usize,
+    ) -> Result<Model> {
+        let mut config = ModelConfig::from_gguf(&file)?;
+        let (mut globals, layers) = load_weights(&file, &config)?;
+        if vocab < config.vocab_size {
+            globals.truncate_output(vocab)?;
+            config.vocab_size = vocab;
+        }
         let store = Box::new(ResidentStore::new(globals, layers, mapped));
         let ffn = crate::ffn::for_config(&config);
         Ok(Model::from_parts(config, store, backend, ffn))
