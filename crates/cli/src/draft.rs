@@ -104,13 +104,13 @@ impl DraftArgs {
         }
         let path = crate::common::resolve_model(Some(Path::new(draft)))?;
         let load = || -> Result<Vec<Box<dyn Drafter>>> {
-            let file = Arc::new(GgufFile::open(&path, false)?);
+            let file = Arc::new(GgufFile::open(&path, true)?);
             let tokenizer = Tokenizer::from_gguf(&file)?;
             let vocab = match self.draft_vocab {
                 0 => usize::MAX,
                 n => n,
             };
-            let model = Model::load_with_vocab(file, backend, false, vocab)?;
+            let model = Model::load_draft(file, backend, vocab)?;
             let name = path
                 .file_name()
                 .map_or_else(|| draft.to_string(), |n| n.to_string_lossy().into_owned());
@@ -127,9 +127,10 @@ impl DraftArgs {
         load().with_context(|| format!("loading the draft model {}", path.display()))
     }
 
-    /// RAM a draft model will hold beside the model, and its name, for the budget: its
-    /// weights (read into RAM), its f16 KV cache for `ctx` tokens and a draft, and its
-    /// logits and activations. `None` without a draft model.
+    /// RAM a draft model will hold beside the model, and its name, for the budget: the
+    /// weights a drafted token reads (copied into RAM: every matrix but the embedding
+    /// table, the head cut to `--draft-vocab` rows), its f16 KV cache for `ctx` tokens
+    /// and a draft, and its logits and activations. `None` without a draft model.
     pub fn resident_bytes(&self, ctx: usize) -> Result<Option<Beside>> {
         self.resident_bytes_for(ctx, 1)
     }
@@ -144,7 +145,7 @@ impl DraftArgs {
             .with_context(|| format!("opening the draft model {}", path.display()))?;
         let config = ballast_runtime::ModelConfig::from_gguf(&file)
             .with_context(|| format!("loading the draft model {}", path.display()))?;
-        let weights = std::fs::metadata(&path)?.len();
+        let weights = self.read_per_token()?.unwrap_or(0);
         let tokens = (ctx + self.draft_max + 1) as u64;
         let kv =
             2 * 2 * (config.n_layers * config.n_kv_heads * config.head_dim * n) as u64 * tokens;

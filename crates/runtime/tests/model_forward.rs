@@ -989,6 +989,10 @@ fn a_head_over_part_of_the_vocabulary_gives_the_first_logits() {
         for (row, want) in got.chunks(part).zip(all.chunks(vocab)) {
             assert_eq!(row, &want[..part], "tied {tied}");
         }
+        // A draft's load (its matrices copied into RAM, the table left in the file)
+        // computes the same.
+        let mut draft = Model::load_draft(file.clone(), backend.clone(), part).unwrap();
+        assert_eq!(all_logits(&mut draft, &ids), got, "tied {tied}");
         // A limit past the vocabulary keeps all of it; none at all is an error.
         let same = Model::load_with_vocab(file.clone(), backend.clone(), false, vocab + 5).unwrap();
         assert_eq!(same.config().vocab_size, vocab);
