@@ -21,7 +21,7 @@ pub struct DraftArgs {
     /// `ngram`: prompt lookup (copies what followed the last few tokens earlier in the
     /// context; pays when the output repeats the input, as an edit does). Otherwise a
     /// draft model: a GGUF file or a known model's name (`fetch-model --list`), smaller
-    /// than the model and with the same vocabulary; it is held in RAM.
+    /// than the model and with the same vocabulary; what it reads per token is held in RAM.
     #[arg(long, value_name = "MODEL|ngram")]
     pub draft: Option<String>,
     /// Most tokens drafted per verification pass.
