@@ -483,7 +483,9 @@ pub fn quantize_activations_at(
 /// threads, tokens/s of batches of 4 to 7 as a group against narrow: AVX-512 pp4 76
 /// against 106, pp5 94 against 92, pp6 111 against 96-102, pp7 127-129 against 105;
 /// AVX2 pp2-pp4 worse as a group (31-68 against 58-74), pp5 83 against 64, pp6 97
-/// against 70, pp7 113 against 63-72.
+/// against 70, pp7 113 against 63-72. Batches of 2 to 4 as the first half of a group
+/// (256-bit multiplies, half the work of 8) were slower than narrow too, at AVX-512: pp2
+/// 47 against 70, pp3 68-71 against 82, pp4 91-92 against 85-106.
 pub(crate) const K_GROUP_MIN_TOKENS: usize = 5;
 
 /// Tokens per group of [`QuantizedActivations::packed_group`].
