@@ -107,6 +107,21 @@ pub fn load_weights(
     Ok((globals, layers))
 }
 
+/// The configuration and weights of `file`, the head cut to its first `vocab` rows
+/// (the configuration then saying `vocab` tokens) when the vocabulary is larger.
+fn load_with_head(
+    file: &Arc<GgufFile>,
+    vocab: usize,
+) -> Result<(ModelConfig, GlobalWeights, Vec<LayerWeights>)> {
+    let mut config = ModelConfig::from_gguf(file)?;
+    let (mut globals, layers) = load_weights(file, &config)?;
+    if vocab < config.vocab_size {
+        globals.truncate_output(vocab)?;
+        config.vocab_size = vocab;
+    }
+    Ok((config, globals, layers))
+}
+
 /// Matrices and vectors by role.
 type Table = (Vec<(String, Weight)>, Vec<(String, Arc<[f32]>)>);
 
@@ -235,12 +250,7 @@ impl Model {
         mapped: bool,
         vocab: usize,
     ) -> Result<Model> {
-        let mut config = ModelConfig::from_gguf(&file)?;
-        let (mut globals, layers) = load_weights(&file, &config)?;
-        if vocab < config.vocab_size {
-            globals.truncate_output(vocab)?;
-            config.vocab_size = vocab;
-        }
+        let (config, globals, layers) = load_with_head(&file, vocab)?;
         let store = Box::new(ResidentStore::new(globals, layers, mapped));
         let ffn = crate::ffn::for_config(&config);
         Ok(Model::from_parts(config, store, backend, ffn))
@@ -256,12 +266,7 @@ impl Model {
         backend: Arc<dyn Backend>,
         vocab: usize,
     ) -> Result<Model> {
-        let mut config = ModelConfig::from_gguf(&file)?;
-        let (mut globals, mut layers) = load_weights(&file, &config)?;
-        if vocab < config.vocab_size {
-            globals.truncate_output(vocab)?;
-            config.vocab_size = vocab;
-        }
+        let (config, mut globals, mut layers) = load_with_head(&file, vocab)?;
         let in_ram = |w: &mut Weight| -> Result<()> {
             w.bytes = WeightBytes::from_vec(w.bytes.as_slice()?.to_vec());
             Ok(())
