@@ -1512,6 +1512,22 @@ fn speculative_runs_give_the_plain_tokens_and_foreign_drafts_are_refused() {
         ];
         assert_eq!(generated_tokens(m, prompt, 24, &flags), plain, "{drafter}");
     }
+    // A draft over the first 40 tokens of the vocabulary only (`--draft-vocab`).
+    let flags = [
+        "--temp",
+        "0",
+        "--draft",
+        draft.to_str().unwrap(),
+        "--draft-p-min",
+        "0",
+        "--draft-vocab",
+        "40",
+    ];
+    assert_eq!(
+        generated_tokens(m, prompt, 24, &flags),
+        plain,
+        "--draft-vocab 40"
+    );
     let o = ballast(&[
         "run", "-m", m, prompt, "-n", "8", "--temp", "0", "--draft", "ngram",
     ]);
