@@ -716,8 +716,10 @@ impl TileOut {
 
 /// Signature of a wide prefill kernel: weight rows `w` against tokens `t0..t0 + nt`,
 /// written through `out`. It returns false, computing nothing, for a tile it does not
-/// take (the AVX-512 ones take 4 rows, the AVX2 ones up to 16, both whole groups of
-/// [`PACK_TOKENS`] tokens); the caller then uses the narrow kernel.
+/// take (the 32-element formats' AVX-512 ones take 4 rows, their AVX2 ones up to 16,
+/// both whole groups of [`PACK_TOKENS`] tokens; the K-quants' also take a batch's tail,
+/// or a batch of [`K_GROUP_MIN_TOKENS`] to 7 tokens, as a group filled with zeros); the
+/// caller then uses the narrow kernel.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) type WideFn = unsafe fn(
     w: &[u8],
