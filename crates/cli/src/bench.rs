@@ -480,9 +480,10 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
             });
         }
         if on_device {
-            // One more decoded token at the end of a full context of n_gen tokens, to
-            // read what the backend counted, then the same token profiled per kernel.
-            let tokens = prompt_tokens(args.n_gen.max(1), vocab);
+            // One more decoded token at the end of a full context of the depth and n_gen
+            // tokens, to read what the backend counted, then the same token profiled
+            // per kernel.
+            let tokens = prompt_tokens(depth + args.n_gen.max(1), vocab);
             let session = generator.session_mut();
             session.rewind(0);
             if tokens.len() > 1 {
@@ -906,7 +907,7 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
         println!("peak resident memory: {}", human_bytes(kib * 1024));
     }
     if let Some(report) = &device_report {
-        print_device_report(report, args.n_gen.max(1));
+        print_device_report(report, args.n_depth + args.n_gen.max(1));
     }
     let shown: Vec<String> = kv_per_token
         .iter()

@@ -1,6 +1,6 @@
 //! `ballast gpu-check`: everything a session lent a real GPU should learn in one
 //! command, with nothing to build there: the adapter; every reference architecture's
-//! greedy tokens and logits on the GPU against the CPU; and decode speed on synthetic
+//! greedy tokens and logits on the GPU against the CPU; and prompt and decode speed on synthetic
 //! models at real shapes (`ballast synth`), with the bytes a token reads and the share
 //! of the device's memory bandwidth that makes.
 
@@ -29,6 +29,10 @@ pub struct GpuCheckArgs {
     /// Decoded tokens per speed run.
     #[arg(short = 'n', long, default_value_t = 32)]
     pub n_gen: usize,
+    /// Prompt tokens per prompt-processing run (one pass in chunks of the session's
+    /// batch, after an 8-token warm-up).
+    #[arg(short = 'p', long, default_value_t = 512)]
+    pub n_prompt: usize,
     /// The device's peak memory bandwidth in GB/s, for the share a decode uses.
     /// Default: from the adapter's name for the GPUs it knows (H100, H200, A100, L4,
     /// RTX 4090), else none.
@@ -137,10 +141,14 @@ pub fn run(args: GpuCheckArgs) -> Result<()> {
             let file = Arc::new(GgufFile::open(&path, true)?);
             let t = Instant::now();
             let model = Model::load(file, gpu.clone(), true)?;
-            let mut session = Session::new(model, 256)?;
-            let prompt: Vec<u32> = (0..32).map(|i| 40 + i).collect();
-            let mut next = session.feed_greedy(&prompt)?;
+            let mut session = Session::new(model, 8 + args.n_prompt + args.n_gen + 1)?;
+            let warm: Vec<u32> = (0..8).map(|i| 40 + i).collect();
+            session.feed_greedy(&warm)?;
             let load_s = t.elapsed().as_secs_f64();
+            let prompt: Vec<u32> = (0..args.n_prompt as u32).map(|i| 50 + i % 1000).collect();
+            let t = Instant::now();
+            let mut next = session.feed_greedy(&prompt)?;
+            let pp_tps = args.n_prompt as f64 / t.elapsed().as_secs_f64();
             let t = Instant::now();
             let mut bytes = 0u64;
             for _ in 0..args.n_gen {
@@ -155,15 +163,17 @@ pub fn run(args: GpuCheckArgs) -> Result<()> {
             let gbs = per_token as f64 * tps / 1e9;
             let share = peak.map(|p| gbs / p);
             eprintln!(
-                "{shape} {mix:?}: {} written in {write_s:.1} s; load and 32-token prompt {load_s:.1} s; decode {tps:.2} tokens/s, {} read per token = {gbs:.1} GB/s{}",
+                "{shape} {mix:?}: {} written in {write_s:.1} s; load and 8-token warm-up {load_s:.1} s; prompt ({} tokens) {pp_tps:.1} tokens/s; decode {tps:.2} tokens/s, {} read per token = {gbs:.1} GB/s{}",
                 human_bytes(synth.file_bytes()?),
+                args.n_prompt,
                 human_bytes(per_token),
                 share.map_or(String::new(), |s| format!(" ({:.0}% of peak)", s * 100.0))
             );
             speeds.push(
                 json!({"shape": shape, "mix": format!("{mix:?}"), "tokens_per_s": tps,
                 "bytes_per_token": per_token, "gb_per_s": gbs, "share_of_peak": share,
-                "write_s": write_s, "load_and_prompt_s": load_s}),
+                "write_s": write_s, "load_and_warm_up_s": load_s,
+                "prompt_tokens": args.n_prompt, "prompt_tokens_per_s": pp_tps}),
             );
             std::fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
         }
