@@ -612,7 +612,7 @@ macro_rules! backend_suite {
                     other in weight_type(),
                     rows in 1usize..20,
                     blocks in 1usize..3,
-                    n in 1usize..5,
+                    n in 1usize..12,
                     seed in any::<u64>(),
                 ) {
                     let Some(be) = $make() else { return Ok(()) };

@@ -77,11 +77,26 @@ pub(crate) const EMBED: Shader = Shader {
         include_str!("blocks.wgsl")
     ),
 };
+/// Lanes that share one output row of a weight product (the shaders' `LANES`; 64 / it
+/// rows per workgroup). One macro so the WGSL constant and the dispatch counts agree.
+macro_rules! matmul_lanes {
+    () => {
+        16
+    };
+}
+/// [`matmul_lanes`] for Rust.
+pub(super) const MATMUL_LANES: usize = matmul_lanes!();
+/// Output rows per workgroup of a weight product.
+pub(super) const MATMUL_ROWS: usize = 64 / MATMUL_LANES;
+
 pub(crate) const MATMUL: Shader = Shader {
     name: "ballast.matmul",
     source: concat!(
         include_str!("params.wgsl"),
         include_str!("matmul.wgsl"),
+        "const LANES: u32 = ",
+        matmul_lanes!(),
+        "u;\n",
         include_str!("matmul_rows.wgsl"),
         include_str!("blocks.wgsl")
     ),
@@ -91,6 +106,9 @@ pub(crate) const MATMUL_F: Shader = Shader {
     source: concat!(
         include_str!("params.wgsl"),
         include_str!("matmul_f.wgsl"),
+        "const LANES: u32 = ",
+        matmul_lanes!(),
+        "u;\n",
         include_str!("matmul_rows.wgsl"),
         include_str!("blocks.wgsl")
     ),
@@ -120,6 +138,9 @@ pub(crate) const NEURON_HIDDEN: Shader = Shader {
     source: concat!(
         include_str!("params.wgsl"),
         include_str!("matmul.wgsl"),
+        "const LANES: u32 = ",
+        matmul_lanes!(),
+        "u;\n",
         include_str!("matmul_rows.wgsl"),
         include_str!("neuron_hidden.wgsl"),
         include_str!("blocks.wgsl"),
@@ -131,6 +152,9 @@ pub(crate) const NEURON_HIDDEN_F: Shader = Shader {
     source: concat!(
         include_str!("params.wgsl"),
         include_str!("matmul_f.wgsl"),
+        "const LANES: u32 = ",
+        matmul_lanes!(),
+        "u;\n",
         include_str!("matmul_rows.wgsl"),
         include_str!("neuron_hidden.wgsl"),
         include_str!("blocks.wgsl"),

@@ -135,7 +135,7 @@ impl WgpuBackend {
                     &[("WTYPE", layout.up_type.id() as f64)],
                     &bindings,
                     params,
-                    [k.div_ceil(8) as u32, 1, n as u32],
+                    [k.div_ceil(MATMUL_ROWS) as u32, 1, n as u32],
                     "neuron hidden",
                     (n * n_embd * 4 + words.len() * 4) as u64,
                     (n * listed * 4) as u64,

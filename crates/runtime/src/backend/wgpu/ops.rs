@@ -20,6 +20,10 @@ pub(super) struct ExpertRows<'a> {
     pub(super) per_input: usize,
 }
 
+/// Tokens whose products one workgroup of `matmul_rows` computes, reading each weight
+/// row once for all of them (`TILE` in matmul.wgsl and matmul_f.wgsl).
+const MATMUL_TILE: usize = 8;
+
 /// Floats of activation scales per block for an activation type.
 pub(super) fn scales_per_block(act: GgmlType) -> usize {
     match act {
@@ -100,8 +104,12 @@ impl WgpuBackend {
                             [chunk.first_row as u32, w.row_bytes as u32, 0, 0],
                             [0.0; 4],
                         ),
-                        [chunk.rows.div_ceil(8) as u32, 1, n as u32],
-                        (chunk.rows * w.row_bytes * n) as u64,
+                        [
+                            chunk.rows.div_ceil(MATMUL_ROWS) as u32,
+                            1,
+                            n.div_ceil(MATMUL_TILE) as u32,
+                        ],
+                        (chunk.rows * w.row_bytes * n.div_ceil(MATMUL_TILE)) as u64,
                         (chunk.rows * n * 4) as u64,
                     ),
                     Some(e) => {
@@ -124,7 +132,7 @@ impl WgpuBackend {
                                 ],
                                 [0.0; 4],
                             ),
-                            [per_expert.div_ceil(8) as u32, 1, e.n_out as u32],
+                            [per_expert.div_ceil(MATMUL_ROWS) as u32, 1, e.n_out as u32],
                             share(e.n_out * per_expert * w.row_bytes),
                             share(e.n_out * per_expert * 4),
                         )
@@ -163,7 +171,7 @@ impl WgpuBackend {
                         params,
                         groups,
                         "matmul",
-                        (n * k * 4) as u64,
+                        (n * k) as u64,
                         written,
                         wbytes,
                     );
@@ -195,7 +203,8 @@ impl WgpuBackend {
         let nb = n * k / bl;
         // One pair per activation type: a batch may need two at once.
         let tag = at.id();
-        let aq = rec.scratch("quantized activations", tag, (n * k * 4) as u64)?;
+        // Four 8-bit values to a word (quantize.wgsl).
+        let aq = rec.scratch("quantized activations", tag, (n * k) as u64)?;
         let asc = rec.scratch(
             "activation scales",
             tag,
@@ -207,10 +216,11 @@ impl WgpuBackend {
             &[("ATYPE", at.id() as f64)],
             &[x, &aq, &asc],
             Params::new([n as u32, k as u32, 0, 0], [0; 4], [0.0; 4]),
-            [nb.div_ceil(64) as u32, 1, 1],
+            // A Q8_K block is one workgroup; eight 32-value blocks share one.
+            [if bl == 256 { nb } else { nb.div_ceil(8) } as u32, 1, 1],
             "quantize",
             (n * k * 4) as u64,
-            (n * k * 4 + nb * scales_per_block(at) * 4) as u64,
+            (n * k + nb * scales_per_block(at) * 4) as u64,
             0,
         );
         Ok((aq, asc))

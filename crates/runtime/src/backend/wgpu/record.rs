@@ -91,6 +91,11 @@ struct Timer {
 /// One pass being recorded.
 pub(crate) struct Recorder<'c> {
     ctx: &'c GpuContext,
+    /// The compute pass consecutive untimed dispatches share (declared before the
+    /// encoder it locks, so it ends first). A pass per dispatch cost the host more than
+    /// the kernels took on a real GPU; wgpu orders the dispatches of one pass by the
+    /// buffers they read and write as it orders passes.
+    pass: Option<wgpu::ComputePass<'static>>,
     encoder: wgpu::CommandEncoder,
     params: Vec<ParamChunk>,
     align: u64,
@@ -143,6 +148,7 @@ impl<'c> Recorder<'c> {
         };
         Recorder {
             ctx,
+            pass: None,
             encoder,
             params: Vec::new(),
             align: u64::from(ctx.limits().min_uniform_buffer_offset_alignment).max(PARAMS_SIZE),
@@ -233,6 +239,7 @@ impl<'c> Recorder<'c> {
     /// overwrite a buffer its earlier commands read (a stream slot) does this first,
     /// since queue writes land before the next submission's commands.
     pub(crate) fn flush(&mut self) -> Result<()> {
+        self.pass = None;
         self.write_params()?;
         let next = self
             .ctx
@@ -256,6 +263,7 @@ impl<'c> Recorder<'c> {
         offset: u64,
         bytes: u64,
     ) -> Result<Vec<u8>> {
+        self.pass = None;
         self.write_params()?;
         let next = self
             .ctx
@@ -380,16 +388,27 @@ impl<'c> Recorder<'c> {
             }
             _ => None,
         };
-        {
-            let mut pass = self
-                .encoder
-                .begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some(label),
-                    timestamp_writes,
-                });
-            pass.set_pipeline(&pipeline);
-            pass.set_bind_group(0, &bind_group, &[]);
-            pass.dispatch_workgroups(x, y, z);
+        // A timed dispatch has a pass of its own, whose ends the timestamps mark.
+        if timestamp_writes.is_some() {
+            self.pass = None;
+        }
+        let timed = timestamp_writes.is_some();
+        let pass = match &mut self.pass {
+            Some(pass) => pass,
+            open => open.insert(
+                self.encoder
+                    .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                        label: Some(if timed { label } else { "ballast kernels" }),
+                        timestamp_writes,
+                    })
+                    .forget_lifetime(),
+            ),
+        };
+        pass.set_pipeline(&pipeline);
+        pass.set_bind_group(0, &bind_group, &[]);
+        pass.dispatch_workgroups(x, y, z);
+        if timed {
+            self.pass = None;
         }
         self.report.dispatches += 1;
         self.report.weight_bytes_read += weights;
@@ -399,6 +418,7 @@ impl<'c> Recorder<'c> {
 
     /// Records zeroing the first `bytes` (whole words) of `buffer`.
     pub(crate) fn clear(&mut self, buffer: &wgpu::Buffer, bytes: u64) {
+        self.pass = None;
         self.encoder.clear_buffer(buffer, 0, Some(bytes));
         self.report.bytes_written += bytes;
     }
@@ -412,6 +432,7 @@ impl<'c> Recorder<'c> {
         dst_offset: u64,
         bytes: u64,
     ) {
+        self.pass = None;
         self.encoder
             .copy_buffer_to_buffer(src, src_offset, dst, dst_offset, bytes);
         self.report.bytes_written += bytes;
@@ -424,6 +445,7 @@ impl<'c> Recorder<'c> {
         mut self,
         sources: &[(&wgpu::Buffer, u64, u64)],
     ) -> Result<(Vec<u8>, PassReport)> {
+        self.pass = None;
         self.write_params()?;
         let mut all: Vec<(&wgpu::Buffer, u64, u64)> = sources.to_vec();
         let n_queries = self.timer.as_ref().map_or(0, |t| 2 * t.labels.len() as u32);
