@@ -693,6 +693,23 @@ macro_rules! backend_suite {
                     attention_case(be.as_ref(), n_kv_heads, group, head_dim, cached, n, split, elem, seed)?;
                 }
 
+                // Over 256 cached keys with few queries the wgpu backend splits the
+                // keys between workgroups and combines their sums (flash decoding).
+                #[test]
+                fn attention_over_many_keys_matches_the_reference(
+                    n_kv_heads in 1usize..3,
+                    group in 1usize..3,
+                    head_dim in 1usize..70,
+                    cached in 250usize..800,
+                    n in 1usize..3,
+                    split in 0usize..800,
+                    elem in kv_elem(),
+                    seed in any::<u64>(),
+                ) {
+                    let Some(be) = $make() else { return Ok(()) };
+                    attention_case(be.as_ref(), n_kv_heads, group, head_dim, cached, n, split, elem, seed)?;
+                }
+
                 #[test]
                 fn elementwise_ops_match_the_reference(
                     rows in 1usize..5,

@@ -199,3 +199,75 @@ fn attention(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id
         }
     }
 }
+
+// Split attention for few queries over many keys (flash decoding): one workgroup per
+// (query head, token, split of WG keys), so a decoded token's heads fill the device
+// instead of one workgroup per head walking every key. Each split writes, at
+// ((t * n_heads + h) * splits + s) * (head_dim + 2) of `scores`: its largest score
+// (-3e38 if it sees no key), the sum of exp(score - largest), and the head_dim sums of
+// those weights times the values; attention_combine.wgsl rescales them to one maximum
+// and divides. c.z: the splits.
+@compute @workgroup_size(256)
+fn attention_split(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let n_heads = p.a.y;
+    let hd = p.a.w;
+    let h = wid.x;
+    let t = wid.y;
+    let split = wid.z;
+    let row = p.c.x + t;
+    let group = max(n_heads / p.a.z, 1u);
+    let kvh = h / group;
+    let kv_dim = p.a.z * hd;
+    let qo = (row * n_heads + h) * hd;
+    let qp = qpos[row];
+    let n = p.b.x;
+    let first = split * WG;
+    let i = first + lid.x;
+    var score = -3.0e38;
+    var found = 0.0;
+    if (i < n) {
+        if (sees(kpos[i], qp)) {
+            score = dot_cpu_order(qo, i * kv_dim + kvh * hd, hd) * p.f.x;
+            found = 1.0;
+        }
+    }
+    let split_max = reduce_max(lid.x, score);
+    let any = reduce_max(lid.x, found);
+    var e = 0.0;
+    if (found > 0.0) {
+        e = exp(score - split_max);
+    }
+    wsh[lid.x] = e;
+    // Its barriers also make `wsh` visible to the whole workgroup.
+    let total = reduce_sum(lid.x, e);
+    let base = ((t * n_heads + h) * p.c.z + split) * (hd + 2u);
+    if (lid.x == 0u) {
+        scores[base] = select(-3.0e38, split_max, any > 0.0);
+        scores[base + 1u] = total;
+    }
+    let m = min(WG, n - first);
+    let vo = kvh * hd;
+    for (var d = lid.x; d < hd; d += WG) {
+        var acc = 0.0;
+        var j = 0u;
+        for (; j + 8u <= m; j += 8u) {
+            var v: array<f32, 8>;
+            for (var u = 0u; u < 8u; u++) {
+                v[u] = value((first + j + u) * kv_dim + vo + d);
+            }
+            for (var u = 0u; u < 8u; u++) {
+                let w = wsh[j + u];
+                if (w != 0.0) {
+                    acc += w * v[u];
+                }
+            }
+        }
+        for (; j < m; j++) {
+            let w = wsh[j];
+            if (w != 0.0) {
+                acc += w * value((first + j) * kv_dim + vo + d);
+            }
+        }
+        scores[base + 2u + d] = acc;
+    }
+}

@@ -173,6 +173,13 @@ pub(crate) const ATTENTION: Shader = Shader {
     name: "ballast.attention",
     source: concat!(include_str!("params.wgsl"), include_str!("attention.wgsl")),
 };
+pub(crate) const ATTENTION_COMBINE: Shader = Shader {
+    name: "ballast.attention_combine",
+    source: concat!(
+        include_str!("params.wgsl"),
+        include_str!("attention_combine.wgsl")
+    ),
+};
 pub(crate) const KV_WRITE: Shader = Shader {
     name: "ballast.kv_write",
     source: concat!(include_str!("params.wgsl"), include_str!("kv_write.wgsl")),

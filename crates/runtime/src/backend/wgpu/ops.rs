@@ -24,6 +24,14 @@ pub(super) struct ExpertRows<'a> {
 /// row once for all of them (`TILE` in matmul.wgsl and matmul_f.wgsl).
 const MATMUL_TILE: usize = 8;
 
+/// Keys per workgroup of split attention (attention.wgsl's `WG`).
+const ATTENTION_SPLIT_KEYS: usize = 256;
+
+/// Split attention runs when the (query head, token) pairs are fewer than this: a
+/// decoded token's 32 heads as 32 workgroups, each over every key, left most of an H200
+/// idle (0.5 ms per layer at 1,500 keys).
+const ATTENTION_SPLIT_BELOW: usize = 256;
+
 /// Floats of activation scales per block for an activation type.
 pub(super) fn scales_per_block(act: GgmlType) -> usize {
     match act {
@@ -398,6 +406,67 @@ impl WgpuBackend {
         // Every (query head, token) reads its KV head's rows.
         let elems = n_tokens * shape.n_heads * n_cached * shape.head_dim;
         let kv_read = keys.elem.read_bytes(elems) + values.elem.read_bytes(elems);
+        let splits = n_cached.div_ceil(ATTENTION_SPLIT_KEYS);
+        if splits > 1 && n_tokens * shape.n_heads < ATTENTION_SPLIT_BELOW {
+            let parts = rec.scratch(
+                "attention partials",
+                0,
+                (n_tokens * shape.n_heads * splits.next_power_of_two() * (shape.head_dim + 2) * 4)
+                    as u64,
+            )?;
+            let params = |a: [u32; 4]| {
+                Params::new(
+                    a,
+                    [
+                        n_cached as u32,
+                        0,
+                        keys.scale_word as u32,
+                        values.scale_word as u32,
+                    ],
+                    [shape.scale, f32::from_bits(window), 0.0, 0.0],
+                )
+                .with_c([first_row as u32, 0, splits as u32, 0])
+            };
+            let (heads, tokens) = (shape.n_heads as u32, n_tokens as u32);
+            let (q_bytes, part_bytes) = (
+                (n_tokens * shape.n_heads * shape.head_dim * 4) as u64,
+                (n_tokens * shape.n_heads * splits * (shape.head_dim + 2) * 4) as u64,
+            );
+            rec.dispatch(
+                &ATTENTION,
+                "attention_split",
+                &[
+                    ("KTYPE", keys.elem.kernel_type()),
+                    ("VTYPE", values.elem.kernel_type()),
+                ],
+                &[q, keys.buffer, values.buffer, kpos, qpos, &parts],
+                params([
+                    tokens,
+                    heads,
+                    shape.n_kv_heads as u32,
+                    shape.head_dim as u32,
+                ]),
+                [heads, tokens, splits as u32],
+                "attention",
+                q_bytes,
+                part_bytes,
+                0,
+            );
+            rec.dispatch(
+                &ATTENTION_COMBINE,
+                "attention_combine",
+                &[],
+                &[&parts, out],
+                params([tokens, heads, splits as u32, shape.head_dim as u32]),
+                [heads, tokens, 1],
+                "attention",
+                part_bytes,
+                q_bytes,
+                0,
+            );
+            rec.add_kv_read(kv_read);
+            return Ok(());
+        }
         rec.dispatch(
             &ATTENTION,
             "attention",
