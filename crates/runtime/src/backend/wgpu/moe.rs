@@ -182,7 +182,8 @@ impl WgpuBackend {
                 [0; 4],
                 [spec.weights_scale.unwrap_or(1.0), 0.0, 0.0, 0.0],
             ),
-            [n.div_ceil(64) as u32, 1, 1],
+            // One workgroup per token row.
+            [n as u32, 1, 1],
             "moe_route",
             f4(n * ne),
             f4(2 * n * k),
@@ -288,7 +289,8 @@ impl WgpuBackend {
                 [0; 4],
                 [spec.weights_scale.unwrap_or(1.0), 0.0, 0.0, 0.0],
             ),
-            [n.div_ceil(64) as u32, 1, 1],
+            // One workgroup per token row.
+            [n as u32, 1, 1],
             "moe_route",
             0,
             0,
