@@ -65,8 +65,9 @@ pub(crate) const USAGE: &str =
                 gemma3-270m), into the model cache (needs pip)
   test          cargo fmt --check, the lever crates build without the runtime (cargo tree
                 names no wgpu, tokenizers, minijinja or ballast-runtime), clippy -D warnings
-                (also of ballast-runtime without its gpu feature), every test of the workspace, and
-                ballast serve driven by the openai Python package (crates/server/tests/python)
+                (also of ballast-runtime without its gpu feature), every test of the workspace,
+                ballast gpu-check on the adapter found here (lavapipe in CI), and ballast serve
+                driven by the openai Python package (crates/server/tests/python)
   bench         ballast bench on the default model, qwen2.5-coder-0.5b (K-quants and Q5_0) and
                 gemma3-270m (Q4_K_M; both fetched on first use) at 1 and 2 threads (-p 128
                 -n 128 -r 5, two rounds; --quick: -r 3, one round), and the default model's
@@ -348,9 +349,36 @@ fn test() -> Result<()> {
                 .env("BALLAST_SIMD", level),
         )?;
     }
+    gpu_check_here()?;
     neon_tests()?;
     openai_e2e()?;
     Ok(())
+}
+
+/// `ballast gpu-check`, what a lent GPU machine runs (`cargo xtask gpu-check`), here on
+/// the adapter wgpu finds (lavapipe in CI) with the debug binary the tests built, and a
+/// 64-token prompt: the reference models against the CPU and the speed figures on the
+/// SmolLM2-shaped models. Without an adapter it is skipped, as the GPU tests are,
+/// except under CI.
+fn gpu_check_here() -> Result<()> {
+    let name = "ballast gpu-check (the adapter found here)";
+    eprintln!("==> {name}");
+    let out = Command::new(debug_ballast()?)
+        .args(["gpu-check", "-p", "64", "-n", "8"])
+        .output()
+        .with_context(|| format!("starting {name}"))?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprint!("{stderr}");
+    if out.status.success() {
+        return Ok(());
+    }
+    if std::env::var_os("CI").is_none() && stderr.contains("no wgpu adapter") {
+        eprintln!(
+            "==> {name} skipped: no wgpu adapter (Debian: apt-get install mesa-vulkan-drivers)"
+        );
+        return Ok(());
+    }
+    bail!("{name} failed ({})", out.status)
 }
 
 /// The workspace's target folder: `CARGO_TARGET_DIR`, else `target` at its root.
