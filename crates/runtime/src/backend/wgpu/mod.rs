@@ -84,6 +84,13 @@ macro_rules! matmul_lanes {
         16
     };
 }
+/// The WGSL declaration of `LANES`, put before `matmul_rows.wgsl` in each shader that
+/// includes it.
+macro_rules! lanes_decl {
+    () => {
+        concat!("const LANES: u32 = ", matmul_lanes!(), "u;\n")
+    };
+}
 /// [`matmul_lanes`] for Rust.
 pub(super) const MATMUL_LANES: usize = matmul_lanes!();
 /// Output rows per workgroup of a weight product.
@@ -94,9 +101,7 @@ pub(crate) const MATMUL: Shader = Shader {
     source: concat!(
         include_str!("params.wgsl"),
         include_str!("matmul.wgsl"),
-        "const LANES: u32 = ",
-        matmul_lanes!(),
-        "u;\n",
+        lanes_decl!(),
         include_str!("matmul_rows.wgsl"),
         include_str!("blocks.wgsl")
     ),
@@ -106,9 +111,7 @@ pub(crate) const MATMUL_F: Shader = Shader {
     source: concat!(
         include_str!("params.wgsl"),
         include_str!("matmul_f.wgsl"),
-        "const LANES: u32 = ",
-        matmul_lanes!(),
-        "u;\n",
+        lanes_decl!(),
         include_str!("matmul_rows.wgsl"),
         include_str!("blocks.wgsl")
     ),
@@ -138,9 +141,7 @@ pub(crate) const NEURON_HIDDEN: Shader = Shader {
     source: concat!(
         include_str!("params.wgsl"),
         include_str!("matmul.wgsl"),
-        "const LANES: u32 = ",
-        matmul_lanes!(),
-        "u;\n",
+        lanes_decl!(),
         include_str!("matmul_rows.wgsl"),
         include_str!("neuron_hidden.wgsl"),
         include_str!("blocks.wgsl"),
@@ -152,9 +153,7 @@ pub(crate) const NEURON_HIDDEN_F: Shader = Shader {
     source: concat!(
         include_str!("params.wgsl"),
         include_str!("matmul_f.wgsl"),
-        "const LANES: u32 = ",
-        matmul_lanes!(),
-        "u;\n",
+        lanes_decl!(),
         include_str!("matmul_rows.wgsl"),
         include_str!("neuron_hidden.wgsl"),
         include_str!("blocks.wgsl"),
