@@ -70,6 +70,32 @@ var<workgroup> red: array<f32, 256>;
 // A chunk's weights (scores times 1/sum).
 var<workgroup> wsh: array<f32, 256>;
 
+// acc plus the weights wsh[0..m] times element `at` of the values of keys first..first+m,
+// in key order. Eight values are loaded before they are added, so their loads overlap.
+fn add_weighted(acc_in: f32, first: u32, m: u32, at: u32, kv_dim: u32) -> f32 {
+    var acc = acc_in;
+    var j = 0u;
+    for (; j + 8u <= m; j += 8u) {
+        var v: array<f32, 8>;
+        for (var u = 0u; u < 8u; u++) {
+            v[u] = value((first + j + u) * kv_dim + at);
+        }
+        for (var u = 0u; u < 8u; u++) {
+            let w = wsh[j + u];
+            if (w != 0.0) {
+                acc += w * v[u];
+            }
+        }
+    }
+    for (; j < m; j++) {
+        let w = wsh[j];
+        if (w != 0.0) {
+            acc += w * value((first + j) * kv_dim + at);
+        }
+    }
+    return acc;
+}
+
 // q·k summed in the CPU backend's order: eight lane sums, added in lane order, then the
 // tail.
 fn dot_cpu_order(qo: u32, ko: u32, hd: u32) -> f32 {
@@ -171,26 +197,7 @@ fn attention(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id
             wsh[lid.x] = wgt;
             workgroupBarrier();
             if (in_head) {
-                let m = min(WG, n - c);
-                var j = 0u;
-                for (; j + 8u <= m; j += 8u) {
-                    var v: array<f32, 8>;
-                    for (var u = 0u; u < 8u; u++) {
-                        v[u] = value((c + j + u) * kv_dim + vo + d);
-                    }
-                    for (var u = 0u; u < 8u; u++) {
-                        let w = wsh[j + u];
-                        if (w != 0.0) {
-                            acc += w * v[u];
-                        }
-                    }
-                }
-                for (; j < m; j++) {
-                    let w = wsh[j];
-                    if (w != 0.0) {
-                        acc += w * value((c + j) * kv_dim + vo + d);
-                    }
-                }
+                acc = add_weighted(acc, c, min(WG, n - c), vo + d, kv_dim);
             }
             workgroupBarrier();
         }
@@ -248,26 +255,6 @@ fn attention_split(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgr
     let m = min(WG, n - first);
     let vo = kvh * hd;
     for (var d = lid.x; d < hd; d += WG) {
-        var acc = 0.0;
-        var j = 0u;
-        for (; j + 8u <= m; j += 8u) {
-            var v: array<f32, 8>;
-            for (var u = 0u; u < 8u; u++) {
-                v[u] = value((first + j + u) * kv_dim + vo + d);
-            }
-            for (var u = 0u; u < 8u; u++) {
-                let w = wsh[j + u];
-                if (w != 0.0) {
-                    acc += w * v[u];
-                }
-            }
-        }
-        for (; j < m; j++) {
-            let w = wsh[j];
-            if (w != 0.0) {
-                acc += w * value((first + j) * kv_dim + vo + d);
-            }
-        }
-        scores[base + 2u + d] = acc;
+        scores[base + 2u + d] = add_weighted(0.0, first, m, vo + d, kv_dim);
     }
 }
