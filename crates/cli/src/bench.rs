@@ -827,6 +827,14 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
     for r in &results {
         if let Some(pt) = r.per_token {
             let total = pt.matmul + pt.attention + pt.other;
+            if device_report.is_some() {
+                // The ops ran inside the device's pass: the host saw only the whole.
+                println!(
+                    "  {:.3} ms per token on the device (its kernels: the table below)",
+                    total.as_secs_f64() * 1e3
+                );
+                continue;
+            }
             let pct = |d: Duration| 100.0 * d.as_secs_f64() / total.as_secs_f64().max(1e-12);
             println!(
                 "  {} threads: matrix products {:.3} ms ({:.0}%), attention {:.3} ms ({:.0}%), the rest {:.3} ms ({:.0}%)",
