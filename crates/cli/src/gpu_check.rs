@@ -1,8 +1,8 @@
 //! `ballast gpu-check`: everything a session lent a real GPU should learn in one
 //! command, with nothing to build there: the adapter; every reference architecture's
-//! greedy tokens and logits on the GPU against the CPU; and prompt and decode speed on synthetic
-//! models at real shapes (`ballast synth`), with the bytes a token reads and the share
-//! of the device's memory bandwidth that makes.
+//! greedy tokens and logits on the GPU against the CPU; and prompt and decode speed on
+//! synthetic models at real shapes (`ballast synth`), with the bytes a token reads and
+//! the share of the device's memory bandwidth that makes.
 
 use std::path::PathBuf;
 use std::sync::Arc;
