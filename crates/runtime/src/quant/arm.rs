@@ -1,7 +1,9 @@
 //! aarch64 NEON kernels for the quantized formats the real models use (Q4_0, Q4_1,
-//! Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), one row and token at a time (the plain types
-//! use the scalar kernels), and activation quantization to Q8_0, Q8_1 and Q8_K with the
-//! scalar code's bytes.
+//! Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; the plain types use the scalar kernels), and
+//! activation quantization to Q8_0, Q8_1 and Q8_K with the scalar code's bytes. Each
+//! block of a weight row is unpacked once for up to eight tokens (a prompt's tile), and
+//! the integer products go through `sdot` where the CPU has it. Their speed has not been
+//! measured on an ARM machine (none was at hand): only their bits, under qemu.
 //!
 //! They sum in the scalar reference's order, so every level gives the same bits, which
 //! a test run under qemu checks (`cargo xtask test` when the aarch64 target and qemu
@@ -18,19 +20,32 @@ use super::{QuantizedActivations, TileFn};
 use crate::ggml_type::GgmlType;
 use std::arch::aarch64::*;
 
-/// The NEON tile kernel for `ty`, if there is one.
+/// The NEON tile kernel for `ty`, if there is one: with `sdot` where the CPU has the
+/// dot-product instructions (Apple M1 and later, Graviton 2 and later, Cortex-A76 and
+/// later), else the widening multiplies.
 pub(crate) fn kernel_neon(ty: GgmlType) -> Option<TileFn> {
-    match ty {
-        GgmlType::Q4_0 => Some(tile::<KIND_Q4_0>),
-        GgmlType::Q4_1 => Some(tile::<KIND_Q4_1>),
-        GgmlType::Q5_0 => Some(tile::<KIND_Q5_0>),
-        GgmlType::Q5_1 => Some(tile::<KIND_Q5_1>),
-        GgmlType::Q8_0 => Some(tile::<KIND_Q8_0>),
-        GgmlType::Q4_K => Some(tile::<KIND_Q4_K>),
-        GgmlType::Q5_K => Some(tile::<KIND_Q5_K>),
-        GgmlType::Q6_K => Some(tile::<KIND_Q6_K>),
-        _ => None,
+    if std::arch::is_aarch64_feature_detected!("dotprod") {
+        kernel_for::<true>(ty)
+    } else {
+        kernel_for::<false>(ty)
     }
+}
+
+fn kernel_for<const DOT: bool>(ty: GgmlType) -> Option<TileFn> {
+    fn pick<const DOT: bool, const KIND: u8>() -> TileFn {
+        tile::<KIND, DOT>
+    }
+    Some(match ty {
+        GgmlType::Q4_0 => pick::<DOT, KIND_Q4_0>(),
+        GgmlType::Q4_1 => pick::<DOT, KIND_Q4_1>(),
+        GgmlType::Q5_0 => pick::<DOT, KIND_Q5_0>(),
+        GgmlType::Q5_1 => pick::<DOT, KIND_Q5_1>(),
+        GgmlType::Q8_0 => pick::<DOT, KIND_Q8_0>(),
+        GgmlType::Q4_K => pick::<DOT, KIND_Q4_K>(),
+        GgmlType::Q5_K => pick::<DOT, KIND_Q5_K>(),
+        GgmlType::Q6_K => pick::<DOT, KIND_Q6_K>(),
+        _ => return None,
+    })
 }
 
 const KIND_Q4_0: u8 = 0;
@@ -144,78 +159,72 @@ unsafe fn unpack<const KIND: u8>(x: &[u8]) -> (int8x16_t, int8x16_t, f32, f32) {
     }
 }
 
-/// One weight row (`w`) against one quantized activation row (`a`, its scales `s`).
+/// Sums of four adjacent products of 16 signed bytes added to `acc`: `sdot` where the
+/// CPU has the dot-product instructions (`DOT`), else [`group_sums`]. Exact in i32 either
+/// way, so both give the same bits.
 ///
 /// # Safety
-/// `w` must be whole blocks of `KIND` and `a`/`s` at least as many activation blocks.
-#[target_feature(enable = "neon")]
-unsafe fn dot<const KIND: u8>(w: &[u8], a: &[u8], s: &[f32]) -> f32 {
-    let (wb, ab, per_block) = geometry(KIND);
-    let mut lanes_lo = vdupq_n_f32(0.0);
-    let mut lanes_hi = vdupq_n_f32(0.0);
-    let mut mins = 0f32;
-    for (b, (x, y)) in w.chunks_exact(wb).zip(a.chunks_exact(ab)).enumerate() {
-        // SAFETY: `x` is a whole block; `y`'s last 32 bytes are its quants.
-        let (q_lo, q_hi, d, m) = unsafe { unpack::<KIND>(x) };
-        let yq = &y[ab - 32..];
-        // SAFETY: `yq` is 32 bytes.
-        let (y_lo, y_hi) = unsafe {
-            (
-                vld1q_s8(yq.as_ptr() as *const i8),
-                vld1q_s8(yq[16..].as_ptr() as *const i8),
-            )
-        };
-        let dd = vdupq_n_f32(d * s[per_block * b]);
-        lanes_lo = vfmaq_f32(lanes_lo, vcvtq_f32_s32(group_sums(q_lo, y_lo)), dd);
-        lanes_hi = vfmaq_f32(lanes_hi, vcvtq_f32_s32(group_sums(q_hi, y_hi)), dd);
-        if per_block == 2 {
-            mins = m.mul_add(s[2 * b + 1], mins);
-        }
-    }
-    // [l0+l4, l1+l5, l2+l6, l3+l7], then ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
-    let t = vaddq_f32(lanes_lo, lanes_hi);
-    let (t0, t1, t2, t3) = (
-        vgetq_lane_f32::<0>(t),
-        vgetq_lane_f32::<1>(t),
-        vgetq_lane_f32::<2>(t),
-        vgetq_lane_f32::<3>(t),
-    );
-    (t0 + t2) + (t1 + t3) + mins
-}
-
-unsafe fn tile<const KIND: u8>(
-    w: &[u8],
-    rb: usize,
-    acts: &QuantizedActivations,
-    t0: usize,
-    nt: usize,
-    out: &mut [f32],
-    stride: usize,
-) {
-    for (i, row) in w.chunks_exact(rb).enumerate() {
-        for j in 0..nt {
-            let (a, s, _) = acts.parts(t0 + j);
-            // SAFETY: NEON support was checked by the caller; `row` is whole blocks and
-            // the activations were quantized for this type and width.
-            out[i * stride + j] = unsafe {
-                match KIND {
-                    KIND_Q4_K => dot_q45_k::<false>(row, a),
-                    KIND_Q5_K => dot_q45_k::<true>(row, a),
-                    KIND_Q6_K => dot_q6_k(row, a),
-                    _ => dot::<KIND>(row, a, s),
-                }
-            };
-        }
-    }
-}
-
-/// The sum of the 16 products of two vectors of signed bytes whose products fit i16.
+/// With `DOT`, the CPU must have the `dotprod` feature.
 #[inline]
 #[target_feature(enable = "neon")]
-fn dot16(x: int8x16_t, y: int8x16_t) -> i32 {
-    let lo = vmull_s8(vget_low_s8(x), vget_low_s8(y));
-    let hi = vmull_s8(vget_high_s8(x), vget_high_s8(y));
-    vaddvq_s32(vpadalq_s16(vpaddlq_s16(lo), hi))
+unsafe fn sums4<const DOT: bool>(acc: int32x4_t, x: int8x16_t, y: int8x16_t) -> int32x4_t {
+    if DOT {
+        // SAFETY: the caller's contract.
+        unsafe { sdot(acc, x, y) }
+    } else {
+        vaddq_s32(acc, group_sums(x, y))
+    }
+}
+
+/// `sdot`: lane `i` of `acc` plus the four products of bytes `4i..4i + 4`. Inline
+/// assembly, as the intrinsic (`vdotq_s32`) is not stable in Rust; the directive lets
+/// the assembler take the instruction in functions compiled without `dotprod`, so that
+/// the kernels inline it (`#[inline(always)]` and `#[target_feature]` do not combine).
+///
+/// # Safety
+/// The CPU must have the `dotprod` feature.
+#[inline(always)]
+unsafe fn sdot(mut acc: int32x4_t, x: int8x16_t, y: int8x16_t) -> int32x4_t {
+    // SAFETY: `sdot` reads and writes only these registers; the caller checked the
+    // feature.
+    unsafe {
+        std::arch::asm!(
+            ".arch_extension dotprod",
+            "sdot {acc:v}.4s, {x:v}.16b, {y:v}.16b",
+            acc = inout(vreg) acc,
+            x = in(vreg) x,
+            y = in(vreg) y,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    acc
+}
+
+/// The sum of the products of two 32-byte halves (`x0 . y0 + x1 . y1`), exact in i32.
+///
+/// # Safety
+/// As [`sums4`].
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn dot32<const DOT: bool>(
+    x0: int8x16_t,
+    y0: int8x16_t,
+    x1: int8x16_t,
+    y1: int8x16_t,
+) -> i32 {
+    // SAFETY: the caller's contract.
+    unsafe { vaddvq_s32(sums4::<DOT>(sums4::<DOT>(vdupq_n_s32(0), x0, y0), x1, y1)) }
+}
+
+/// The sum of the 16 products of two vectors of signed bytes, exact in i32.
+///
+/// # Safety
+/// As [`sums4`].
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn dot16<const DOT: bool>(x: int8x16_t, y: int8x16_t) -> i32 {
+    // SAFETY: the caller's contract.
+    unsafe { vaddvq_s32(sums4::<DOT>(vdupq_n_s32(0), x, y)) }
 }
 
 /// Loads 16 signed bytes at `p[at..]`.
@@ -230,34 +239,159 @@ unsafe fn load16(p: &[u8], at: usize) -> int8x16_t {
     unsafe { vld1q_s8(p.as_ptr().add(at) as *const i8) }
 }
 
-/// A Q4_K (or, with `FIVE`, Q5_K) row against a Q8_K row: per block the integer sums of
-/// the scalar kernel, `si` (scales times sub-block dot products) and `sm` (minimums
-/// times the activations' 16-element sums), then its f32 expression.
+/// Most tokens a weight row's blocks are unpacked for at once: their accumulators and a
+/// block's unpacked quants stay in the 32 vector registers.
+const TOKENS: usize = 8;
+
+/// Each row of `w` against tokens `t0..t0 + nt`: each block of the row unpacked once for
+/// up to [`TOKENS`] tokens, every (row, token) pair summed in its own accumulators in the
+/// reference's order (so the same bits as one pair at a time); `DOT` takes the integer
+/// products through `sdot`.
 ///
 /// # Safety
-/// `w` must be whole blocks and `a` at least as many Q8_K blocks.
+/// The CPU must have NEON, and `dotprod` with `DOT`; `w` must be whole rows of `rb`
+/// bytes of `KIND`, and tokens `t0..t0 + nt` of `acts` quantized for it at the same
+/// width.
 #[target_feature(enable = "neon")]
-unsafe fn dot_q45_k<const FIVE: bool>(w: &[u8], a: &[u8]) -> f32 {
+unsafe fn tile<const KIND: u8, const DOT: bool>(
+    w: &[u8],
+    rb: usize,
+    acts: &QuantizedActivations,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    for (i, row) in w.chunks_exact(rb).enumerate() {
+        let mut t = 0;
+        while t < nt {
+            let dst = &mut out[i * stride + t..];
+            let first = t0 + t;
+            // SAFETY: the caller's contract, passed on.
+            t += unsafe {
+                match nt - t {
+                    n if n >= TOKENS => row_tokens::<KIND, DOT, TOKENS>(row, acts, first, dst),
+                    n if n >= 4 => row_tokens::<KIND, DOT, 4>(row, acts, first, dst),
+                    3 => row_tokens::<KIND, DOT, 3>(row, acts, first, dst),
+                    2 => row_tokens::<KIND, DOT, 2>(row, acts, first, dst),
+                    _ => row_tokens::<KIND, DOT, 1>(row, acts, first, dst),
+                }
+            };
+        }
+    }
+}
+
+/// One row against `NT` tokens from `first`, written to `dst[..NT]`; returns `NT`.
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn row_tokens<const KIND: u8, const DOT: bool, const NT: usize>(
+    row: &[u8],
+    acts: &QuantizedActivations,
+    first: usize,
+    dst: &mut [f32],
+) -> usize {
+    let a: [(&[u8], &[f32]); NT] = std::array::from_fn(|j| {
+        let (a, s, _) = acts.parts(first + j);
+        (a, s)
+    });
+    // SAFETY: the caller's contract, passed on.
+    let sums = unsafe {
+        match KIND {
+            KIND_Q4_K => row_q45_k::<false, DOT, NT>(row, &a),
+            KIND_Q5_K => row_q45_k::<true, DOT, NT>(row, &a),
+            KIND_Q6_K => row_q6_k::<DOT, NT>(row, &a),
+            _ => row32::<KIND, DOT, NT>(row, &a),
+        }
+    };
+    dst[..NT].copy_from_slice(&sums);
+    NT
+}
+
+/// A row of a 32-element format against `NT` activation rows (`a`: quants, scales).
+///
+/// # Safety
+/// `row` must be whole blocks of `KIND` and each activation row at least as many
+/// activation blocks; with `DOT`, as [`sums4`].
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn row32<const KIND: u8, const DOT: bool, const NT: usize>(
+    row: &[u8],
+    a: &[(&[u8], &[f32]); NT],
+) -> [f32; NT] {
+    let (wb, ab, per_block) = geometry(KIND);
+    let mut lanes_lo = [vdupq_n_f32(0.0); NT];
+    let mut lanes_hi = [vdupq_n_f32(0.0); NT];
+    let mut mins = [0f32; NT];
+    for (b, x) in row.chunks_exact(wb).enumerate() {
+        // SAFETY: `x` is a whole block.
+        let (q_lo, q_hi, d, m) = unsafe { unpack::<KIND>(x) };
+        for (t, &(y, s)) in a.iter().enumerate() {
+            // The block's last 32 bytes are its quants.
+            let yq = &y[b * ab + ab - 32..b * ab + ab];
+            // SAFETY: `yq` is 32 bytes; `sums4`'s contract is the caller's.
+            let (lo, hi) = unsafe {
+                (
+                    sums4::<DOT>(vdupq_n_s32(0), q_lo, load16(yq, 0)),
+                    sums4::<DOT>(vdupq_n_s32(0), q_hi, load16(yq, 16)),
+                )
+            };
+            let dd = vdupq_n_f32(d * s[per_block * b]);
+            lanes_lo[t] = vfmaq_f32(lanes_lo[t], vcvtq_f32_s32(lo), dd);
+            lanes_hi[t] = vfmaq_f32(lanes_hi[t], vcvtq_f32_s32(hi), dd);
+            if per_block == 2 {
+                mins[t] = m.mul_add(s[2 * b + 1], mins[t]);
+            }
+        }
+    }
+    // [l0+l4, l1+l5, l2+l6, l3+l7], then ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
+    std::array::from_fn(|t| {
+        let v = vaddq_f32(lanes_lo[t], lanes_hi[t]);
+        let (t0, t1, t2, t3) = (
+            vgetq_lane_f32::<0>(v),
+            vgetq_lane_f32::<1>(v),
+            vgetq_lane_f32::<2>(v),
+            vgetq_lane_f32::<3>(v),
+        );
+        (t0 + t2) + (t1 + t3) + mins[t]
+    })
+}
+
+/// A Q4_K (or, with `FIVE`, Q5_K) row against `NT` Q8_K rows: per block the integer
+/// sums of the scalar kernel, `si` (scales times sub-block dot products) and `sm`
+/// (minimums times the activations' 16-element sums), then its f32 expression. The
+/// block's quants are unpacked once for the tokens.
+///
+/// # Safety
+/// `row` must be whole blocks and each activation row at least as many Q8_K blocks; with
+/// `DOT`, as [`sums4`].
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn row_q45_k<const FIVE: bool, const DOT: bool, const NT: usize>(
+    row: &[u8],
+    a: &[(&[u8], &[f32]); NT],
+) -> [f32; NT] {
     let bb = if FIVE { 176 } else { 144 };
-    let mut sum = 0f32;
-    for (x, y) in w.chunks_exact(bb).zip(a.chunks_exact(292)) {
-        let qs_at = if FIVE { 48 } else { 16 };
-        let low = vdupq_n_u8(0x0F);
-        let mut si = 0i32;
-        let mut sm = 0i32;
+    let qs_at = if FIVE { 48 } else { 16 };
+    let low = vdupq_n_u8(0x0F);
+    let mut sum = [0f32; NT];
+    for (b, x) in row.chunks_exact(bb).enumerate() {
+        // Sub-block 2c's quants are lo[c] (two halves of 16), 2c + 1's hi[c].
+        let mut lo = [[vdupq_n_s8(0); 2]; 4];
+        let mut hi = [[vdupq_n_s8(0); 2]; 4];
+        let mut sc = [[0i32; 2]; 4];
+        let mut mn = [[0i32; 2]; 4];
         for c in 0..4 {
             let (sc1, m1) = scale_min_k4(2 * c, &x[4..16]);
             let (sc2, m2) = scale_min_k4(2 * c + 1, &x[4..16]);
-            let (mut s1, mut s2) = (0i32, 0i32);
+            sc[c] = [sc1 as i32, sc2 as i32];
+            mn[c] = [m1 as i32, m2 as i32];
             for half in 0..2 {
                 let l = 16 * half;
                 // SAFETY: the block holds 128 quant bytes at `qs_at` and, for Q5_K, 32
-                // bytes of fifth bits at 16; `y` holds 256 quants at 4.
-                let (qs, y1, y2, qh) = unsafe {
+                // bytes of fifth bits at 16.
+                let (qs, qh) = unsafe {
                     (
                         vld1q_u8(x.as_ptr().add(qs_at + 32 * c + l)),
-                        load16(y, 4 + 64 * c + l),
-                        load16(y, 4 + 64 * c + 32 + l),
                         if FIVE {
                             vld1q_u8(x.as_ptr().add(16 + l))
                         } else {
@@ -265,56 +399,74 @@ unsafe fn dot_q45_k<const FIVE: bool>(w: &[u8], a: &[u8]) -> f32 {
                         },
                     )
                 };
-                let mut lo = vandq_u8(qs, low);
-                let mut hi = vshrq_n_u8::<4>(qs);
+                let mut l4 = vandq_u8(qs, low);
+                let mut h4 = vshrq_n_u8::<4>(qs);
                 if FIVE {
                     let bit = |b: u8| vandq_u8(vtstq_u8(qh, vdupq_n_u8(b)), vdupq_n_u8(0x10));
-                    lo = vorrq_u8(lo, bit(1 << (2 * c)));
-                    hi = vorrq_u8(hi, bit(1 << (2 * c + 1)));
+                    l4 = vorrq_u8(l4, bit(1 << (2 * c)));
+                    h4 = vorrq_u8(h4, bit(1 << (2 * c + 1)));
                 }
-                s1 += dot16(vreinterpretq_s8_u8(lo), y1);
-                s2 += dot16(vreinterpretq_s8_u8(hi), y2);
+                lo[c][half] = vreinterpretq_s8_u8(l4);
+                hi[c][half] = vreinterpretq_s8_u8(h4);
             }
-            si += sc1 as i32 * s1 + sc2 as i32 * s2;
-            let bs = |g: usize| i16::from_le_bytes([y[260 + 2 * g], y[261 + 2 * g]]) as i32;
-            sm += m1 as i32 * (bs(4 * c) + bs(4 * c + 1))
-                + m2 as i32 * (bs(4 * c + 2) + bs(4 * c + 3));
         }
-        let dy = f32_at(y, 0);
-        sum += f16_at(x, 0) * dy * si as f32 - f16_at(x, 2) * dy * sm as f32;
+        let (d, dmin) = (f16_at(x, 0), f16_at(x, 2));
+        for (t, &(act, _)) in a.iter().enumerate() {
+            let y = &act[b * 292..(b + 1) * 292];
+            let mut si = 0i32;
+            let mut sm = 0i32;
+            for c in 0..4 {
+                let q = 4 + 64 * c;
+                // SAFETY: `y` holds 256 quants at 4; `sums4`'s contract is the caller's.
+                let (s1, s2) = unsafe {
+                    (
+                        dot32::<DOT>(lo[c][0], load16(y, q), lo[c][1], load16(y, q + 16)),
+                        dot32::<DOT>(hi[c][0], load16(y, q + 32), hi[c][1], load16(y, q + 48)),
+                    )
+                };
+                si += sc[c][0] * s1 + sc[c][1] * s2;
+                let bs = |g: usize| i16::from_le_bytes([y[260 + 2 * g], y[261 + 2 * g]]) as i32;
+                sm += mn[c][0] * (bs(4 * c) + bs(4 * c + 1))
+                    + mn[c][1] * (bs(4 * c + 2) + bs(4 * c + 3));
+            }
+            let dy = f32_at(y, 0);
+            sum[t] += d * dy * si as f32 - dmin * dy * sm as f32;
+        }
     }
     sum
 }
 
-/// A Q6_K row against a Q8_K row: per block the scalar kernel's sixteen 16-element
-/// integer sums, times their scales, then its f32 expression.
+/// A Q6_K row against `NT` Q8_K rows: per block the scalar kernel's sixteen 16-element
+/// integer sums, times their scales, then its f32 expression. The block's quants are
+/// unpacked once for the tokens.
 ///
 /// # Safety
-/// `w` must be whole blocks and `a` at least as many Q8_K blocks.
+/// `row` must be whole blocks and each activation row at least as many Q8_K blocks; with
+/// `DOT`, as [`sums4`].
+#[inline]
 #[target_feature(enable = "neon")]
-unsafe fn dot_q6_k(w: &[u8], a: &[u8]) -> f32 {
-    let mut sum = 0f32;
+unsafe fn row_q6_k<const DOT: bool, const NT: usize>(
+    row: &[u8],
+    a: &[(&[u8], &[f32]); NT],
+) -> [f32; NT] {
     let low = vdupq_n_u8(0x0F);
     let three = vdupq_n_u8(3);
     let offset = vdupq_n_s8(32);
-    for (x, y) in w.chunks_exact(210).zip(a.chunks_exact(292)) {
-        let mut si = 0i32;
-        for n in 0..2 {
-            let (ql, qh, sc) = (64 * n, 128 + 32 * n, 192 + 8 * n);
-            let yq = 4 + 128 * n;
-            for half in 0..2 {
+    let mut sum = [0f32; NT];
+    for (b, x) in row.chunks_exact(210).enumerate() {
+        // q[n][half][i]: the 16 quants that meet activations 128 n + 32 i + 16 half.
+        let mut q = [[[vdupq_n_s8(0); 4]; 2]; 2];
+        for (n, qn) in q.iter_mut().enumerate() {
+            let (ql, qh) = (64 * n, 128 + 32 * n);
+            for (half, qv) in qn.iter_mut().enumerate() {
                 let l = 16 * half;
                 // SAFETY: the block holds 64 bytes of low bits at `ql`, 32 of high bits
-                // at `qh`; `y` holds 128 quants at `yq`.
-                let (ql0, ql1, h, y1, y2, y3, y4) = unsafe {
+                // at `qh`.
+                let (ql0, ql1, h) = unsafe {
                     (
                         vld1q_u8(x.as_ptr().add(ql + l)),
                         vld1q_u8(x.as_ptr().add(ql + 32 + l)),
                         vld1q_u8(x.as_ptr().add(qh + l)),
-                        load16(y, yq + l),
-                        load16(y, yq + 32 + l),
-                        load16(y, yq + 64 + l),
-                        load16(y, yq + 96 + l),
                     )
                 };
                 let six = |nib: uint8x16_t, high: uint8x16_t| {
@@ -323,18 +475,35 @@ unsafe fn dot_q6_k(w: &[u8], a: &[u8]) -> f32 {
                         offset,
                     )
                 };
-                let q1 = six(vandq_u8(ql0, low), h);
-                let q2 = six(vandq_u8(ql1, low), vshrq_n_u8::<2>(h));
-                let q3 = six(vshrq_n_u8::<4>(ql0), vshrq_n_u8::<4>(h));
-                let q4 = six(vshrq_n_u8::<4>(ql1), vshrq_n_u8::<6>(h));
-                let scale = |i: usize| x[sc + i] as i8 as i32;
-                si += scale(half) * dot16(q1, y1)
-                    + scale(half + 2) * dot16(q2, y2)
-                    + scale(half + 4) * dot16(q3, y3)
-                    + scale(half + 6) * dot16(q4, y4);
+                *qv = [
+                    six(vandq_u8(ql0, low), h),
+                    six(vandq_u8(ql1, low), vshrq_n_u8::<2>(h)),
+                    six(vshrq_n_u8::<4>(ql0), vshrq_n_u8::<4>(h)),
+                    six(vshrq_n_u8::<4>(ql1), vshrq_n_u8::<6>(h)),
+                ];
             }
         }
-        sum += f16_at(x, 208) * f32_at(y, 0) * si as f32;
+        let d = f16_at(x, 208);
+        for (t, &(act, _)) in a.iter().enumerate() {
+            let y = &act[b * 292..(b + 1) * 292];
+            let mut si = 0i32;
+            for (n, qn) in q.iter().enumerate() {
+                let (sc, yq) = (192 + 8 * n, 4 + 128 * n);
+                let scale = |i: usize| x[sc + i] as i8 as i32;
+                for (half, qv) in qn.iter().enumerate() {
+                    let l = 16 * half;
+                    // SAFETY: `y` holds 128 quants at `yq`; `sums4`'s contract is the
+                    // caller's.
+                    si += unsafe {
+                        scale(half) * dot16::<DOT>(qv[0], load16(y, yq + l))
+                            + scale(half + 2) * dot16::<DOT>(qv[1], load16(y, yq + 32 + l))
+                            + scale(half + 4) * dot16::<DOT>(qv[2], load16(y, yq + 64 + l))
+                            + scale(half + 6) * dot16::<DOT>(qv[3], load16(y, yq + 96 + l))
+                    };
+                }
+            }
+            sum[t] += d * f32_at(y, 0) * si as f32;
+        }
     }
     sum
 }

@@ -1093,6 +1093,8 @@ fn tile_shape(level: SimdLevel, ty: GgmlType, n: usize) -> (usize, usize) {
         (_, SimdLevel::Avx2) if matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K) => {
             (1, 8)
         }
+        // A row's blocks unpacked once for eight tokens (`arm::TOKENS`).
+        (_, SimdLevel::Neon) => (1, 8),
         _ => (1, 4),
     }
 }
