@@ -49,6 +49,22 @@ fn skipped(p: u32, q_pos: u32, window: u32) -> bool {
     p > q_pos || q_pos - p >= window
 }
 
+/// The online softmax's factors of a run of scores, in order: `(ms, 1, true)` where a
+/// score raises the running maximum `max` (the sums so far are scaled by `ms`, the key
+/// weighs 1), else `(1, vs, false)` (the key's weight). The vector kernels take them in
+/// a pass of their own, so that no `expf` call sits among their vector registers.
+fn softmax_factors(scores: &[f32], max: &mut f32, factors: &mut [(f32, f32, bool)]) {
+    for (&s, f) in scores.iter().zip(factors.iter_mut()) {
+        *f = if s > *max {
+            let ms = (*max - s).exp();
+            *max = s;
+            (ms, 1.0, true)
+        } else {
+            (1.0, (s - *max).exp(), false)
+        };
+    }
+}
+
 fn round_f16(x: f32) -> f32 {
     f16::from_f32(x).to_f32()
 }
@@ -296,8 +312,8 @@ pub fn attend_head_at(
 }
 
 /// [`attend_head_at`] for several query heads that share one key/value head (`slot`):
-/// `outs[i]` gets head `qs[i]`'s output, the same bits as each head alone. The AVX2
-/// version reads each cached row once for all of them.
+/// `outs[i]` gets head `qs[i]`'s output, the same bits as each head alone. The AVX2 and
+/// NEON versions read each cached row once for all of them.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_heads_at(
     level: crate::quant::SimdLevel,
@@ -372,11 +388,9 @@ pub fn attend_heads_to(
         && level.is_supported()
         && all_fit()
     {
-        for (q, out) in qs.iter().zip(outs.iter_mut()) {
-            // SAFETY: NEON support was just checked, and `fits` that every row read and
-            // the head written are in bounds.
-            unsafe { arm::attend_head_neon(q, q_pos, kv, slot, scale, out, finish) };
-        }
+        // SAFETY: NEON support was just checked, and `fits` that every row read and
+        // every head written are in bounds.
+        unsafe { arm::attend_heads_neon(qs, q_pos, kv, slot, scale, outs, finish) };
         return;
     }
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
@@ -530,16 +544,8 @@ mod x86 {
                 n += 1;
             }
             for (h, st) in states.iter_mut().enumerate() {
-                let (sc, fs) = (&scores[h * RUN..], &mut factors[h * RUN..]);
-                for (&s, f) in sc.iter().zip(fs.iter_mut()).take(n) {
-                    *f = if s > st.max {
-                        let ms = (st.max - s).exp();
-                        st.max = s;
-                        (ms, 1.0, true)
-                    } else {
-                        (1.0, (s - st.max).exp(), false)
-                    };
-                }
+                let span = h * RUN..h * RUN + n;
+                super::softmax_factors(&scores[span.clone()], &mut st.max, &mut factors[span]);
             }
             for (m, &start) in rows.iter().enumerate().take(n) {
                 // SAFETY: the segment holds this row (checked by the dispatcher).

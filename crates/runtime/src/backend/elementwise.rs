@@ -169,6 +169,9 @@ mod avx512 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) use avx2::expf as expf_ggml8;
 
+#[cfg(target_arch = "aarch64")]
+pub(crate) use arm::expf as expf_ggml4;
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;

@@ -1,5 +1,6 @@
 //! [`super::attend_head_reference`] on NEON, four lanes at a time, with the same
-//! results bit for bit.
+//! results bit for bit, for the query heads that share a key/value head together (each
+//! cached row read once for all of them, as on AVX2).
 //!
 //! ggml's four 16-lane accumulators are sixteen 4-lane ones here: element `e` of a row
 //! goes to 16-lane accumulator `(e / 16) % 4`, lane `e % 16`, which is 4-lane vector
@@ -146,18 +147,19 @@ struct State<const NG: usize> {
     sum: f32,
 }
 
-/// The reference's `dot_reference` of a row (`keys` at `start`) with the query:
-/// group `j` of 16 elements into accumulator `j % 4`, then its reduction.
+/// Keys per run of [`segment`]'s three passes (the AVX2 kernel's, measured there).
+const RUN: usize = 8;
+
+/// The reference's `dot_reference` of a row (`k`, loaded) with the query: group `j` of
+/// 16 elements into accumulator `j % 4`, then its reduction.
 #[inline]
 #[target_feature(enable = "neon")]
-unsafe fn score<const NG: usize, R: Rows16>(q: &[V16; NG], keys: R, start: usize) -> f32 {
+fn score<const NG: usize>(q: &[V16; NG], k: &[V16; NG]) -> f32 {
     let zero = vdupq_n_f32(0.0);
     let mut s = [[zero; 4]; 4];
-    for (j, qj) in q.iter().enumerate() {
-        // SAFETY: the caller keeps the row within the rows.
-        let k = unsafe { keys.load16(start + 16 * j) };
+    for (j, (qj, kj)) in q.iter().zip(k).enumerate() {
         for m in 0..4 {
-            s[j % 4][m] = vfmaq_f32(s[j % 4][m], k[m], qj[m]);
+            s[j % 4][m] = vfmaq_f32(s[j % 4][m], kj[m], qj[m]);
         }
     }
     // r = (acc0 + acc2) + (acc1 + acc3), lanes 4m..4m+3 in r[m].
@@ -170,12 +172,18 @@ unsafe fn score<const NG: usize, R: Rows16>(q: &[V16; NG], keys: R, start: usize
         + (vgetq_lane_f32::<1>(t4) + vgetq_lane_f32::<3>(t4))
 }
 
-/// The keys of one segment against the state, `NG` groups of 16 per head.
+/// The keys of one segment against the states of the query heads that share its
+/// key/value head, `NG` groups of 16 per head. Three passes over each run of keys, so
+/// that no `expf` call sits between the vector state and its registers (a call keeps
+/// only the low halves of v8-v15): the scores; then, in order, the running maximum and
+/// each key's two factors; then the sums. Each key's and value's row is read once for
+/// every head of the group. The same operations in the same order as one head alone in
+/// one pass.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "neon")]
 unsafe fn segment<const NG: usize, R: Rows16>(
-    st: &mut State<NG>,
+    states: &mut [State<NG>],
     keys: R,
     values: R,
     positions: &[u32],
@@ -184,99 +192,111 @@ unsafe fn segment<const NG: usize, R: Rows16>(
     scale: f32,
     half: bool,
 ) {
-    for (i, &p) in positions.iter().enumerate() {
-        if super::skipped(p, q_pos, slot.window) {
-            continue;
-        }
-        let start = i * slot.row_len + slot.offset;
-        // SAFETY: the segment holds this row (checked by the dispatcher).
-        let s = unsafe { score(&st.q, keys, start) } * scale;
-        let (mut ms, mut vs) = (1f32, 1f32);
-        if s > st.max {
-            ms = (st.max - s).exp();
-            st.max = s;
-            let m = vdupq_n_f32(ms);
-            for a in st.acc.iter_mut().flatten() {
-                *a = round4(vmulq_f32(*a, m), half);
+    let g = states.len();
+    let mut scores = vec![0f32; g * RUN];
+    let mut factors = vec![(1f32, 1f32, false); g * RUN];
+    let mut rows = [0usize; RUN];
+    for run in (0..positions.len()).step_by(RUN) {
+        let mut n = 0;
+        for (i, &p) in positions.iter().enumerate().skip(run).take(RUN) {
+            if super::skipped(p, q_pos, slot.window) {
+                continue;
             }
-        } else {
-            vs = (s - st.max).exp();
-        }
-        let w = vdupq_n_f32(vs);
-        for (j, a) in st.acc.iter_mut().enumerate() {
+            let start = i * slot.row_len + slot.offset;
             // SAFETY: the segment holds this row (checked by the dispatcher).
-            let v = unsafe { values.load16(start + 16 * j) };
-            for (a, v) in a.iter_mut().zip(v) {
-                *a = round4(vfmaq_f32(*a, v, w), half);
+            let k: [V16; NG] = std::array::from_fn(|j| unsafe { keys.load16(start + 16 * j) });
+            for (h, st) in states.iter().enumerate() {
+                scores[h * RUN + n] = score(&st.q, &k) * scale;
+            }
+            rows[n] = start;
+            n += 1;
+        }
+        for (h, st) in states.iter_mut().enumerate() {
+            let span = h * RUN..h * RUN + n;
+            super::softmax_factors(&scores[span.clone()], &mut st.max, &mut factors[span]);
+        }
+        for (m, &start) in rows.iter().enumerate().take(n) {
+            // SAFETY: the segment holds this row (checked by the dispatcher).
+            let v: [V16; NG] = std::array::from_fn(|j| unsafe { values.load16(start + 16 * j) });
+            for (h, st) in states.iter_mut().enumerate() {
+                let (ms, vs, rescale) = factors[h * RUN + m];
+                if rescale {
+                    let f = vdupq_n_f32(ms);
+                    for a in st.acc.iter_mut().flatten() {
+                        *a = round4(vmulq_f32(*a, f), half);
+                    }
+                }
+                let w = vdupq_n_f32(vs);
+                for (a, v) in st.acc.iter_mut().zip(&v) {
+                    for (a, &v) in a.iter_mut().zip(v) {
+                        *a = round4(vfmaq_f32(*a, v, w), half);
+                    }
+                }
+                st.sum = st.sum.mul_add(ms, vs);
             }
         }
-        st.sum = st.sum.mul_add(ms, vs);
     }
 }
 
-/// [`super::attend_head_reference`] on NEON. One code path per head size and element
-/// type, so the loops have constant bounds.
+/// [`super::attend_head_reference`] on NEON for the query heads `qs` that share one
+/// key/value head (`outs[i]` gets head `qs[i]`'s output, the same bits as each alone).
+/// One code path per head size and element type, so the loops have constant bounds.
 ///
 /// # Safety
 /// The CPU has NEON; the head size is a multiple of 64 and at most [`MAX_HEAD`]; every
 /// segment's keys and values are of one type and hold a whole row per position, and
-/// `q` and `out` a whole head (what the dispatcher's `fits` checks).
+/// each of `qs` and `outs` a whole head (what the dispatcher's `fits` checks).
 #[target_feature(enable = "neon")]
-pub(super) unsafe fn attend_head_neon(
-    q: &[f32],
+pub(super) unsafe fn attend_heads_neon(
+    qs: &[&[f32]],
     q_pos: u32,
     kv: &KvView<'_>,
     slot: HeadSlot,
     scale: f32,
-    out: &mut [f32],
+    outs: &mut [&mut [f32]],
     finish: Finish,
 ) {
-    // SAFETY: the caller's contract, passed on; `head` takes only these sizes.
+    // SAFETY: the caller's contract, passed on; `heads` takes only these sizes.
     unsafe {
         match slot.head_dim / 16 {
-            4 => head::<4>(q, q_pos, kv, slot, scale, out, finish),
-            8 => head::<8>(q, q_pos, kv, slot, scale, out, finish),
-            12 => head::<12>(q, q_pos, kv, slot, scale, out, finish),
-            _ => head::<{ MAX_GROUPS }>(q, q_pos, kv, slot, scale, out, finish),
+            4 => heads::<4>(qs, q_pos, kv, slot, scale, outs, finish),
+            8 => heads::<8>(qs, q_pos, kv, slot, scale, outs, finish),
+            12 => heads::<12>(qs, q_pos, kv, slot, scale, outs, finish),
+            _ => heads::<{ MAX_GROUPS }>(qs, q_pos, kv, slot, scale, outs, finish),
         }
     }
 }
 
 #[target_feature(enable = "neon")]
-unsafe fn head<const NG: usize>(
-    q: &[f32],
+unsafe fn heads<const NG: usize>(
+    qs: &[&[f32]],
     q_pos: u32,
     kv: &KvView<'_>,
     slot: HeadSlot,
     scale: f32,
-    out: &mut [f32],
+    outs: &mut [&mut [f32]],
     finish: Finish,
 ) {
     debug_assert!(slot.head_dim == 16 * NG && NG <= MAX_GROUPS);
     let half = matches!(kv.segments.first().map(|s| s.keys), Some(KvRows::F16(_)));
     let zero = [vdupq_n_f32(0.0); 4];
-    let mut st = State::<NG> {
-        q: [zero; NG],
-        acc: [zero; NG],
-        max: f32::NEG_INFINITY,
-        sum: 0.0,
-    };
-    for (j, v) in st.q.iter_mut().enumerate() {
-        // SAFETY: q holds the head's 16 * NG values.
-        let qj = unsafe { q[..].load16(16 * j) };
-        *v = qj.map(|x| round4(x, half));
-    }
+    let mut states: Vec<State<NG>> = qs
+        .iter()
+        .map(|q| State::<NG> {
+            // SAFETY: q holds the head's 16 * NG values.
+            q: std::array::from_fn(|j| unsafe { q[..].load16(16 * j) }.map(|x| round4(x, half))),
+            acc: [zero; NG],
+            max: f32::NEG_INFINITY,
+            sum: 0.0,
+        })
+        .collect();
     for seg in &kv.segments {
-        let (pos, sl) = (seg.positions, slot);
+        let (pos, sl, st) = (seg.positions, slot, &mut states[..]);
         // SAFETY: the dispatcher checked that every segment holds its rows.
         unsafe {
             match (seg.keys, seg.values) {
-                (KvRows::F32(k), KvRows::F32(v)) => {
-                    segment(&mut st, k, v, pos, q_pos, sl, scale, half)
-                }
-                (KvRows::F16(k), KvRows::F16(v)) => {
-                    segment(&mut st, k, v, pos, q_pos, sl, scale, half)
-                }
+                (KvRows::F32(k), KvRows::F32(v)) => segment(st, k, v, pos, q_pos, sl, scale, half),
+                (KvRows::F16(k), KvRows::F16(v)) => segment(st, k, v, pos, q_pos, sl, scale, half),
                 (
                     KvRows::Q8 {
                         quants: kq,
@@ -287,7 +307,7 @@ unsafe fn head<const NG: usize>(
                         scales: vs,
                     },
                 ) => segment(
-                    &mut st,
+                    st,
                     Q8Rows(kq, ks),
                     Q8Rows(vq, vs),
                     pos,
@@ -302,22 +322,24 @@ unsafe fn head<const NG: usize>(
             }
         }
     }
-    if finish == Finish::Partial {
-        let mut acc = [0f32; MAX_HEAD];
+    for (st, out) in states.iter().zip(outs.iter_mut()) {
+        if finish == Finish::Partial {
+            let mut acc = [0f32; MAX_HEAD];
+            for (j, a) in st.acc.iter().enumerate() {
+                for (m, a) in a.iter().enumerate() {
+                    // SAFETY: 16 * NG <= MAX_HEAD floats.
+                    unsafe { vst1q_f32(acc.as_mut_ptr().add(16 * j + 4 * m), *a) };
+                }
+            }
+            finish.write(st.max, st.sum, acc[..16 * NG].iter().copied(), out);
+            continue;
+        }
+        let inv = vdupq_n_f32(if st.sum == 0.0 { 0.0 } else { 1.0 / st.sum });
         for (j, a) in st.acc.iter().enumerate() {
             for (m, a) in a.iter().enumerate() {
-                // SAFETY: 16 * NG <= MAX_HEAD floats.
-                unsafe { vst1q_f32(acc.as_mut_ptr().add(16 * j + 4 * m), *a) };
+                // SAFETY: out holds the head's 16 * NG values.
+                unsafe { vst1q_f32(out.as_mut_ptr().add(16 * j + 4 * m), vmulq_f32(*a, inv)) };
             }
-        }
-        finish.write(st.max, st.sum, acc[..16 * NG].iter().copied(), out);
-        return;
-    }
-    let inv = vdupq_n_f32(if st.sum == 0.0 { 0.0 } else { 1.0 / st.sum });
-    for (j, a) in st.acc.iter().enumerate() {
-        for (m, a) in a.iter().enumerate() {
-            // SAFETY: out holds the head's 16 * NG values.
-            unsafe { vst1q_f32(out.as_mut_ptr().add(16 * j + 4 * m), vmulq_f32(*a, inv)) };
         }
     }
 }

@@ -18,8 +18,8 @@
 //! Against the one-query kernel it needs no f16 rounding per key and no `expf` call per
 //! key, and a tile's keys and values are converted once for every query of a block:
 //! [`attend_block`] computes a block of queries of every head that shares a key/value
-//! head, with AVX2 where the CPU has it (same results, bit for bit), else the reference
-//! ([`attend_tiled_reference`]).
+//! head, with AVX2 or NEON where the CPU has it (same results, bit for bit), else the
+//! reference ([`attend_tiled_reference`]).
 
 use crate::kv::{KvRows, KvView, MASKED_POSITION};
 use crate::quant::SimdLevel;
@@ -169,6 +169,11 @@ fn exp_scores(scores: &mut [f32; KV_TILE], max: f32, level: SimdLevel) -> f64 {
         // SAFETY: AVX2, FMA and F16C were just checked.
         return unsafe { x86::exp_scores(scores, max) };
     }
+    #[cfg(target_arch = "aarch64")]
+    if level == SimdLevel::Neon && level.is_supported() {
+        // SAFETY: NEON was just checked.
+        return unsafe { arm::exp_scores(scores, max) };
+    }
     let _ = level;
     let mut total = 0f64;
     for group in scores.chunks_exact_mut(16) {
@@ -268,7 +273,8 @@ pub struct BlockScratch {
 
 /// Queries `queries[i]` (one head each, at `positions[i]`) against one key/value head
 /// of `kv` (`slot`), in the tiled order at `level`: AVX2 (on AVX2 and AVX-512) where
-/// the CPU has it and the head size is a multiple of 8, else the reference. `out[i]`
+/// the CPU has it and the head size is a multiple of 8, NEON where it is a multiple of
+/// 4, else the reference. `out[i]`
 /// gets query `i`'s output. The tile's keys and values are converted once for all
 /// queries.
 #[allow(clippy::too_many_arguments)]
@@ -286,10 +292,11 @@ pub fn attend_block(
     let n = queries.len();
     assert!(positions.len() == n && out.len() == n);
     assert!(queries.iter().all(|q| q.len() >= hd) && out.iter().all(|o| o.len() >= hd));
-    let vector = cfg!(target_arch = "x86_64")
-        && matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512)
-        && level.is_supported()
-        && hd % 8 == 0;
+    let vector = level.is_supported()
+        && ((cfg!(target_arch = "x86_64")
+            && matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512)
+            && hd % 8 == 0)
+            || (cfg!(target_arch = "aarch64") && level == SimdLevel::Neon && hd % 4 == 0));
     let BlockScratch {
         keys_t,
         values,
@@ -363,6 +370,13 @@ fn scores_at(vector: bool, q: &[f32], keys_t: &[f32], scale: f32) -> [f32; KV_TI
         // hold `q.len()` rows of KV_TILE (asserted).
         return unsafe { x86::scores(q, keys_t, scale) };
     }
+    #[cfg(target_arch = "aarch64")]
+    if vector {
+        assert!(keys_t.len() >= q.len() * KV_TILE);
+        // SAFETY: the caller checked NEON (`vector`); the transposed keys hold
+        // `q.len()` rows of KV_TILE (asserted).
+        return unsafe { arm::scores(q, keys_t, scale) };
+    }
     let _ = vector;
     let mut scores = [0f32; KV_TILE];
     for (j, s) in scores.iter_mut().enumerate() {
@@ -383,6 +397,12 @@ fn add_weighted_at(vector: bool, acc: &mut [f32], weights: &[f32], values: &[f32
         assert!(acc.len() == hd && hd % 8 == 0 && values.len() >= weights.len() * hd);
         // SAFETY: the caller checked AVX2, FMA and F16C; the lengths were just asserted.
         return unsafe { x86::add_weighted(acc, weights, values, hd) };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if vector {
+        assert!(acc.len() == hd && hd % 4 == 0 && values.len() >= weights.len() * hd);
+        // SAFETY: the caller checked NEON; the lengths were just asserted.
+        return unsafe { arm::add_weighted(acc, weights, values, hd) };
     }
     let _ = vector;
     for (j, &w) in weights.iter().enumerate() {
@@ -487,36 +507,127 @@ mod x86 {
     }
 }
 
+#[cfg(target_arch = "aarch64")]
+mod arm {
+    use std::arch::aarch64::*;
+
+    use super::KV_TILE;
+    use crate::backend::elementwise::expf_ggml4;
+
+    /// [`super::exp_scores`] four lanes at a time; each group of sixteen reduced as
+    /// `_mm512_reduce_add_ps` (halves, quarters, then `(0 + 2) + (1 + 3)`).
+    ///
+    /// # Safety
+    /// The CPU must support NEON.
+    #[target_feature(enable = "neon")]
+    pub(super) unsafe fn exp_scores(scores: &mut [f32; KV_TILE], max: f32) -> f64 {
+        let m = vdupq_n_f32(max);
+        let mut total = 0f64;
+        for group in scores.chunks_exact_mut(16) {
+            let p = group.as_mut_ptr();
+            // SAFETY: the group holds sixteen f32.
+            let e: [float32x4_t; 4] = std::array::from_fn(|i| unsafe {
+                let v = expf_ggml4(vsubq_f32(vld1q_f32(p.add(4 * i)), m));
+                vst1q_f32(p.add(4 * i), v);
+                v
+            });
+            // Lanes i + (i + 8), then i + (i + 4), then (0 + 2) + (1 + 3).
+            let t4 = vaddq_f32(vaddq_f32(e[0], e[2]), vaddq_f32(e[1], e[3]));
+            total += ((vgetq_lane_f32::<0>(t4) + vgetq_lane_f32::<2>(t4))
+                + (vgetq_lane_f32::<1>(t4) + vgetq_lane_f32::<3>(t4))) as f64;
+        }
+        total
+    }
+
+    /// The scaled scores of query `q` against the tile's transposed keys: one FMA chain
+    /// over the head per key, four keys to a vector.
+    ///
+    /// # Safety
+    /// The CPU must support NEON; `keys_t` holds `q.len()` rows of [`KV_TILE`].
+    #[target_feature(enable = "neon")]
+    pub(super) unsafe fn scores(q: &[f32], keys_t: &[f32], scale: f32) -> [f32; KV_TILE] {
+        let mut acc = [vdupq_n_f32(0.0); KV_TILE / 4];
+        for (d, &qd) in q.iter().enumerate() {
+            let qv = vdupq_n_f32(qd);
+            let k = keys_t[d * KV_TILE..].as_ptr();
+            for (v, a) in acc.iter_mut().enumerate() {
+                // SAFETY: row d of the transposed keys holds KV_TILE values.
+                *a = vfmaq_f32(*a, qv, unsafe { vld1q_f32(k.add(4 * v)) });
+            }
+        }
+        let mut out = [0f32; KV_TILE];
+        let s = vdupq_n_f32(scale);
+        for (v, a) in acc.iter().enumerate() {
+            // Plus the mask's zero, as ggml adds it (-0 becomes +0).
+            let scaled = vaddq_f32(vmulq_f32(*a, s), vdupq_n_f32(0.0));
+            // SAFETY: `out` holds KV_TILE values.
+            unsafe { vst1q_f32(out.as_mut_ptr().add(4 * v), scaled) };
+        }
+        out
+    }
+
+    /// `acc += Σ_j weights[j] · values[j]`, one FMA chain over the rows per element, four
+    /// elements to a vector, up to sixteen vectors held at once.
+    ///
+    /// # Safety
+    /// The CPU must support NEON; `acc.len() == hd`, a multiple of 4, and `values` holds
+    /// `weights.len()` rows of `hd`.
+    #[target_feature(enable = "neon")]
+    pub(super) unsafe fn add_weighted(acc: &mut [f32], weights: &[f32], values: &[f32], hd: usize) {
+        const HELD: usize = 16;
+        let mut d0 = 0;
+        while d0 < hd {
+            let nv = ((hd - d0) / 4).min(HELD);
+            let mut a = [vdupq_n_f32(0.0); HELD];
+            // SAFETY: elements d0..d0 + 4 * nv of `acc` and of each value row exist.
+            unsafe {
+                for (v, a) in a.iter_mut().enumerate().take(nv) {
+                    *a = vld1q_f32(acc.as_ptr().add(d0 + 4 * v));
+                }
+                for (j, &w) in weights.iter().enumerate() {
+                    let wv = vdupq_n_f32(w);
+                    let row = values.as_ptr().add(j * hd + d0);
+                    for (v, a) in a.iter_mut().enumerate().take(nv) {
+                        *a = vfmaq_f32(*a, wv, vld1q_f32(row.add(4 * v)));
+                    }
+                }
+                for (v, a) in a.iter().enumerate().take(nv) {
+                    vst1q_f32(acc.as_mut_ptr().add(d0 + 4 * v), *a);
+                }
+            }
+            d0 += 4 * nv;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The AVX2 weights and their total are the scalar ones, bit for bit, subnormal
-    /// weights and the specials included.
+    /// Every vector level's weights and their total are the scalar ones, bit for bit,
+    /// subnormal weights and the specials included.
     #[test]
     fn vector_weights_match_scalar() {
-        let level = SimdLevel::Avx2;
-        if !level.is_supported() {
-            return;
-        }
         // Normal results, subnormal ones (below about -87.3), zeros, the specials.
         let mut xs: Vec<f32> = (-4200..=1000).map(|i| i as f32 * 0.025 + 0.0031).collect();
         xs.extend([0.0, -0.0, -87.3, -88.0, -103.9, -104.5, 88.3, 89.0, 200.0]);
         xs.extend([f32::NEG_INFINITY, f32::INFINITY, -1e30, 1e30]);
-        for (c, chunk) in xs.chunks(KV_TILE).enumerate() {
-            let mut scores = [f32::NEG_INFINITY; KV_TILE];
-            scores[..chunk.len()].copy_from_slice(chunk);
-            // Half the tiles against a maximum above every score, as the softmax has.
-            let max = if c % 2 == 0 { 0.0 } else { 3.0 };
-            let (mut a, mut b) = (scores, scores);
-            let ta = exp_scores(&mut a, max, SimdLevel::Scalar);
-            let tb = exp_scores(&mut b, max, level);
-            assert_eq!(ta.to_bits(), tb.to_bits(), "total of tile {c}");
-            for (x, (p, q)) in scores.iter().zip(a.iter().zip(&b)) {
-                assert!(
-                    p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan()),
-                    "{x}: {p} vs {q}"
-                );
+        for level in crate::quant::available_simd_levels() {
+            for (c, chunk) in xs.chunks(KV_TILE).enumerate() {
+                let mut scores = [f32::NEG_INFINITY; KV_TILE];
+                scores[..chunk.len()].copy_from_slice(chunk);
+                // Half the tiles against a maximum above every score, as the softmax has.
+                let max = if c % 2 == 0 { 0.0 } else { 3.0 };
+                let (mut a, mut b) = (scores, scores);
+                let ta = exp_scores(&mut a, max, SimdLevel::Scalar);
+                let tb = exp_scores(&mut b, max, level);
+                assert_eq!(ta.to_bits(), tb.to_bits(), "{level:?}: total of tile {c}");
+                for (x, (p, q)) in scores.iter().zip(a.iter().zip(&b)) {
+                    assert!(
+                        p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan()),
+                        "{level:?}: {x}: {p} vs {q}"
+                    );
+                }
             }
         }
     }

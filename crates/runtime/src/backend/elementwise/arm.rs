@@ -27,7 +27,7 @@ fn scalef(j: float32x4_t, n: float32x4_t) -> float32x4_t {
 /// [`super::expf_ggml`] four lanes at a time, operation for operation.
 #[inline]
 #[target_feature(enable = "neon")]
-fn expf(x: float32x4_t) -> float32x4_t {
+pub(crate) fn expf(x: float32x4_t) -> float32x4_t {
     let c = |bits: u32| vdupq_n_f32(f32::from_bits(bits));
     let r = c(0x4b40_0000);
     // vfmaq_f32(a, b, c) is a + b * c, one rounding; vfmsq_f32 is a - b * c.
