@@ -13,10 +13,10 @@
 use super::*;
 use crate::weights::{ChunkCoding, CodedChunk};
 
-pub(crate) const DECODE: Shader = Shader {
-    name: "ballast.decode",
-    source: concat!(include_str!("params.wgsl"), include_str!("decode.wgsl")),
-};
+pub(crate) const DECODE: Shader = Shader::checked(
+    "ballast.decode",
+    concat!(include_str!("params.wgsl"), include_str!("decode.wgsl")),
+);
 
 /// Words of a chunk's descriptor (`DESC_WORDS` in decode.wgsl).
 const DESC_WORDS: usize = 40;

@@ -32,6 +32,17 @@
 //! timestamps), `pass` (a `Graph` recorded whole), `host` (the `Backend` ops on host
 //! slices). Every kernel takes the parameter block of `params.wgsl`, prepended to its
 //! source.
+//!
+//! # Shaders
+//!
+//! The kernels are compiled without wgpu's runtime checks ([`Shader::trusted`]), all
+//! but the pack decoder (`decode.wgsl`, which parses stored bytes). What that asks was
+//! checked for each: local and workgroup arrays are indexed by counters of loops with
+//! constant bounds, or by the invocation index below the workgroup size the array
+//! matches; every loop has a constant bound, or a bound from the dispatch's parameters
+//! and a constant non-zero stride; every buffer index comes from shapes the host checked
+//! against the buffers it binds. `BALLAST_WGPU_CHECKED=1` puts the checks back, to
+//! tell a kernel's bug from a missing check.
 
 mod decode;
 mod device_kv;
@@ -69,13 +80,16 @@ use stream::StreamRing;
 pub use stream::DEFAULT_STREAM_SLOTS;
 use weights::{CachedVector, DeviceWeight};
 
-pub(crate) const EMBED: Shader = Shader {
-    name: "ballast.embed",
-    source: concat!(
-        include_str!("params.wgsl"),
-        include_str!("embed.wgsl"),
-        include_str!("blocks.wgsl")
-    ),
+// SAFETY: checked as `Shader::trusted` asks (the module's "Shaders").
+pub(crate) const EMBED: Shader = unsafe {
+    Shader::trusted(
+        "ballast.embed",
+        concat!(
+            include_str!("params.wgsl"),
+            include_str!("embed.wgsl"),
+            include_str!("blocks.wgsl")
+        ),
+    )
 };
 /// Lanes that share one output row of a weight product (the shaders' `LANES`; 64 / it
 /// rows per workgroup). One macro so the WGSL constant and the dispatch counts agree.
@@ -96,96 +110,135 @@ pub(super) const MATMUL_LANES: usize = matmul_lanes!();
 /// Output rows per workgroup of a weight product.
 pub(super) const MATMUL_ROWS: usize = 64 / MATMUL_LANES;
 
-pub(crate) const MATMUL: Shader = Shader {
-    name: "ballast.matmul",
-    source: concat!(
-        include_str!("params.wgsl"),
-        include_str!("matmul.wgsl"),
-        lanes_decl!(),
-        include_str!("matmul_rows.wgsl"),
-        include_str!("blocks.wgsl")
-    ),
+// SAFETY: checked as `Shader::trusted` asks (the module's "Shaders").
+pub(crate) const MATMUL: Shader = unsafe {
+    Shader::trusted(
+        "ballast.matmul",
+        concat!(
+            include_str!("params.wgsl"),
+            include_str!("matmul.wgsl"),
+            lanes_decl!(),
+            include_str!("matmul_rows.wgsl"),
+            include_str!("blocks.wgsl")
+        ),
+    )
 };
-pub(crate) const MATMUL_F: Shader = Shader {
-    name: "ballast.matmul_f",
-    source: concat!(
-        include_str!("params.wgsl"),
-        include_str!("matmul_f.wgsl"),
-        lanes_decl!(),
-        include_str!("matmul_rows.wgsl"),
-        include_str!("blocks.wgsl")
-    ),
+// SAFETY: checked as `Shader::trusted` asks (the module's "Shaders").
+pub(crate) const MATMUL_F: Shader = unsafe {
+    Shader::trusted(
+        "ballast.matmul_f",
+        concat!(
+            include_str!("params.wgsl"),
+            include_str!("matmul_f.wgsl"),
+            lanes_decl!(),
+            include_str!("matmul_rows.wgsl"),
+            include_str!("blocks.wgsl")
+        ),
+    )
 };
-pub(crate) const QUANTIZE: Shader = Shader {
-    name: "ballast.quantize",
-    source: concat!(include_str!("params.wgsl"), include_str!("quantize.wgsl")),
+// SAFETY: checked as `Shader::trusted` asks (the module's "Shaders").
+pub(crate) const QUANTIZE: Shader = unsafe {
+    Shader::trusted(
+        "ballast.quantize",
+        concat!(include_str!("params.wgsl"), include_str!("quantize.wgsl")),
+    )
 };
-pub(crate) const RMS_NORM: Shader = Shader {
-    name: "ballast.rms_norm",
-    source: concat!(include_str!("params.wgsl"), include_str!("rms_norm.wgsl")),
+// SAFETY: checked as `Shader::trusted` asks (the module's "Shaders").
+pub(crate) const RMS_NORM: Shader = unsafe {
+    Shader::trusted(
+        "ballast.rms_norm",
+        concat!(include_str!("params.wgsl"), include_str!("rms_norm.wgsl")),
+    )
 };
-pub(crate) const ROPE: Shader = Shader {
-    name: "ballast.rope",
-    source: concat!(include_str!("params.wgsl"), include_str!("rope.wgsl")),
+// SAFETY: checked as `Shader::trusted` asks (the module's "Shaders").
+pub(crate) const ROPE: Shader = unsafe {
+    Shader::trusted(
+        "ballast.rope",
+        concat!(include_str!("params.wgsl"), include_str!("rope.wgsl")),
+    )
 };
-pub(crate) const ELEMENTWISE: Shader = Shader {
-    name: "ballast.elementwise",
-    source: concat!(
-        include_str!("params.wgsl"),
-        include_str!("elementwise.wgsl"),
-        include_str!("silu.wgsl")
-    ),
+// SAFETY: checked as `Shader::trusted` asks (the module's "Shaders").
+pub(crate) const ELEMENTWISE: Shader = unsafe {
+    Shader::trusted(
+        "ballast.elementwise",
+        concat!(
+            include_str!("params.wgsl"),
+            include_str!("elementwise.wgsl"),
+            include_str!("silu.wgsl")
+        ),
+    )
 };
-pub(crate) const NEURON_HIDDEN: Shader = Shader {
-    name: "ballast.neuron_hidden",
-    source: concat!(
-        include_str!("params.wgsl"),
-        include_str!("matmul.wgsl"),
-        lanes_decl!(),
-        include_str!("matmul_rows.wgsl"),
-        include_str!("neuron_hidden.wgsl"),
-        include_str!("blocks.wgsl"),
-        include_str!("silu.wgsl")
-    ),
+// SAFETY: checked as `Shader::trusted` asks (the module's "Shaders").
+pub(crate) const NEURON_HIDDEN: Shader = unsafe {
+    Shader::trusted(
+        "ballast.neuron_hidden",
+        concat!(
+            include_str!("params.wgsl"),
+            include_str!("matmul.wgsl"),
+            lanes_decl!(),
+            include_str!("matmul_rows.wgsl"),
+            include_str!("neuron_hidden.wgsl"),
+            include_str!("blocks.wgsl"),
+            include_str!("silu.wgsl")
+        ),
+    )
 };
-pub(crate) const NEURON_HIDDEN_F: Shader = Shader {
-    name: "ballast.neuron_hidden_f",
-    source: concat!(
-        include_str!("params.wgsl"),
-        include_str!("matmul_f.wgsl"),
-        lanes_decl!(),
-        include_str!("matmul_rows.wgsl"),
-        include_str!("neuron_hidden.wgsl"),
-        include_str!("blocks.wgsl"),
-        include_str!("silu.wgsl")
-    ),
+// SAFETY: checked as `Shader::trusted` asks (the module's "Shaders").
+pub(crate) const NEURON_HIDDEN_F: Shader = unsafe {
+    Shader::trusted(
+        "ballast.neuron_hidden_f",
+        concat!(
+            include_str!("params.wgsl"),
+            include_str!("matmul_f.wgsl"),
+            lanes_decl!(),
+            include_str!("matmul_rows.wgsl"),
+            include_str!("neuron_hidden.wgsl"),
+            include_str!("blocks.wgsl"),
+            include_str!("silu.wgsl")
+        ),
+    )
 };
-pub(crate) const NEURON_DOWN: Shader = Shader {
-    name: "ballast.neuron_down",
-    source: concat!(
-        include_str!("params.wgsl"),
-        include_str!("neuron_down.wgsl"),
-        include_str!("blocks.wgsl")
-    ),
+// SAFETY: checked as `Shader::trusted` asks (the module's "Shaders").
+pub(crate) const NEURON_DOWN: Shader = unsafe {
+    Shader::trusted(
+        "ballast.neuron_down",
+        concat!(
+            include_str!("params.wgsl"),
+            include_str!("neuron_down.wgsl"),
+            include_str!("blocks.wgsl")
+        ),
+    )
 };
-pub(crate) const ATTENTION: Shader = Shader {
-    name: "ballast.attention",
-    source: concat!(include_str!("params.wgsl"), include_str!("attention.wgsl")),
+// SAFETY: checked as `Shader::trusted` asks (the module's "Shaders").
+pub(crate) const ATTENTION: Shader = unsafe {
+    Shader::trusted(
+        "ballast.attention",
+        concat!(include_str!("params.wgsl"), include_str!("attention.wgsl")),
+    )
 };
-pub(crate) const ATTENTION_COMBINE: Shader = Shader {
-    name: "ballast.attention_combine",
-    source: concat!(
-        include_str!("params.wgsl"),
-        include_str!("attention_combine.wgsl")
-    ),
+// SAFETY: checked as `Shader::trusted` asks (the module's "Shaders").
+pub(crate) const ATTENTION_COMBINE: Shader = unsafe {
+    Shader::trusted(
+        "ballast.attention_combine",
+        concat!(
+            include_str!("params.wgsl"),
+            include_str!("attention_combine.wgsl")
+        ),
+    )
 };
-pub(crate) const KV_WRITE: Shader = Shader {
-    name: "ballast.kv_write",
-    source: concat!(include_str!("params.wgsl"), include_str!("kv_write.wgsl")),
+// SAFETY: checked as `Shader::trusted` asks (the module's "Shaders").
+pub(crate) const KV_WRITE: Shader = unsafe {
+    Shader::trusted(
+        "ballast.kv_write",
+        concat!(include_str!("params.wgsl"), include_str!("kv_write.wgsl")),
+    )
 };
-pub(crate) const ARGMAX: Shader = Shader {
-    name: "ballast.argmax",
-    source: concat!(include_str!("params.wgsl"), include_str!("argmax.wgsl")),
+// SAFETY: checked as `Shader::trusted` asks (the module's "Shaders").
+pub(crate) const ARGMAX: Shader = unsafe {
+    Shader::trusted(
+        "ballast.argmax",
+        concat!(include_str!("params.wgsl"), include_str!("argmax.wgsl")),
+    )
 };
 
 /// The wgpu backend. Weights are uploaded once, on first use, and kept on the device,

@@ -19,16 +19,22 @@ use crate::graph::{MoeWeights, WeightRef};
 use crate::weights::{GlobalWeights, LayerWeights};
 use ballast_core::config::MoeSpec;
 
-pub(crate) const MOE_ROUTE: Shader = Shader {
-    name: "ballast.moe_route",
-    source: concat!(include_str!("params.wgsl"), include_str!("moe_route.wgsl")),
+// SAFETY: checked as `Shader::trusted` asks (`super`'s "Shaders").
+pub(crate) const MOE_ROUTE: Shader = unsafe {
+    Shader::trusted(
+        "ballast.moe_route",
+        concat!(include_str!("params.wgsl"), include_str!("moe_route.wgsl")),
+    )
 };
-pub(crate) const MOE_COMBINE: Shader = Shader {
-    name: "ballast.moe_combine",
-    source: concat!(
-        include_str!("params.wgsl"),
-        include_str!("moe_combine.wgsl")
-    ),
+// SAFETY: checked as `Shader::trusted` asks (`super`'s "Shaders").
+pub(crate) const MOE_COMBINE: Shader = unsafe {
+    Shader::trusted(
+        "ballast.moe_combine",
+        concat!(
+            include_str!("params.wgsl"),
+            include_str!("moe_combine.wgsl")
+        ),
+    )
 };
 
 /// The device tensors of one layer's mixture of experts.
