@@ -225,6 +225,18 @@ pub fn advise_sequential(mapped: &[u8]) {
     let _ = mapped;
 }
 
+/// Tells the kernel that `mapped` (part of a file mapping) is read a little here and
+/// there: a fault reads the page it needs, not the 128 KiB around it. For an embedding
+/// table left mapped, of which a token reads one row: with read-ahead a prompt chunk of
+/// 512 tokens pulled up to 64 MiB of it into the page cache, which a memory cgroup
+/// charges to the process and which the budget does not count.
+pub fn advise_random(mapped: &[u8]) {
+    #[cfg(target_os = "linux")]
+    advise(mapped, libc::MADV_RANDOM);
+    #[cfg(not(target_os = "linux"))]
+    let _ = mapped;
+}
+
 #[cfg(target_os = "linux")]
 fn advise(mapped: &[u8], advice: libc::c_int) {
     // SAFETY: `mapped` is a live shared file mapping and these advices change no

@@ -727,6 +727,10 @@ impl TieredStore {
         } else if plan.head_on_disk {
             crate::io::advise_sequential(globals.output().bytes.as_slice()?);
         }
+        if !globals.tied() {
+            // A token reads one row of an untied embedding table, which stays mapped.
+            crate::io::advise_random(globals.token_embd().bytes.as_slice()?);
+        }
         TieredStore::start(globals, layouts, plan, Beneath::File(reader), options)
     }
 
