@@ -214,8 +214,7 @@ pub struct Reserve {
     /// Quantized copies of the activations, the sampler's candidate list, and the
     /// experts a streamed layer's tokens chose ([`ModelShape::expert_working_set`]).
     pub scratch: u64,
-    /// Safety margin: 8 MiB plus 2% of the pool's budget (allocator slack,
-    /// fragmentation).
+    /// Safety margin ([`Reserve::margin_for`]).
     pub margin: u64,
 }
 
@@ -247,9 +246,19 @@ impl Reserve {
         }
     }
 
-    /// The safety margin of a pool of `budget` bytes.
+    /// The safety margin of a pool of `budget` bytes: 8 MiB plus 2% of it (allocator
+    /// slack, fragmentation), and 2% more up to 32 MiB for the file pages a run keeps
+    /// using (the binary's code, the model file's pages read through its map), which a
+    /// memory cgroup charges like the process's own memory. Without that last part an
+    /// 8B-shaped model in a 2 GiB cgroup planned its memory within 8 MiB of the limit
+    /// (anonymous memory 2,030 MiB, 38 MiB of it beyond the plan's items), and the
+    /// kernel evicted the code to make room and read it back: a 2,000-token prompt read
+    /// 147 GB from storage, or was killed.
     pub fn margin_for(budget: u64) -> u64 {
-        (8u64 << 20).saturating_add(budget / 50)
+        let part = budget / 50;
+        (8u64 << 20)
+            .saturating_add(part)
+            .saturating_add(part.min(32 << 20))
     }
 
     /// The reserve of the RAM pool when the device is separate: the activations live on
