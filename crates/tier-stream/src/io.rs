@@ -226,10 +226,11 @@ pub fn advise_sequential(mapped: &[u8]) {
 }
 
 /// Tells the kernel that `mapped` (part of a file mapping) is read a little here and
-/// there: a fault reads the page it needs, not the 128 KiB around it. For an embedding
-/// table left mapped, of which a token reads one row: with read-ahead a prompt chunk of
-/// 512 tokens pulled up to 64 MiB of it into the page cache, which a memory cgroup
-/// charges to the process and which the budget does not count.
+/// there: a fault reads the page it needs, not the read-ahead window around it (up to
+/// the device's `read_ahead_kb`: one byte read cached 4 MiB of a file on a disk of
+/// 8 MiB). For an embedding table left mapped, of which a token reads one row: with
+/// read-ahead a prompt chunk filled the page cache, which a memory cgroup charges to
+/// the process and which the budget does not count.
 pub fn advise_random(mapped: &[u8]) {
     #[cfg(target_os = "linux")]
     advise(mapped, libc::MADV_RANDOM);
