@@ -478,18 +478,8 @@ fn neon_tests() -> Result<()> {
     ]);
     cross(&mut clippy);
     step("cargo clippy (ballast-runtime, aarch64)", &mut clippy)?;
-    // qemu's default CPU has the dot-product instructions (`sdot`); a Cortex-A72 has
-    // not, so the kernels' other path is held to the same bits.
-    for (cpu, what) in [
-        (
-            None,
-            "NEON kernels against the scalar reference (qemu-aarch64)",
-        ),
-        (
-            Some("cortex-a72"),
-            "NEON kernels without sdot against the scalar reference (qemu-aarch64, Cortex-A72)",
-        ),
-    ] {
+    // The runtime's tests cross-compiled, run under qemu as `cpu` (its default: `max`).
+    let runtime_tests = |args: &[&str], cpu: Option<&str>| {
         let mut test = cargo();
         test.args([
             "test",
@@ -499,35 +489,33 @@ fn neon_tests() -> Result<()> {
             "-p",
             "ballast-runtime",
             "--no-default-features",
-            "--test",
-            "quant_reference",
-        ]);
+        ])
+        .args(args);
         if let Some(cpu) = cpu {
             test.env("QEMU_CPU", cpu);
         }
         cross(&mut test);
-        step(what, &mut test)?;
-    }
+        test
+    };
+    let kernels = ["--test", "quant_reference"];
+    step(
+        "NEON kernels against the scalar reference (qemu-aarch64)",
+        &mut runtime_tests(&kernels, None),
+    )?;
+    // qemu's default CPU has the dot-product instructions (`sdot`); a Cortex-A72 has
+    // not, so the kernels' other path is held to the same bits.
+    step(
+        "NEON kernels without sdot against the scalar reference (qemu-aarch64, Cortex-A72)",
+        &mut runtime_tests(&kernels, Some("cortex-a72")),
+    )?;
     // The unit tests that hold every level of attention and SwiGLU to the reference
     // (SwiGLU's over gates of every exponent, more than the proptest draws).
-    let mut unit = cargo();
-    unit.args([
-        "test",
-        "--release",
-        "--target",
-        AARCH64,
-        "-p",
-        "ballast-runtime",
-        "--no-default-features",
-        "--lib",
-        "--",
-        "backend::attention",
-        "backend::elementwise",
-    ]);
-    cross(&mut unit);
     step(
         "NEON attention and SwiGLU unit tests (qemu-aarch64)",
-        &mut unit,
+        &mut runtime_tests(
+            &["--lib", "--", "backend::attention", "backend::elementwise"],
+            None,
+        ),
     )
 }
 
