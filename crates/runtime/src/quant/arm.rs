@@ -32,20 +32,18 @@ pub(crate) fn kernel_neon(ty: GgmlType) -> Option<TileFn> {
 }
 
 fn kernel_for<const DOT: bool>(ty: GgmlType) -> Option<TileFn> {
-    fn pick<const DOT: bool, const KIND: u8>() -> TileFn {
-        tile::<KIND, DOT>
-    }
-    Some(match ty {
-        GgmlType::Q4_0 => pick::<DOT, KIND_Q4_0>(),
-        GgmlType::Q4_1 => pick::<DOT, KIND_Q4_1>(),
-        GgmlType::Q5_0 => pick::<DOT, KIND_Q5_0>(),
-        GgmlType::Q5_1 => pick::<DOT, KIND_Q5_1>(),
-        GgmlType::Q8_0 => pick::<DOT, KIND_Q8_0>(),
-        GgmlType::Q4_K => pick::<DOT, KIND_Q4_K>(),
-        GgmlType::Q5_K => pick::<DOT, KIND_Q5_K>(),
-        GgmlType::Q6_K => pick::<DOT, KIND_Q6_K>(),
+    let kernel: TileFn = match ty {
+        GgmlType::Q4_0 => tile::<KIND_Q4_0, DOT>,
+        GgmlType::Q4_1 => tile::<KIND_Q4_1, DOT>,
+        GgmlType::Q5_0 => tile::<KIND_Q5_0, DOT>,
+        GgmlType::Q5_1 => tile::<KIND_Q5_1, DOT>,
+        GgmlType::Q8_0 => tile::<KIND_Q8_0, DOT>,
+        GgmlType::Q4_K => tile::<KIND_Q4_K, DOT>,
+        GgmlType::Q5_K => tile::<KIND_Q5_K, DOT>,
+        GgmlType::Q6_K => tile::<KIND_Q6_K, DOT>,
         _ => return None,
-    })
+    };
+    Some(kernel)
 }
 
 const KIND_Q4_0: u8 = 0;
