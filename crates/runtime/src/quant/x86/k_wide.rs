@@ -1,6 +1,6 @@
 //! The prefill kernels of the K-quants (Q4_K, Q5_K, Q6_K x Q8_K) at AVX-512 and AVX2:
-//! a few rows decoded once against groups of 8 packed tokens, with the integer sums of a
-//! sub-block kept in 16 bits until its scale is applied. A batch's tail of 4 to 7 tokens
+//! a few rows decoded once against groups of 8 packed tokens (AVX-512: two groups at a
+//! time), a sub-block's integer sums kept apart until its scale is applied. A batch's tail of 4 to 7 tokens
 //! goes as a group filled with zeros, a shorter one through the narrow kernel; so does a
 //! batch of 5 to 7 tokens alone (`K_GROUP_MIN_TOKENS`: a speculative verification).
 //!
@@ -12,10 +12,16 @@
 //! load, which Ballast does not do (ARCHITECTURE invariant 4). Here the activations are
 //! interleaved instead (`QuantizedActivations::packed_group`: 8 tokens' chunks of 8
 //! quants side by side), so one 8-quant chunk of a decoded row, broadcast, meets 8
-//! tokens in one 512-bit `maddubs`; the chunks of a sub-block add up in 16 bits (4 for
-//! Q4_K's and Q5_K's 32 quants: at most 4 * 2 * 31 * 128 = 31744; 2 for Q6_K's 16),
-//! then one `vpdpwssd` (AVX2: `madd` and an add) applies the scale for all 8 tokens.
-//! That is 5 multiplies per 256 products of Q4_K, not 8.
+//! tokens in one 512-bit `maddubs`; on AVX2 the chunks of a sub-block add up in 16 bits
+//! (4 for Q4_K's and Q5_K's 32 quants: at most 4 * 2 * 31 * 128 = 31744; 2 for Q6_K's
+//! 16), then one `madd` and an add apply the scale for all 8 tokens. That is 5
+//! multiplies per 256 products of Q4_K, not 8. AVX-512 sums the chunks with `vpdpbusd`
+//! in 32 bits (no separate add) and applies the scale with `vpmulld`; it takes two
+//! groups (16 tokens) per call, so each row's chunk is broadcast once for both and the
+//! f32 step runs on 16 lanes: Qwen2.5-Coder-1.5B Q4_K_M's pp128 on 2 threads at 305-319
+//! tokens/s instead of 268-271 with one group (`ballast bench -p 128 -n 0 -r 3`,
+//! alternated, a Zen 4 EPYC), 168-170 instead of 134-140 on one thread, the 8B-shaped
+//! file's at 64-66 instead of 53-56.
 //!
 //! The minimum (Q4_K, Q5_K) and Q6_K's offset of 32 come from the packed sub-block sums,
 //! 8 tokens per `madd`. The f32 step is the scalar kernel's, per superblock and
@@ -62,11 +68,11 @@ const PAD_MIN_AVX2: usize = 4;
 const PREFETCH_AHEAD: usize = 4096;
 
 /// Most rows a level's kernel takes at once.
-const MAX_ROWS: usize = 6;
+const MAX_ROWS: usize = 5;
 
-/// Superblocks the decode buffer holds (88 KiB): 6 rows of up to 42 (k = 10752), fewer
-/// rows of longer ones down to one of 256.
-const DECODED_CAP: usize = 256;
+/// Superblocks the decode buffer holds (96 KiB): 5 rows of up to 56 (k = 14336, an 8B
+/// model's `ffn_down`), fewer rows of longer ones down to one of 280.
+const DECODED_CAP: usize = 280;
 
 /// A K-quant format as the wide kernels see it.
 trait KFormat {
@@ -223,15 +229,52 @@ trait KLevel {
         nb: usize,
         yg: *const u8,
     ) -> [[f32; 8]; R];
+
+    /// Whether the driver should give the level two groups at a time
+    /// ([`KLevel::rows2`]).
+    const PAIRS: bool;
+
+    /// [`KLevel::rows`] against two packed groups (`yg0`, `yg1`): `[row][group][token]`.
+    ///
+    /// # Safety
+    /// As [`KLevel::rows`], for both groups.
+    unsafe fn rows2<const R: usize, const SIX: bool>(
+        x: *const Decoded,
+        nb: usize,
+        yg0: *const u8,
+        yg1: *const u8,
+    ) -> [[[f32; 8]; 2]; R] {
+        // SAFETY: forwarded from the caller.
+        let (a, b) = unsafe {
+            (
+                Self::rows::<R, SIX>(x, nb, yg0),
+                Self::rows::<R, SIX>(x, nb, yg1),
+            )
+        };
+        std::array::from_fn(|r| [a[r], b[r]])
+    }
 }
 
-/// The AVX-512 (VNNI) kernel: 6 rows (Qwen2.5-Coder-1.5B's pp128 on one thread at 148-151
-/// tokens/s against 140-142 with 4; 2, 3, 5 and 7 rows were slower, 8 no faster).
+/// The AVX-512 (VNNI) kernel: 5 rows against two groups (10 pairs of 32-bit accumulators
+/// and sums, 30 of the 32 registers with the two groups' chunk and the lane orders):
+/// Qwen2.5-Coder-1.5B's pp128 on 2 threads at 313-319 tokens/s against 305-307 with 4
+/// rows, 264-273 with 3 and 305-310 with 6 (which spills).
 struct Avx512;
 
 impl KLevel for Avx512 {
-    const ROWS: usize = 6;
+    const ROWS: usize = 5;
+    const PAIRS: bool = true;
     const PAD_MIN: usize = PAD_MIN_AVX512;
+
+    unsafe fn rows2<const R: usize, const SIX: bool>(
+        x: *const Decoded,
+        nb: usize,
+        yg0: *const u8,
+        yg1: *const u8,
+    ) -> [[[f32; 8]; 2]; R] {
+        // SAFETY: forwarded from the caller.
+        unsafe { rows2_avx512::<R, SIX>(x, nb, yg0, yg1) }
+    }
 
     unsafe fn rows<const R: usize, const SIX: bool>(
         x: *const Decoded,
@@ -248,6 +291,7 @@ struct Avx2;
 
 impl KLevel for Avx2 {
     const ROWS: usize = 2;
+    const PAIRS: bool = false;
     const PAD_MIN: usize = PAD_MIN_AVX2;
 
     unsafe fn rows<const R: usize, const SIX: bool>(
@@ -325,8 +369,8 @@ fn lanes(v: __m256) -> [f32; 8] {
 }
 
 /// [`KLevel::rows`] on AVX-512: per 8-quant chunk one 512-bit load of the 8 tokens, and
-/// per row a broadcast of its chunk and a `maddubs`; per sub-block per row one
-/// `vpdpwssd`.
+/// per row a broadcast of its chunk and a `vpdpbusd`; per sub-block per row one
+/// `vpmulld` by the scale. The last group of an odd count, and a batch of one group.
 ///
 /// # Safety
 /// As [`KLevel::rows`]; the CPU must support AVX-512 VNNI.
@@ -347,19 +391,18 @@ unsafe fn rows_avx512<const R: usize, const SIX: bool>(
             let xs: [&Decoded; R] = std::array::from_fn(|r| &*x.add(r * nb + b));
             let mut acc = [_mm512_setzero_si512(); R];
             for j in 0..subs {
-                let mut s16 = [_mm512_setzero_si512(); R];
+                let mut s32 = [_mm512_setzero_si512(); R];
                 for c in 0..chunks {
                     let k = chunks * j + c;
                     let a = _mm512_loadu_si512(yb.add(QS + 64 * k) as *const __m512i);
                     for r in 0..R {
                         let w8 = (xs[r].q.as_ptr().add(8 * k) as *const i64).read_unaligned();
-                        let p = _mm512_maddubs_epi16(_mm512_set1_epi64(w8), a);
-                        s16[r] = _mm512_add_epi16(s16[r], p);
+                        s32[r] = _mm512_dpbusd_epi32(s32[r], _mm512_set1_epi64(w8), a);
                     }
                 }
                 for r in 0..R {
-                    let sc = _mm512_set1_epi16(xs[r].scale[j]);
-                    acc[r] = _mm512_dpwssd_epi32(acc[r], s16[r], sc);
+                    let sc = _mm512_set1_epi32(xs[r].scale[j] as i32);
+                    acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(s32[r], sc));
                 }
             }
             for r in 0..R {
@@ -373,6 +416,119 @@ unsafe fn rows_avx512<const R: usize, const SIX: bool>(
         }
     }
     accf.map(|v| lanes(v))
+}
+
+/// [`f32_step`] for two packed groups at once (16 tokens, group 0's in the low half).
+///
+/// # Safety
+/// The CPU must support AVX-512; `yb0` and `yb1` are whole packed superblocks.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn f32_step2<const SIX: bool>(
+    acc: __m512,
+    x: &Decoded,
+    yb0: *const u8,
+    yb1: *const u8,
+    si: __m512i,
+) -> __m512 {
+    // The 32 bytes at `at` in each group's packed superblock, group 0's low.
+    let both = |at: usize| {
+        // SAFETY: `at` is a field of the packed superblocks (the scales or a pair of
+        // sub-block sums), in bounds by the contract.
+        unsafe {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(yb0.add(at) as *const __m256i)),
+                _mm256_loadu_si256(yb1.add(at) as *const __m256i),
+            )
+        }
+    };
+    let dy = _mm512_castsi512_ps(both(DY));
+    let (at, np) = if SIX { (SUMS16, 8) } else { (SUMS32, 4) };
+    let mut sm = _mm512_setzero_si512();
+    for (p, &w) in x.pairs.iter().enumerate().take(np) {
+        let s = both(at + 32 * p);
+        sm = _mm512_add_epi32(sm, _mm512_madd_epi16(s, _mm512_set1_epi32(w)));
+    }
+    let dd = _mm512_mul_ps(_mm512_set1_ps(x.d), dy);
+    let v = if SIX {
+        _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_sub_epi32(si, sm)))
+    } else {
+        let dm = _mm512_mul_ps(_mm512_set1_ps(x.dmin), dy);
+        _mm512_sub_ps(
+            _mm512_mul_ps(dd, _mm512_cvtepi32_ps(si)),
+            _mm512_mul_ps(dm, _mm512_cvtepi32_ps(sm)),
+        )
+    };
+    _mm512_add_ps(acc, v)
+}
+
+/// [`KLevel::rows2`] on AVX-512: [`rows_avx512`] against two groups, each row's chunk
+/// broadcast once for both and the f32 step on 16 tokens at once.
+///
+/// # Safety
+/// As [`KLevel::rows2`]; the CPU must support AVX-512 VNNI.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn rows2_avx512<const R: usize, const SIX: bool>(
+    x: *const Decoded,
+    nb: usize,
+    yg0: *const u8,
+    yg1: *const u8,
+) -> [[[f32; 8]; 2]; R] {
+    let (subs, chunks) = if SIX { (16, 2) } else { (8, 4) };
+    // Lanes 2t and 2t + 1 of a group's sums are token t's: the even lanes of both
+    // groups, then the odd ones.
+    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    let mut accf = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        // SAFETY: superblock b of every row and of both packed groups is in bounds (the
+        // contract); the packed groups are byte-aligned, so their loads are unaligned.
+        unsafe {
+            let yb = [
+                yg0.add(b * PACKED_BLOCK_Q8_K),
+                yg1.add(b * PACKED_BLOCK_Q8_K),
+            ];
+            let xs: [&Decoded; R] = std::array::from_fn(|r| &*x.add(r * nb + b));
+            let mut acc = [[_mm512_setzero_si512(); 2]; R];
+            for j in 0..subs {
+                let mut s32 = [[_mm512_setzero_si512(); 2]; R];
+                for c in 0..chunks {
+                    let k = chunks * j + c;
+                    let a = [
+                        _mm512_loadu_si512(yb[0].add(QS + 64 * k) as *const __m512i),
+                        _mm512_loadu_si512(yb[1].add(QS + 64 * k) as *const __m512i),
+                    ];
+                    for r in 0..R {
+                        let w8 = (xs[r].q.as_ptr().add(8 * k) as *const i64).read_unaligned();
+                        let w = _mm512_set1_epi64(w8);
+                        for h in 0..2 {
+                            s32[r][h] = _mm512_dpbusd_epi32(s32[r][h], w, a[h]);
+                        }
+                    }
+                }
+                for r in 0..R {
+                    let sc = _mm512_set1_epi32(xs[r].scale[j] as i32);
+                    for h in 0..2 {
+                        acc[r][h] = _mm512_add_epi32(acc[r][h], _mm512_mullo_epi32(s32[r][h], sc));
+                    }
+                }
+            }
+            for r in 0..R {
+                let si = _mm512_add_epi32(
+                    _mm512_permutex2var_epi32(acc[r][0], even, acc[r][1]),
+                    _mm512_permutex2var_epi32(acc[r][0], odd, acc[r][1]),
+                );
+                accf[r] = f32_step2::<SIX>(accf[r], xs[r], yb[0], yb[1], si);
+            }
+        }
+    }
+    accf.map(|v| {
+        let mut out = [[0f32; 8]; 2];
+        // SAFETY: 16 f32 into two arrays of 8 laid out back to back.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr() as *mut f32, v) };
+        out
+    })
 }
 
 /// [`KLevel::rows`] on AVX2: as [`rows_avx512`] with each 512-bit vector as two 256-bit
@@ -432,13 +588,13 @@ unsafe fn rows_avx2<const R: usize, const SIX: bool>(
 /// Rows `w` (whole rows of `rb` bytes) of format `F` against tokens `t0..t0 + nt` (whole
 /// groups of 8, then a tail of up to 7; at least one group or a padded tail) at level `L`, written through
 /// `out`. The rows are decoded `L::ROWS` at a time (fewer when that many do not fit the
-/// buffer) and each batch meets every group. Returns false, computing nothing, for a
+/// buffer) and each batch meets every group (two at a time where the level takes pairs). Returns false, computing nothing, for a
 /// tile it does not take.
 ///
 /// # Safety
 /// The CPU must support the level; `w` and `acts` must be validated; `out` valid for
 /// every result of the tile.
-// Not inlined: its decode buffer (88 KiB) makes a frame whose stack probes cost a decode
+// Not inlined: its decode buffer (96 KiB) makes a frame whose stack probes cost a decode
 // tile (one token, 8 rows) a quarter of its time when the caller's frame held it.
 #[inline(never)]
 #[allow(clippy::too_many_arguments)]
@@ -502,7 +658,39 @@ unsafe fn wide<F: KFormat, L: KLevel, const SIX: bool>(
             }
         }
         let x = buf.as_ptr() as *const Decoded;
-        for g in 0..groups {
+        let mut g_first = 0;
+        if L::PAIRS {
+            while g_first + 2 <= groups {
+                let g = g_first;
+                let (y0, y1) = (
+                    acts.packed_group(g0 + g).as_ptr(),
+                    acts.packed_group(g0 + g + 1).as_ptr(),
+                );
+                let mut res = [[[0f32; 8]; 2]; MAX_ROWS];
+                macro_rules! call2 {
+                    ($($n:literal)*) => {
+                        match n {
+                            $($n => res[..$n].copy_from_slice(&L::rows2::<$n, SIX>(x, nb, y0, y1)),)*
+                            _ => unreachable!("at most MAX_ROWS rows"),
+                        }
+                    };
+                }
+                // SAFETY: rows 0..n of the buffer were decoded above; the packed groups
+                // hold nb superblocks of 8 tokens.
+                unsafe { call2!(1 2 3 4 5) }
+                for (h, gh) in [g, g + 1].into_iter().enumerate() {
+                    let real = (nt - PACK_TOKENS * gh).min(PACK_TOKENS);
+                    for (r, row) in res.iter().enumerate().take(n) {
+                        for (t, &v) in row[h].iter().enumerate().take(real) {
+                            // SAFETY: row i0 + r, token 8gh + t of the tile: in `out`.
+                            unsafe { out.put(i0 + r, PACK_TOKENS * gh + t, v) };
+                        }
+                    }
+                }
+                g_first += 2;
+            }
+        }
+        for g in g_first..groups {
             let yg = acts.packed_group(g0 + g).as_ptr();
             let mut res = [[0f32; 8]; MAX_ROWS];
             macro_rules! call {
@@ -515,7 +703,7 @@ unsafe fn wide<F: KFormat, L: KLevel, const SIX: bool>(
             }
             // SAFETY: rows 0..n of the buffer were decoded above; the packed group holds
             // nb superblocks of 8 tokens.
-            unsafe { call!(1 2 3 4 5 6) }
+            unsafe { call!(1 2 3 4 5) }
             let real = (nt - PACK_TOKENS * g).min(PACK_TOKENS);
             for (r, row) in res.iter().enumerate().take(n) {
                 for (t, &v) in row.iter().enumerate().take(real) {
