@@ -19,11 +19,11 @@
 //! key, and a tile's keys and values are converted once for every query of a block:
 //! [`attend_block`] computes a block of queries of every head that shares a key/value
 //! head, with AVX2 or NEON where the CPU has it (same results, bit for bit), else the
-//! reference ([`attend_tiled_reference`]); AVX-512 takes four queries at a time, each
-//! tile's keys and values read once for the four: an 8B-shaped model's 1,999-token
-//! prompt at 49-51 tokens/s instead of 47-48, SmolLM2's 1,943-token one at 920-940
-//! instead of 798-812 (`ballast bench -p 1999 -n 0`, `ballast run -c 4096 -n 1`, 2
-//! threads, alternated, a Zen 4 EPYC).
+//! reference ([`attend_tiled_reference`]); AVX-512 takes four queries at a time and
+//! AVX2 three, each tile's keys and values read once for them: an 8B-shaped model's
+//! 1,999-token prompt at 49-51 tokens/s instead of 47-48, SmolLM2's 1,943-token one at
+//! 920-940 instead of 798-812, at AVX2 605-612 instead of 551-576 (`ballast bench -p
+//! 1999 -n 0`, `ballast run -c 4096 -n 1`, 2 threads, alternated, a Zen 4 EPYC).
 
 use crate::kv::{KvRows, KvView, MASKED_POSITION};
 use crate::quant::SimdLevel;
@@ -304,12 +304,16 @@ pub fn attend_block(
             && matches!(level, SimdLevel::Avx2 | SimdLevel::Avx512)
             && hd % 8 == 0)
             || (cfg!(target_arch = "aarch64") && level == SimdLevel::Neon && hd % 4 == 0));
-    // AVX-512 takes four queries at a time: a tile's keys and values (64 KiB at a head
-    // of 128) are read from L2 once for four queries, not once for each.
-    let wide = cfg!(target_arch = "x86_64")
-        && level == SimdLevel::Avx512
-        && level.is_supported()
-        && hd % 16 == 0;
+    // Queries a pass of the vector kernels takes: AVX-512 four, AVX2 three (what its 16
+    // registers hold), so a tile's keys and values (64 KiB at a head of 128) are read
+    // once for several queries, not once for each.
+    let group = if !cfg!(target_arch = "x86_64") || !vector {
+        1
+    } else if level == SimdLevel::Avx512 && hd % 16 == 0 {
+        4
+    } else {
+        3
+    };
     let BlockScratch {
         keys_t,
         values,
@@ -345,7 +349,7 @@ pub fn attend_block(
                 .read_f32(r.start, &mut values[j * hd..(j + 1) * hd]);
         }
         // Scaled, plus the mask's zero.
-        scores_of(vector, wide, queries, hd, &live, keys_t, scale, scores);
+        scores_of(vector, group, queries, hd, &live, keys_t, scale, scores);
         weighed.clear();
         for &i in &live {
             let s = &mut scores[i];
@@ -362,7 +366,7 @@ pub fn attend_block(
                 weighed.push(i);
             }
         }
-        add_weighted_of(vector, wide, acc, hd, &weighed, scores, values, tile.len());
+        add_weighted_of(vector, group, acc, hd, &weighed, scores, values, tile.len());
     }
     for (i, o) in out.iter_mut().enumerate() {
         runs[i].finish(&acc[i * hd..(i + 1) * hd], &mut o[..hd]);
@@ -370,12 +374,12 @@ pub fn attend_block(
 }
 
 /// The scores of queries `which` (heads of `hd`) against the tile's transposed keys
-/// into `scores`: four at a time if `wide` (AVX-512, checked by the caller), else one
-/// at a time ([`scores_at`]).
+/// into `scores`: `group` at a time (4: AVX-512, 3: AVX2, as the caller checked), else
+/// one at a time ([`scores_at`]).
 #[allow(clippy::too_many_arguments)]
 fn scores_of(
     vector: bool,
-    wide: bool,
+    group: usize,
     queries: &[&[f32]],
     hd: usize,
     which: &[usize],
@@ -383,30 +387,44 @@ fn scores_of(
     scale: f32,
     scores: &mut [[f32; KV_TILE]],
 ) {
-    let fours = if wide { which.len() / 4 * 4 } else { 0 };
+    let grouped = if group > 1 {
+        which.len() / group * group
+    } else {
+        0
+    };
     #[cfg(target_arch = "x86_64")]
-    for four in which[..fours].chunks_exact(4) {
+    for g in which[..grouped].chunks_exact(group) {
         assert!(keys_t.len() >= hd * KV_TILE);
-        let q: [&[f32]; 4] = std::array::from_fn(|k| &queries[four[k]][..hd]);
-        // SAFETY: the caller checked AVX-512 (`wide`); the transposed keys hold `hd`
-        // rows of KV_TILE (asserted), each query `hd` values.
-        let s = unsafe { x86::scores4(q, keys_t, scale) };
-        for (&i, s) in four.iter().zip(s) {
-            scores[i] = s;
+        if let [a, b, c, d] = *g {
+            let q = [a, b, c, d].map(|i| &queries[i][..hd]);
+            // SAFETY: the caller checked AVX-512 (a group of 4); the transposed keys
+            // hold `hd` rows of KV_TILE (asserted), each query `hd` values.
+            let s = unsafe { x86::scores4(q, keys_t, scale) };
+            for (&i, s) in g.iter().zip(s) {
+                scores[i] = s;
+            }
+        } else if let [a, b, c] = *g {
+            let q = [a, b, c].map(|i| &queries[i][..hd]);
+            // SAFETY: the caller checked AVX2, FMA and F16C (`vector`); the transposed
+            // keys hold `hd` rows of KV_TILE (asserted), each query `hd` values.
+            let s = unsafe { x86::scores3(q, keys_t, scale) };
+            for (&i, s) in g.iter().zip(s) {
+                scores[i] = s;
+            }
         }
     }
-    for &i in &which[fours..] {
+    for &i in &which[grouped..] {
         scores[i] = scores_at(vector, &queries[i][..hd], keys_t, scale);
     }
 }
 
 /// [`add_weighted_at`] for queries `which` (`acc` holds every query's sum, `hd` each;
-/// `weights[i]` query `i`'s over the tile's first `n_keys` rows): four at a time if
-/// `wide` (AVX-512, checked by the caller).
+/// `weights[i]` query `i`'s over the tile's first `n_keys` rows): `group` at a time as
+/// [`scores_of`].
 #[allow(clippy::too_many_arguments)]
 fn add_weighted_of(
     vector: bool,
-    wide: bool,
+    group: usize,
     acc: &mut [f32],
     hd: usize,
     which: &[usize],
@@ -414,23 +432,49 @@ fn add_weighted_of(
     values: &[f32],
     n_keys: usize,
 ) {
-    let fours = if wide { which.len() / 4 * 4 } else { 0 };
+    let grouped = if group > 1 {
+        which.len() / group * group
+    } else {
+        0
+    };
     #[cfg(target_arch = "x86_64")]
-    for q in which[..fours].chunks_exact(4) {
-        assert!(hd % 16 == 0 && values.len() >= n_keys * hd);
-        assert!(q.iter().all(|&i| (i + 1) * hd <= acc.len()));
+    for g in which[..grouped].chunks_exact(group) {
+        assert!(hd % 8 == 0 && values.len() >= n_keys * hd);
+        assert!(g.iter().all(|&i| (i + 1) * hd <= acc.len()));
         assert!(
-            q.windows(2).all(|w| w[0] < w[1]),
+            g.windows(2).all(|w| w[0] < w[1]),
             "queries in order, no repeats"
         );
-        let w: [&[f32]; 4] = std::array::from_fn(|k| &weights[q[k]][..n_keys]);
-        let at: [usize; 4] = std::array::from_fn(|k| q[k] * hd);
-        // SAFETY: the caller checked AVX-512 (`wide`); the four sums are distinct
-        // (ascending indices) runs of `hd` inside `acc`, and `values` holds `n_keys`
-        // rows of `hd` (asserted).
-        unsafe { x86::add_weighted4(acc.as_mut_ptr(), at, w, values, hd) };
+        if let [a, b, c, d] = *g {
+            assert!(hd % 16 == 0);
+            // SAFETY: the caller checked AVX-512 (a group of 4); the four sums are
+            // distinct (ascending indices) runs of `hd` inside `acc`, and `values` holds
+            // `n_keys` rows of `hd` (asserted).
+            unsafe {
+                x86::add_weighted4(
+                    acc.as_mut_ptr(),
+                    [a, b, c, d].map(|i| i * hd),
+                    [a, b, c, d].map(|i| &weights[i][..n_keys]),
+                    values,
+                    hd,
+                )
+            };
+        } else if let [a, b, c] = *g {
+            // SAFETY: the caller checked AVX2, FMA and F16C (`vector`); the three sums
+            // are distinct runs of `hd` inside `acc`, and `values` holds `n_keys` rows of
+            // `hd` (asserted).
+            unsafe {
+                x86::add_weighted3(
+                    acc.as_mut_ptr(),
+                    [a, b, c].map(|i| i * hd),
+                    [a, b, c].map(|i| &weights[i][..n_keys]),
+                    values,
+                    hd,
+                )
+            };
+        }
     }
-    for &i in &which[fours..] {
+    for &i in &which[grouped..] {
         add_weighted_at(
             vector,
             &mut acc[i * hd..(i + 1) * hd],
@@ -553,6 +597,100 @@ mod x86 {
             unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * v), scaled) };
         }
         out
+    }
+
+    /// [`scores`] of three queries at once, eight keys to a vector, the tile in two
+    /// halves of 32 keys (twelve sums held): the same FMA chain per (query, key), each
+    /// row of the transposed keys loaded once for the three.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; each query holds `hd` values and
+    /// `keys_t` `hd` rows of [`KV_TILE`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scores3(
+        q: [&[f32]; 3],
+        keys_t: &[f32],
+        scale: f32,
+    ) -> [[f32; KV_TILE]; 3] {
+        const V: usize = 4;
+        let hd = q[0].len();
+        let mut out = [[0f32; KV_TILE]; 3];
+        let s = _mm256_set1_ps(scale);
+        for half in 0..KV_TILE / (8 * V) {
+            let mut acc = [[_mm256_setzero_ps(); V]; 3];
+            for d in 0..hd {
+                let b = q.map(|q| _mm256_set1_ps(q[d]));
+                for v in 0..V {
+                    // SAFETY: row d of the transposed keys holds KV_TILE values (the
+                    // contract).
+                    let k = unsafe {
+                        _mm256_loadu_ps(keys_t.as_ptr().add(d * KV_TILE + 8 * (V * half + v)))
+                    };
+                    for (a, b) in acc.iter_mut().zip(&b) {
+                        a[v] = _mm256_fmadd_ps(*b, k, a[v]);
+                    }
+                }
+            }
+            for (o, a) in out.iter_mut().zip(&acc) {
+                for (v, a) in a.iter().enumerate() {
+                    // Plus the mask's zero, as ggml adds it (-0 becomes +0).
+                    let scaled = _mm256_add_ps(_mm256_mul_ps(*a, s), _mm256_setzero_ps());
+                    // SAFETY: `o` holds KV_TILE values.
+                    unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(8 * (V * half + v)), scaled) };
+                }
+            }
+        }
+        out
+    }
+
+    /// [`add_weighted`] for three queries at once, eight elements to a vector, four
+    /// vectors of each held at once: the sums at `acc + at[k]` (`hd` each) take
+    /// `Σ_j weights[k][j] · values[j]`, each value row loaded once for the three.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `hd` is a multiple of 8; the three runs
+    /// of `hd` at `acc + at[k]` are valid for reads and writes and do not overlap;
+    /// `values` holds `weights[k].len()` rows of `hd` (the same count for all three).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn add_weighted3(
+        acc: *mut f32,
+        at: [usize; 3],
+        weights: [&[f32]; 3],
+        values: &[f32],
+        hd: usize,
+    ) {
+        const HELD: usize = 4;
+        let n_keys = weights[0].len();
+        let mut d0 = 0;
+        while d0 < hd {
+            let nv = ((hd - d0) / 8).min(HELD);
+            let mut a = [[_mm256_setzero_ps(); HELD]; 3];
+            // SAFETY: elements d0..d0 + 8 * nv of each sum and of each value row exist
+            // (the contract).
+            unsafe {
+                for (a, &at) in a.iter_mut().zip(&at) {
+                    for (v, a) in a.iter_mut().enumerate().take(nv) {
+                        *a = _mm256_loadu_ps(acc.add(at + d0 + 8 * v));
+                    }
+                }
+                for j in 0..n_keys {
+                    let row = values.as_ptr().add(j * hd + d0);
+                    let w = weights.map(|w| _mm256_set1_ps(w[j]));
+                    for v in 0..nv {
+                        let x = _mm256_loadu_ps(row.add(8 * v));
+                        for (a, w) in a.iter_mut().zip(&w) {
+                            a[v] = _mm256_fmadd_ps(*w, x, a[v]);
+                        }
+                    }
+                }
+                for (a, &at) in a.iter().zip(&at) {
+                    for (v, a) in a.iter().enumerate().take(nv) {
+                        _mm256_storeu_ps(acc.add(at + d0 + 8 * v), *a);
+                    }
+                }
+            }
+            d0 += 8 * nv;
+        }
     }
 
     /// [`scores`] of four queries at once, sixteen keys to a vector: the same FMA chain
