@@ -599,195 +599,147 @@ mod x86 {
         out
     }
 
-    /// [`scores`] of three queries at once, eight keys to a vector, the tile in two
-    /// halves of 32 keys (twelve sums held): the same FMA chain per (query, key), each
-    /// row of the transposed keys loaded once for the three.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; each query holds `hd` values and
-    /// `keys_t` `hd` rows of [`KV_TILE`].
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn scores3(
-        q: [&[f32]; 3],
-        keys_t: &[f32],
-        scale: f32,
-    ) -> [[f32; KV_TILE]; 3] {
-        const V: usize = 4;
-        let hd = q[0].len();
-        let mut out = [[0f32; KV_TILE]; 3];
-        let s = _mm256_set1_ps(scale);
-        for half in 0..KV_TILE / (8 * V) {
-            let mut acc = [[_mm256_setzero_ps(); V]; 3];
-            for d in 0..hd {
-                let b = q.map(|q| _mm256_set1_ps(q[d]));
-                for v in 0..V {
-                    // SAFETY: row d of the transposed keys holds KV_TILE values (the
-                    // contract).
-                    let k = unsafe {
-                        _mm256_loadu_ps(keys_t.as_ptr().add(d * KV_TILE + 8 * (V * half + v)))
-                    };
-                    for (a, b) in acc.iter_mut().zip(&b) {
-                        a[v] = _mm256_fmadd_ps(*b, k, a[v]);
+    /// Writes a level's kernels for `Q` queries at once: `$scores` ([`scores`] of the
+    /// `Q`, the tile in passes of four vectors of keys) and `$add` ([`add_weighted`] of
+    /// the `Q`, four vectors of each sum held at once). Each row of the transposed keys,
+    /// and each value row, is loaded once for the `Q` queries; every (query, key) score
+    /// and (query, element) sum is the same FMA chain as the one-query kernels', so the
+    /// bits are theirs.
+    macro_rules! multi_query {
+        (
+            $scores:ident, $add:ident, $q:literal, $feature:literal, $lanes:literal, $vec:ty,
+            $zero:ident, $set1:ident, $load:ident, $store:ident, $fma:ident, $mul:ident,
+            $addv:ident
+        ) => {
+            /// The scaled scores of `Q` queries against the tile's transposed keys.
+            ///
+            /// # Safety
+            /// The CPU must support the target features; each query holds `hd` values
+            /// and `keys_t` `hd` rows of [`KV_TILE`].
+            #[target_feature(enable = $feature)]
+            pub(super) unsafe fn $scores(
+                q: [&[f32]; $q],
+                keys_t: &[f32],
+                scale: f32,
+            ) -> [[f32; KV_TILE]; $q] {
+                const V: usize = 4;
+                let hd = q[0].len();
+                let mut out = [[0f32; KV_TILE]; $q];
+                let s = $set1(scale);
+                for pass in 0..KV_TILE / ($lanes * V) {
+                    let first = $lanes * V * pass;
+                    let mut acc: [[$vec; V]; $q] = [[$zero(); V]; $q];
+                    for d in 0..hd {
+                        // The queries' broadcasts, then one key vector at a time: on AVX2
+                        // twelve sums, three broadcasts and the key fill the 16 registers.
+                        let b = q.map(|q| $set1(q[d]));
+                        for v in 0..V {
+                            // SAFETY: row d of the transposed keys holds KV_TILE values
+                            // (the contract).
+                            let k = unsafe {
+                                $load(keys_t.as_ptr().add(d * KV_TILE + first + $lanes * v))
+                            };
+                            for (a, b) in acc.iter_mut().zip(&b) {
+                                a[v] = $fma(*b, k, a[v]);
+                            }
+                        }
                     }
-                }
-            }
-            for (o, a) in out.iter_mut().zip(&acc) {
-                for (v, a) in a.iter().enumerate() {
-                    // Plus the mask's zero, as ggml adds it (-0 becomes +0).
-                    let scaled = _mm256_add_ps(_mm256_mul_ps(*a, s), _mm256_setzero_ps());
-                    // SAFETY: `o` holds KV_TILE values.
-                    unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(8 * (V * half + v)), scaled) };
-                }
-            }
-        }
-        out
-    }
-
-    /// [`add_weighted`] for three queries at once, eight elements to a vector, four
-    /// vectors of each held at once: the sums at `acc + at[k]` (`hd` each) take
-    /// `Σ_j weights[k][j] · values[j]`, each value row loaded once for the three.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `hd` is a multiple of 8; the three runs
-    /// of `hd` at `acc + at[k]` are valid for reads and writes and do not overlap;
-    /// `values` holds `weights[k].len()` rows of `hd` (the same count for all three).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn add_weighted3(
-        acc: *mut f32,
-        at: [usize; 3],
-        weights: [&[f32]; 3],
-        values: &[f32],
-        hd: usize,
-    ) {
-        const HELD: usize = 4;
-        let n_keys = weights[0].len();
-        let mut d0 = 0;
-        while d0 < hd {
-            let nv = ((hd - d0) / 8).min(HELD);
-            let mut a = [[_mm256_setzero_ps(); HELD]; 3];
-            // SAFETY: elements d0..d0 + 8 * nv of each sum and of each value row exist
-            // (the contract).
-            unsafe {
-                for (a, &at) in a.iter_mut().zip(&at) {
-                    for (v, a) in a.iter_mut().enumerate().take(nv) {
-                        *a = _mm256_loadu_ps(acc.add(at + d0 + 8 * v));
-                    }
-                }
-                for j in 0..n_keys {
-                    let row = values.as_ptr().add(j * hd + d0);
-                    let w = weights.map(|w| _mm256_set1_ps(w[j]));
-                    for v in 0..nv {
-                        let x = _mm256_loadu_ps(row.add(8 * v));
-                        for (a, w) in a.iter_mut().zip(&w) {
-                            a[v] = _mm256_fmadd_ps(*w, x, a[v]);
+                    for (o, a) in out.iter_mut().zip(&acc) {
+                        for (v, a) in a.iter().enumerate() {
+                            // Plus the mask's zero, as ggml adds it (-0 becomes +0).
+                            let scaled = $addv($mul(*a, s), $zero());
+                            // SAFETY: `o` holds KV_TILE values.
+                            unsafe { $store(o.as_mut_ptr().add(first + $lanes * v), scaled) };
                         }
                     }
                 }
-                for (a, &at) in a.iter().zip(&at) {
-                    for (v, a) in a.iter().enumerate().take(nv) {
-                        _mm256_storeu_ps(acc.add(at + d0 + 8 * v), *a);
-                    }
-                }
+                out
             }
-            d0 += 8 * nv;
-        }
-    }
 
-    /// [`scores`] of four queries at once, sixteen keys to a vector: the same FMA chain
-    /// per (query, key), each row of the transposed keys loaded once for the four.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512F; each query holds `hd` values and `keys_t` `hd`
-    /// rows of [`KV_TILE`].
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn scores4(
-        q: [&[f32]; 4],
-        keys_t: &[f32],
-        scale: f32,
-    ) -> [[f32; KV_TILE]; 4] {
-        const V: usize = KV_TILE / 16;
-        let hd = q[0].len();
-        let mut acc = [[_mm512_setzero_ps(); V]; 4];
-        for d in 0..hd {
-            // SAFETY: row d of the transposed keys holds KV_TILE values (the contract).
-            let k: [__m512; V] = std::array::from_fn(|v| unsafe {
-                _mm512_loadu_ps(keys_t.as_ptr().add(d * KV_TILE + 16 * v))
-            });
-            for (a, qq) in acc.iter_mut().zip(&q) {
-                let qv = _mm512_set1_ps(qq[d]);
-                for (a, k) in a.iter_mut().zip(&k) {
-                    *a = _mm512_fmadd_ps(qv, *k, *a);
-                }
-            }
-        }
-        let s = _mm512_set1_ps(scale);
-        acc.map(|a| {
-            let mut out = [0f32; KV_TILE];
-            for (v, a) in a.iter().enumerate() {
-                // Plus the mask's zero, as ggml adds it (-0 becomes +0).
-                let scaled = _mm512_add_ps(_mm512_mul_ps(*a, s), _mm512_setzero_ps());
-                // SAFETY: `out` holds KV_TILE values.
-                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * v), scaled) };
-            }
-            out
-        })
-    }
-
-    /// [`add_weighted`] for four queries at once, sixteen elements to a vector, four
-    /// vectors of each held at once: the sums at `acc + at[k]` (`hd` each) take
-    /// `Σ_j weights[k][j] · values[j]`, each value row loaded once for the four.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512F; `hd` is a multiple of 16; the four runs of `hd`
-    /// at `acc + at[k]` are valid for reads and writes and do not overlap; `values` holds
-    /// `weights[k].len()` rows of `hd` (the same count for all four).
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn add_weighted4(
-        acc: *mut f32,
-        at: [usize; 4],
-        weights: [&[f32]; 4],
-        values: &[f32],
-        hd: usize,
-    ) {
-        const HELD: usize = 4;
-        let n_keys = weights[0].len();
-        let mut d0 = 0;
-        while d0 < hd {
-            let nv = ((hd - d0) / 16).min(HELD);
-            let mut a = [[_mm512_setzero_ps(); HELD]; 4];
-            // SAFETY: elements d0..d0 + 16 * nv of each sum and of each value row exist
-            // (the contract).
-            unsafe {
-                for (a, &at) in a.iter_mut().zip(&at) {
-                    for (v, a) in a.iter_mut().enumerate().take(nv) {
-                        *a = _mm512_loadu_ps(acc.add(at + d0 + 16 * v));
-                    }
-                }
-                for j in 0..n_keys {
-                    let row = values.as_ptr().add(j * hd + d0);
-                    let vals: [__m512; HELD] = std::array::from_fn(|v| {
-                        if v < nv {
-                            _mm512_loadu_ps(row.add(16 * v))
-                        } else {
-                            _mm512_setzero_ps()
+            /// The sums at `acc + at[k]` (`hd` each) take `Σ_j weights[k][j] ·
+            /// values[j]`.
+            ///
+            /// # Safety
+            /// The CPU must support the target features; `hd` is a multiple of the
+            /// lanes; the runs of `hd` at `acc + at[k]` are valid for reads and writes
+            /// and do not overlap; `values` holds `weights[k].len()` rows of `hd` (the
+            /// same count for all).
+            #[target_feature(enable = $feature)]
+            pub(super) unsafe fn $add(
+                acc: *mut f32,
+                at: [usize; $q],
+                weights: [&[f32]; $q],
+                values: &[f32],
+                hd: usize,
+            ) {
+                const HELD: usize = 4;
+                let n_keys = weights[0].len();
+                let mut d0 = 0;
+                while d0 < hd {
+                    let nv = ((hd - d0) / $lanes).min(HELD);
+                    let mut a: [[$vec; HELD]; $q] = [[$zero(); HELD]; $q];
+                    // SAFETY: elements d0..d0 + lanes * nv of each sum and of each value
+                    // row exist (the contract).
+                    unsafe {
+                        for (a, &at) in a.iter_mut().zip(&at) {
+                            for (v, a) in a.iter_mut().enumerate().take(nv) {
+                                *a = $load(acc.add(at + d0 + $lanes * v));
+                            }
                         }
-                    });
-                    for (a, w) in a.iter_mut().zip(&weights) {
-                        let wv = _mm512_set1_ps(w[j]);
-                        for (a, x) in a.iter_mut().zip(&vals).take(nv) {
-                            *a = _mm512_fmadd_ps(wv, *x, *a);
+                        for j in 0..n_keys {
+                            let row = values.as_ptr().add(j * hd + d0);
+                            let w = weights.map(|w| $set1(w[j]));
+                            for v in 0..nv {
+                                let x = $load(row.add($lanes * v));
+                                for (a, w) in a.iter_mut().zip(&w) {
+                                    a[v] = $fma(*w, x, a[v]);
+                                }
+                            }
+                        }
+                        for (a, &at) in a.iter().zip(&at) {
+                            for (v, a) in a.iter().enumerate().take(nv) {
+                                $store(acc.add(at + d0 + $lanes * v), *a);
+                            }
                         }
                     }
-                }
-                for (a, &at) in a.iter().zip(&at) {
-                    for (v, a) in a.iter().enumerate().take(nv) {
-                        _mm512_storeu_ps(acc.add(at + d0 + 16 * v), *a);
-                    }
+                    d0 += $lanes * nv;
                 }
             }
-            d0 += 16 * nv;
-        }
+        };
     }
+
+    // AVX2: three queries (twelve sums and three broadcasts of its 16 registers).
+    multi_query!(
+        scores3,
+        add_weighted3,
+        3,
+        "avx2,fma,f16c",
+        8,
+        __m256,
+        _mm256_setzero_ps,
+        _mm256_set1_ps,
+        _mm256_loadu_ps,
+        _mm256_storeu_ps,
+        _mm256_fmadd_ps,
+        _mm256_mul_ps,
+        _mm256_add_ps
+    );
+    // AVX-512: four queries, sixteen keys or elements to a vector.
+    multi_query!(
+        scores4,
+        add_weighted4,
+        4,
+        "avx512f,avx2,fma,f16c",
+        16,
+        __m512,
+        _mm512_setzero_ps,
+        _mm512_set1_ps,
+        _mm512_loadu_ps,
+        _mm512_storeu_ps,
+        _mm512_fmadd_ps,
+        _mm512_mul_ps,
+        _mm512_add_ps
+    );
 
     /// `acc += Σ_j weights[j] · values[j]`, one FMA chain over the rows per element, eight
     /// elements to a vector, up to eight vectors held at once.
