@@ -218,41 +218,20 @@ trait KLevel {
     /// filled with zeros rather than through the narrow kernel.
     const PAD_MIN: usize;
 
-    /// `R` decoded rows (row `r`'s superblock `b` at `x[r * nb + b]`) against the 8
-    /// tokens packed at `yg`: `[row][token]`.
+    /// `R` decoded rows (row `r`'s superblock `b` at `x[r * nb + b]`) against the `G`
+    /// groups of 8 tokens packed at `yg`: `[row][group][token]`.
     ///
     /// # Safety
-    /// The CPU must support the level; `x` holds `R * nb` decoded superblocks and `yg`
-    /// `nb` packed ones.
-    unsafe fn rows<const R: usize, const SIX: bool>(
+    /// The CPU must support the level; `x` holds `R * nb` decoded superblocks and each
+    /// of `yg` `nb` packed ones.
+    unsafe fn rows<const R: usize, const G: usize, const SIX: bool>(
         x: *const Decoded,
         nb: usize,
-        yg: *const u8,
-    ) -> [[f32; 8]; R];
+        yg: [*const u8; G],
+    ) -> [[[f32; 8]; G]; R];
 
-    /// Whether the driver should give the level two groups at a time
-    /// ([`KLevel::rows2`]).
+    /// Whether the driver should give the level two groups at a time.
     const PAIRS: bool;
-
-    /// [`KLevel::rows`] against two packed groups (`yg0`, `yg1`): `[row][group][token]`.
-    ///
-    /// # Safety
-    /// As [`KLevel::rows`], for both groups.
-    unsafe fn rows2<const R: usize, const SIX: bool>(
-        x: *const Decoded,
-        nb: usize,
-        yg0: *const u8,
-        yg1: *const u8,
-    ) -> [[[f32; 8]; 2]; R] {
-        // SAFETY: forwarded from the caller.
-        let (a, b) = unsafe {
-            (
-                Self::rows::<R, SIX>(x, nb, yg0),
-                Self::rows::<R, SIX>(x, nb, yg1),
-            )
-        };
-        std::array::from_fn(|r| [a[r], b[r]])
-    }
 }
 
 /// The AVX-512 (VNNI) kernel: 5 rows against two groups (10 pairs of 32-bit accumulators
@@ -266,23 +245,13 @@ impl KLevel for Avx512 {
     const PAIRS: bool = true;
     const PAD_MIN: usize = PAD_MIN_AVX512;
 
-    unsafe fn rows2<const R: usize, const SIX: bool>(
+    unsafe fn rows<const R: usize, const G: usize, const SIX: bool>(
         x: *const Decoded,
         nb: usize,
-        yg0: *const u8,
-        yg1: *const u8,
-    ) -> [[[f32; 8]; 2]; R] {
+        yg: [*const u8; G],
+    ) -> [[[f32; 8]; G]; R] {
         // SAFETY: forwarded from the caller.
-        unsafe { rows2_avx512::<R, SIX>(x, nb, yg0, yg1) }
-    }
-
-    unsafe fn rows<const R: usize, const SIX: bool>(
-        x: *const Decoded,
-        nb: usize,
-        yg: *const u8,
-    ) -> [[f32; 8]; R] {
-        // SAFETY: forwarded from the caller.
-        unsafe { rows_avx512::<R, SIX>(x, nb, yg) }
+        unsafe { rows_avx512::<R, G, SIX>(x, nb, yg) }
     }
 }
 
@@ -294,13 +263,15 @@ impl KLevel for Avx2 {
     const PAIRS: bool = false;
     const PAD_MIN: usize = PAD_MIN_AVX2;
 
-    unsafe fn rows<const R: usize, const SIX: bool>(
+    unsafe fn rows<const R: usize, const G: usize, const SIX: bool>(
         x: *const Decoded,
         nb: usize,
-        yg: *const u8,
-    ) -> [[f32; 8]; R] {
+        yg: [*const u8; G],
+    ) -> [[[f32; 8]; G]; R] {
+        // One group at a time (the driver gives one: `PAIRS` is false).
         // SAFETY: forwarded from the caller.
-        unsafe { rows_avx2::<R, SIX>(x, nb, yg) }
+        let each = yg.map(|y| unsafe { rows_avx2::<R, SIX>(x, nb, y) });
+        std::array::from_fn(|r| std::array::from_fn(|g| each[g][r]))
     }
 }
 
@@ -368,56 +339,6 @@ fn lanes(v: __m256) -> [f32; 8] {
     out
 }
 
-/// [`KLevel::rows`] on AVX-512: per 8-quant chunk one 512-bit load of the 8 tokens, and
-/// per row a broadcast of its chunk and a `vpdpbusd`; per sub-block per row one
-/// `vpmulld` by the scale. The last group of an odd count, and a batch of one group.
-///
-/// # Safety
-/// As [`KLevel::rows`]; the CPU must support AVX-512 VNNI.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn rows_avx512<const R: usize, const SIX: bool>(
-    x: *const Decoded,
-    nb: usize,
-    yg: *const u8,
-) -> [[f32; 8]; R] {
-    let (subs, chunks) = if SIX { (16, 2) } else { (8, 4) };
-    let mut accf = [_mm256_setzero_ps(); R];
-    for b in 0..nb {
-        // SAFETY: superblock b of every row and of the packed group is in bounds (the
-        // contract); the packed group is byte-aligned, so its loads are unaligned.
-        unsafe {
-            let yb = yg.add(b * PACKED_BLOCK_Q8_K);
-            let xs: [&Decoded; R] = std::array::from_fn(|r| &*x.add(r * nb + b));
-            let mut acc = [_mm512_setzero_si512(); R];
-            for j in 0..subs {
-                let mut s32 = [_mm512_setzero_si512(); R];
-                for c in 0..chunks {
-                    let k = chunks * j + c;
-                    let a = _mm512_loadu_si512(yb.add(QS + 64 * k) as *const __m512i);
-                    for r in 0..R {
-                        let w8 = (xs[r].q.as_ptr().add(8 * k) as *const i64).read_unaligned();
-                        s32[r] = _mm512_dpbusd_epi32(s32[r], _mm512_set1_epi64(w8), a);
-                    }
-                }
-                for r in 0..R {
-                    let sc = _mm512_set1_epi32(xs[r].scale[j] as i32);
-                    acc[r] = _mm512_add_epi32(acc[r], _mm512_mullo_epi32(s32[r], sc));
-                }
-            }
-            for r in 0..R {
-                // Lanes 2t and 2t + 1 are token t's: summed, then one per token.
-                let si = _mm512_cvtepi64_epi32(_mm512_add_epi32(
-                    acc[r],
-                    _mm512_srli_epi64::<32>(acc[r]),
-                ));
-                accf[r] = f32_step::<SIX>(accf[r], xs[r], yb, si);
-            }
-        }
-    }
-    accf.map(|v| lanes(v))
-}
-
 /// [`f32_step`] for two packed groups at once (16 tokens, group 0's in the low half).
 ///
 /// # Safety
@@ -462,71 +383,82 @@ unsafe fn f32_step2<const SIX: bool>(
     _mm512_add_ps(acc, v)
 }
 
-/// [`KLevel::rows2`] on AVX-512: [`rows_avx512`] against two groups, each row's chunk
-/// broadcast once for both and the f32 step on 16 tokens at once.
+/// [`KLevel::rows`] on AVX-512, one or two groups: per 8-quant chunk one 512-bit load of
+/// each group's 8 tokens, and per row a broadcast of its chunk (once for both groups)
+/// and a `vpdpbusd` per group; per sub-block per row and group one `vpmulld` by the
+/// scale. Two groups take the f32 step on 16 lanes.
 ///
 /// # Safety
-/// As [`KLevel::rows2`]; the CPU must support AVX-512 VNNI.
+/// As [`KLevel::rows`]; the CPU must support AVX-512 VNNI; `G` is 1 or 2.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn rows2_avx512<const R: usize, const SIX: bool>(
+unsafe fn rows_avx512<const R: usize, const G: usize, const SIX: bool>(
     x: *const Decoded,
     nb: usize,
-    yg0: *const u8,
-    yg1: *const u8,
-) -> [[[f32; 8]; 2]; R] {
+    yg: [*const u8; G],
+) -> [[[f32; 8]; G]; R] {
+    const { assert!(G == 1 || G == 2) };
     let (subs, chunks) = if SIX { (16, 2) } else { (8, 4) };
     // Lanes 2t and 2t + 1 of a group's sums are token t's: the even lanes of both
     // groups, then the odd ones.
     let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    // One group's f32 sums in the low 8 lanes; two groups' in all 16.
     let mut accf = [_mm512_setzero_ps(); R];
     for b in 0..nb {
-        // SAFETY: superblock b of every row and of both packed groups is in bounds (the
+        // SAFETY: superblock b of every row and of the packed groups is in bounds (the
         // contract); the packed groups are byte-aligned, so their loads are unaligned.
         unsafe {
-            let yb = [
-                yg0.add(b * PACKED_BLOCK_Q8_K),
-                yg1.add(b * PACKED_BLOCK_Q8_K),
-            ];
+            let yb = yg.map(|y| y.add(b * PACKED_BLOCK_Q8_K));
             let xs: [&Decoded; R] = std::array::from_fn(|r| &*x.add(r * nb + b));
-            let mut acc = [[_mm512_setzero_si512(); 2]; R];
+            let mut acc = [[_mm512_setzero_si512(); G]; R];
             for j in 0..subs {
-                let mut s32 = [[_mm512_setzero_si512(); 2]; R];
+                let mut s32 = [[_mm512_setzero_si512(); G]; R];
                 for c in 0..chunks {
                     let k = chunks * j + c;
-                    let a = [
-                        _mm512_loadu_si512(yb[0].add(QS + 64 * k) as *const __m512i),
-                        _mm512_loadu_si512(yb[1].add(QS + 64 * k) as *const __m512i),
-                    ];
+                    let a = yb.map(|y| _mm512_loadu_si512(y.add(QS + 64 * k) as *const __m512i));
                     for r in 0..R {
                         let w8 = (xs[r].q.as_ptr().add(8 * k) as *const i64).read_unaligned();
                         let w = _mm512_set1_epi64(w8);
-                        for h in 0..2 {
+                        for h in 0..G {
                             s32[r][h] = _mm512_dpbusd_epi32(s32[r][h], w, a[h]);
                         }
                     }
                 }
                 for r in 0..R {
                     let sc = _mm512_set1_epi32(xs[r].scale[j] as i32);
-                    for h in 0..2 {
+                    for h in 0..G {
                         acc[r][h] = _mm512_add_epi32(acc[r][h], _mm512_mullo_epi32(s32[r][h], sc));
                     }
                 }
             }
             for r in 0..R {
-                let si = _mm512_add_epi32(
-                    _mm512_permutex2var_epi32(acc[r][0], even, acc[r][1]),
-                    _mm512_permutex2var_epi32(acc[r][0], odd, acc[r][1]),
-                );
-                accf[r] = f32_step2::<SIX>(accf[r], xs[r], yb[0], yb[1], si);
+                let (first, last) = (acc[r][0], acc[r][G - 1]);
+                if G == 2 {
+                    let si = _mm512_add_epi32(
+                        _mm512_permutex2var_epi32(first, even, last),
+                        _mm512_permutex2var_epi32(first, odd, last),
+                    );
+                    accf[r] = f32_step2::<SIX>(accf[r], xs[r], yb[0], yb[G - 1], si);
+                } else {
+                    let si = _mm512_cvtepi64_epi32(_mm512_add_epi32(
+                        first,
+                        _mm512_srli_epi64::<32>(first),
+                    ));
+                    let low = f32_step::<SIX>(_mm512_castps512_ps256(accf[r]), xs[r], yb[0], si);
+                    accf[r] = _mm512_castps256_ps512(low);
+                }
             }
         }
     }
     accf.map(|v| {
-        let mut out = [[0f32; 8]; 2];
-        // SAFETY: 16 f32 into two arrays of 8 laid out back to back.
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr() as *mut f32, v) };
+        let mut out = [[0f32; 8]; G];
+        let mut all = [0f32; 16];
+        // SAFETY: `all` holds 16 f32.
+        unsafe { _mm512_storeu_ps(all.as_mut_ptr(), v) };
+        for (h, o) in out.iter_mut().enumerate() {
+            o.copy_from_slice(&all[8 * h..8 * h + 8]);
+        }
         out
     })
 }
@@ -658,59 +590,44 @@ unsafe fn wide<F: KFormat, L: KLevel, const SIX: bool>(
             }
         }
         let x = buf.as_ptr() as *const Decoded;
-        let mut g_first = 0;
-        if L::PAIRS {
-            while g_first + 2 <= groups {
-                let g = g_first;
-                let (y0, y1) = (
-                    acts.packed_group(g0 + g).as_ptr(),
-                    acts.packed_group(g0 + g + 1).as_ptr(),
-                );
-                let mut res = [[[0f32; 8]; 2]; MAX_ROWS];
-                macro_rules! call2 {
-                    ($($n:literal)*) => {
+        let mut g = 0;
+        while g < groups {
+            // Groups g..g + G through the level's kernel, their results through `out`.
+            macro_rules! groups_of {
+                ($g_count:literal) => {{
+                    let yg: [*const u8; $g_count] =
+                        std::array::from_fn(|h| acts.packed_group(g0 + g + h).as_ptr());
+                    let mut res = [[[0f32; 8]; $g_count]; MAX_ROWS];
+                    // SAFETY: rows 0..n of the buffer were decoded above; the packed
+                    // groups hold nb superblocks of 8 tokens.
+                    unsafe {
                         match n {
-                            $($n => res[..$n].copy_from_slice(&L::rows2::<$n, SIX>(x, nb, y0, y1)),)*
+                            1 => res[..1].copy_from_slice(&L::rows::<1, $g_count, SIX>(x, nb, yg)),
+                            2 => res[..2].copy_from_slice(&L::rows::<2, $g_count, SIX>(x, nb, yg)),
+                            3 => res[..3].copy_from_slice(&L::rows::<3, $g_count, SIX>(x, nb, yg)),
+                            4 => res[..4].copy_from_slice(&L::rows::<4, $g_count, SIX>(x, nb, yg)),
+                            5 => res[..5].copy_from_slice(&L::rows::<5, $g_count, SIX>(x, nb, yg)),
                             _ => unreachable!("at most MAX_ROWS rows"),
                         }
-                    };
-                }
-                // SAFETY: rows 0..n of the buffer were decoded above; the packed groups
-                // hold nb superblocks of 8 tokens.
-                unsafe { call2!(1 2 3 4 5) }
-                for (h, gh) in [g, g + 1].into_iter().enumerate() {
-                    let real = (nt - PACK_TOKENS * gh).min(PACK_TOKENS);
-                    for (r, row) in res.iter().enumerate().take(n) {
-                        for (t, &v) in row[h].iter().enumerate().take(real) {
-                            // SAFETY: row i0 + r, token 8gh + t of the tile: in `out`.
-                            unsafe { out.put(i0 + r, PACK_TOKENS * gh + t, v) };
+                    }
+                    for h in 0..$g_count {
+                        let gh = g + h;
+                        let real = (nt - PACK_TOKENS * gh).min(PACK_TOKENS);
+                        for (r, row) in res.iter().enumerate().take(n) {
+                            for (t, &v) in row[h].iter().enumerate().take(real) {
+                                // SAFETY: row i0 + r, token 8gh + t of the tile: in `out`
+                                // by the contract.
+                                unsafe { out.put(i0 + r, PACK_TOKENS * gh + t, v) };
+                            }
                         }
                     }
-                }
-                g_first += 2;
+                    g += $g_count;
+                }};
             }
-        }
-        for g in g_first..groups {
-            let yg = acts.packed_group(g0 + g).as_ptr();
-            let mut res = [[0f32; 8]; MAX_ROWS];
-            macro_rules! call {
-                ($($n:literal)*) => {
-                    match n {
-                        $($n => res[..$n].copy_from_slice(&L::rows::<$n, SIX>(x, nb, yg)),)*
-                        _ => unreachable!("at most MAX_ROWS rows"),
-                    }
-                };
-            }
-            // SAFETY: rows 0..n of the buffer were decoded above; the packed group holds
-            // nb superblocks of 8 tokens.
-            unsafe { call!(1 2 3 4 5) }
-            let real = (nt - PACK_TOKENS * g).min(PACK_TOKENS);
-            for (r, row) in res.iter().enumerate().take(n) {
-                for (t, &v) in row.iter().enumerate().take(real) {
-                    // SAFETY: row i0 + r, token 8g + t of the tile: in `out` by the
-                    // contract.
-                    unsafe { out.put(i0 + r, PACK_TOKENS * g + t, v) };
-                }
+            if L::PAIRS && g + 2 <= groups {
+                groups_of!(2)
+            } else {
+                groups_of!(1)
             }
         }
     }
