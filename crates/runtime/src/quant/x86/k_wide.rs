@@ -1,8 +1,9 @@
 //! The prefill kernels of the K-quants (Q4_K, Q5_K, Q6_K x Q8_K) at AVX-512 and AVX2:
 //! a few rows decoded once against groups of 8 packed tokens (AVX-512: two groups at a
-//! time), a sub-block's integer sums kept apart until its scale is applied. A batch's tail of 4 to 7 tokens
-//! goes as a group filled with zeros, a shorter one through the narrow kernel; so does a
-//! batch of 5 to 7 tokens alone (`K_GROUP_MIN_TOKENS`: a speculative verification).
+//! time), a sub-block's integer sums kept apart until its scale is applied. A batch's
+//! tail of 4 to 7 tokens goes as a group filled with zeros, a shorter one through the
+//! narrow kernel; so does a batch of 5 to 7 tokens alone (`K_GROUP_MIN_TOKENS`: a
+//! speculative verification).
 //!
 //! The narrow kernels ([`super::avx512_k`], [`super::avx2`]) multiply a row's 32 (or 64)
 //! quants by one token's, then apply the sub-block's scale: one `maddubs` and one
