@@ -462,18 +462,19 @@ mod tests {
             blocks.push(K_MAX_BLOCKS + 1);
         }
         if bl == 256 {
-            // Groups of 8 tokens (`k_wide`): rows 6 (AVX2: 2) at a time and a
-            // tail of 1 to 5; rows too long for 6 in the decode buffer go 3 at a time
-            // (65 blocks) or one at a time (129), and past what it holds (257) the tile
-            // goes narrow.
+            // Groups of 8 tokens (`k_wide`): rows 5 (AVX2: 2) at a time (AVX-512: two
+            // groups a call, an odd one alone) and a tail of 1 to 4; rows too long for 5
+            // in the decode buffer go 4 at a time (65 blocks), 2 (129) or one (257), and
+            // past what it holds (281) the tile goes narrow.
             shapes.extend([(16, 8), (16, 24), (5, 16), (1, 8), (3, 24), (2, 8), (16, 5)]);
             // A tail after whole groups: as a group filled with zeros where it ends the
-            // batch (n equal to the tile's tokens), through the narrow kernel where not.
-            shapes.extend([(5, 10), (16, 13), (7, 23), (1, 9)]);
+            // batch (n equal to the tile's tokens) and is long enough or completes a pair
+            // of groups (AVX-512: 10, 11, 26), through the narrow kernel where not.
+            shapes.extend([(5, 10), (16, 13), (7, 23), (1, 9), (3, 11), (2, 26)]);
             // A batch of 5 to 7 tokens alone: one group filled with zeros.
             shapes.extend([(6, 6), (16, 7)]);
-            blocks.extend([65, 129, 257]);
-            tokens = 1..26;
+            blocks.extend([65, 129, 257, 281]);
+            tokens = 1..27;
         }
         for nb in blocks {
             let k = bl * nb;
